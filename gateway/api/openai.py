@@ -1,0 +1,112 @@
+"""OpenAI-compatible routes, plain and trajectory-scoped (``/t/{id}/v1``, ``/g/{g}/t/{id}/v1``).
+
+Bodies are parsed by the proxy itself (one ``orjson.loads``) rather than by pydantic:
+unknown and vendor fields must pass through untouched. The schemas below only document
+the routes in the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from starlette.responses import Response
+
+from gateway.api.deps import get_proxy, get_rt, require_api_key
+from gateway.proxy.relay import CHAT, COMPLETIONS, Endpoint
+from gateway.runtime import Runtime
+from gateway.trajectories.tagging import ID_PATTERN
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]},
+    }, "required": ["message", "type"]}},
+    "required": ["error"],
+}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": desc, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    for code, desc in [(400, "Malformed request"), (401, "Missing or invalid API key"),
+                       (404, "Unknown model"), (413, "Body too large"),
+                       (429, "Paused or overloaded"), (502, "Upstream failed"),
+                       (503, "No backend available"), (504, "Upstream timed out")]
+}
+_MESSAGE = {"type": "object", "properties": {"role": {"type": "string"}}, "required": ["role"]}
+CHAT_BODY = {
+    "type": "object", "required": ["model", "messages"], "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                   "stream": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1},
+                   "max_tokens": {"type": "integer", "minimum": 1},
+                   "tools": {"type": "array", "items": {"type": "object"}}},
+}
+COMPLETION_BODY = {
+    "type": "object", "required": ["model", "prompt"], "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "prompt": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                   "stream": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1},
+                   "max_tokens": {"type": "integer", "minimum": 1}},
+}
+ID_PARAM = Path(pattern=f"^{ID_PATTERN.pattern}$", max_length=128)
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["openai"])
+
+
+def _doc(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+def _register(endpoint: Endpoint, schema: dict[str, Any]) -> None:
+    suffix = endpoint.path
+    opts: dict[str, Any] = {"responses": ERRORS, "openapi_extra": _doc(schema),
+                            "response_class": Response}
+
+    @router.post(suffix, name=f"{endpoint.name}", **opts)
+    async def plain(request: Request) -> Response:
+        return await get_proxy(request).handle(request, endpoint, path_traj=None,
+                                               path_group=None)
+
+    @router.post("/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_t", **opts)
+    async def scoped(request: Request, trajectory_id: str = ID_PARAM) -> Response:
+        return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
+                                               path_group=None)
+
+    @router.post("/g/{group_id}/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_gt",
+                 **opts)
+    async def grouped(
+        request: Request, group_id: str = ID_PARAM, trajectory_id: str = ID_PARAM
+    ) -> Response:
+        return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
+                                               path_group=group_id)
+
+
+_register(CHAT, CHAT_BODY)
+_register(COMPLETIONS, COMPLETION_BODY)
+
+
+def _models(rt: Runtime) -> dict[str, Any]:
+    now = int(time.time())
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": now, "owned_by": "rollout-gateway"}
+        for m in rt.registry.models()
+    ]}
+
+
+@router.get("/v1/models", name="models")
+async def models(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    return _models(rt)
+
+
+@router.get("/t/{trajectory_id}/v1/models", name="models_t")
+async def models_t(trajectory_id: str = ID_PARAM, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    return _models(rt)
+
+
+@router.get("/g/{group_id}/t/{trajectory_id}/v1/models", name="models_gt")
+async def models_gt(
+    group_id: str = ID_PARAM, trajectory_id: str = ID_PARAM, rt: Runtime = Depends(get_rt)
+) -> dict[str, Any]:
+    return _models(rt)

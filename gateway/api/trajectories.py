@@ -1,0 +1,141 @@
+"""Trajectory API: list, inspect, finish with a reward, fetch the training sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+
+from gateway.api.deps import get_rt, is_admin
+from gateway.errors import NotFound, Unauthorized
+from gateway.runtime import Runtime
+from gateway.store import queries
+from gateway.store.codec import unpack_floats, unpack_ids
+from gateway.store.models import Call
+from gateway.store.samples import build_sample
+from gateway.trajectories.tagging import validate_id
+
+router = APIRouter(prefix="/trajectories", tags=["trajectories"])
+DRAIN_TIMEOUT_S = 5.0
+
+
+class FinishRequest(BaseModel):
+    reward: float | None = None
+    metadata: dict[str, Any] | None = None
+    group_id: str | None = Field(None, max_length=128)
+
+
+def _live(rt: Runtime, trajectory_id: str) -> dict[str, Any] | None:
+    st = rt.tracker.get(trajectory_id)
+    if st is None:
+        return None
+    return {"phase": st.phase.value, "turns": st.turns, "in_flight": st.in_flight,
+            "queued": st.queued, "context_tokens": st.context_tokens,
+            "llm_time_s": round(st.llm_time_s, 4), "tool_time_s": round(st.tool_time_s, 4),
+            "queue_time_s": round(st.queue_time_s, 4), "mismatches": st.mismatches,
+            "backend_id": st.backend_id}
+
+
+def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": call.id, "seq": call.seq, "endpoint": call.endpoint, "model": call.model,
+        "status": call.status, "error": call.error, "finish_reason": call.finish_reason,
+        "backend_id": call.backend_id, "tp": call.tp, "weight_version": call.weight_version,
+        "started_at": call.started_at.isoformat(), "queued_ms": call.queued_ms,
+        "ttft_ms": call.ttft_ms, "total_ms": call.total_ms, "prompt_len": call.prompt_len,
+        "prompt_offset": call.prompt_offset, "mismatch_pos": call.mismatch_pos,
+        "prompt_delta_ids": unpack_ids(call.prompt_delta),
+        "completion_ids": unpack_ids(call.completion_ids),
+        "completion_logprobs": unpack_floats(call.completion_logprobs),
+        "usage": {"prompt_tokens": call.prompt_tokens,
+                  "completion_tokens": call.completion_tokens},
+        "extra_choices": call.extra_choices,
+    }
+    if text:
+        out["request_messages"] = call.request_messages
+        out["completion_text"] = call.completion_text
+    return out
+
+
+def _want_text(request: Request, include_text: bool) -> bool:
+    if include_text and not is_admin(request):
+        raise Unauthorized("include_text=true needs the admin token")
+    return include_text
+
+
+@router.get("", summary="List trajectories")
+async def list_trajectories(
+    group_id: str | None = Query(None, max_length=128),
+    finished: bool | None = None,
+    limit: int = Query(100, ge=1, le=10_000),
+    offset: int = Query(0, ge=0),
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
+    await rt.writer.drain(DRAIN_TIMEOUT_S)
+    async with rt.sessionmaker() as session:
+        rows = await queries.list_trajectories(
+            session, group_id=group_id, finished=finished, limit=limit, offset=offset)
+    data = [{
+        "id": r.trajectory.id, "group_id": r.trajectory.group_id,
+        "created_at": r.trajectory.created_at.isoformat(),
+        "finished_at": r.trajectory.finished_at.isoformat() if r.trajectory.finished_at
+        else None,
+        "reward": r.trajectory.reward, "calls": r.calls,
+        "completion_tokens": r.completion_tokens, "live": _live(rt, r.trajectory.id),
+    } for r in rows]
+    return {"object": "list", "data": data, "limit": limit, "offset": offset}
+
+
+@router.get("/{trajectory_id}", summary="One trajectory with its calls' token traces")
+async def get_trajectory(
+    request: Request, trajectory_id: str, include_text: bool = False,
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
+    text = _want_text(request, include_text)
+    validate_id(trajectory_id)
+    await rt.writer.drain(DRAIN_TIMEOUT_S)
+    async with rt.sessionmaker() as session:
+        traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
+        if traj is None:
+            raise NotFound(f"no trajectory {trajectory_id!r}")
+        calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+    return {
+        "id": traj.id, "group_id": traj.group_id, "created_at": traj.created_at.isoformat(),
+        "finished_at": traj.finished_at.isoformat() if traj.finished_at else None,
+        "reward": traj.reward, "metadata": traj.meta, "live": _live(rt, traj.id),
+        "calls": [_call_json(c, text=text) for c in calls],
+    }
+
+
+@router.post("/{trajectory_id}/finish", summary="Finish a trajectory with its reward")
+async def finish(
+    trajectory_id: str, body: FinishRequest, rt: Runtime = Depends(get_rt)
+) -> dict[str, Any]:
+    validate_id(trajectory_id)
+    if body.group_id is not None:
+        validate_id(body.group_id, what="group_id")
+    live = rt.tracker.get(trajectory_id)
+    group = body.group_id or (live.group_id if live else None)
+    now = time.time()
+    async with rt.sessionmaker() as session, session.begin():
+        traj = await queries.finish_trajectory(
+            session, trajectory_id=trajectory_id, group_id=group, reward=body.reward,
+            metadata=body.metadata, now=now)
+    rt.tracker.finish(trajectory_id, body.reward, now)
+    return {"id": traj.id, "group_id": traj.group_id, "reward": traj.reward,
+            "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
+
+
+@router.get("/{trajectory_id}/sample", summary="The trajectory as one training sample")
+async def sample(trajectory_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    validate_id(trajectory_id)
+    await rt.writer.drain(DRAIN_TIMEOUT_S)
+    async with rt.sessionmaker() as session:
+        traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
+        if traj is None:
+            raise NotFound(f"no trajectory {trajectory_id!r}")
+        calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+    return dataclasses.asdict(build_sample(traj, calls))

@@ -1,0 +1,105 @@
+"""The ``rollout-gateway`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gateway.config import Settings
+
+app = typer.Typer(help="Trajectory-aware gateway for agentic RL rollouts.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
+
+
+def _settings(**overrides: object) -> Settings:
+    values = {k: v for k, v in overrides.items() if v not in (None, [], ())}
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="bind port")] = 8000,
+    backend: Annotated[list[str] | None, typer.Option(
+        help="an OpenAI-compatible backend URL (repeatable); URL#tp=N declares its TP")] = None,
+    pool: Annotated[Path | None, typer.Option(help="pool spec file (managed pool)")] = None,
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy async URL")] = None,
+    log_level: Annotated[str, typer.Option()] = "info",
+) -> None:
+    """Run the gateway."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    base = Settings()
+    settings = base.model_copy(update={
+        "server": base.server.model_copy(update={"host": host, "port": port}),
+        **({"backends": Settings(backends=backend).backends} if backend else {}),
+        **({"pool": pool} if pool else {}),
+        **({"database_url": database_url} if database_url else {}),
+    })
+    try:
+        settings.check_safe_to_serve()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+                access_log=False, timeout_graceful_shutdown=30)
+
+
+@app.command()
+def migrate(
+    database_url: Annotated[str | None, typer.Option(help="defaults to the settings' URL")] = None,
+    revision: Annotated[str, typer.Option()] = "head",
+) -> None:
+    """Apply the schema migrations (Alembic) to the database."""
+    from gateway.store.db import upgrade
+
+    url = database_url or Settings().database_url
+    upgrade(url, revision)
+    typer.echo(f"database at {url.split('@')[-1]} is at revision {revision}")
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(help="output file")],
+    fmt: Annotated[str, typer.Option("--format", help="jsonl or parquet")] = "jsonl",
+    database_url: Annotated[str | None, typer.Option()] = None,
+    group_id: Annotated[str | None, typer.Option(help="only this group")] = None,
+) -> None:
+    """Export finished trajectories as training samples."""
+    from gateway.store.export import export_samples
+
+    if fmt not in ("jsonl", "parquet"):
+        raise typer.BadParameter("--format must be jsonl or parquet")
+    url = database_url or Settings().database_url
+    count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id))
+    typer.echo(f"wrote {count} samples to {out}")
+
+
+@app.command("sim-backend")
+def sim_backend(
+    port: Annotated[int, typer.Option(help="first port")] = 8100,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    model: Annotated[str, typer.Option(help="latency profile's model")] = "qwen3-14b",
+    gpu: Annotated[str, typer.Option(help="H100, A100 or cpu")] = "H100",
+    tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
+    speed: Annotated[float, typer.Option(help="time compression factor")] = 1.0,
+    count: Annotated[int, typer.Option(help="servers on consecutive ports")] = 1,
+    seed: Annotated[int, typer.Option()] = 0,
+    scheduling_policy: Annotated[str, typer.Option(help="fcfs or priority")] = "priority",
+) -> None:
+    """Run simulated vLLM servers (one process, consecutive ports)."""
+    from backends.sim.server import run_sim_backends
+
+    run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
+                     count=count, seed=seed, scheduling_policy=scheduling_policy)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,106 @@
+"""One typed settings tree, read once from the environment (prefix ``ROLLOUT_GATEWAY_``).
+
+Top-level names are the stable contract (``DATABASE_URL``, ``ADMIN_TOKEN``, ``BACKENDS``,
+``POOL``, ``POLICY``); tuning knobs live in nested groups and are set with a double
+underscore, e.g. ``ROLLOUT_GATEWAY_UPSTREAM__FIRST_BYTE_TIMEOUT_S=30``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_SQLITE_URL = "sqlite+aiosqlite:///rollout-gateway.db"
+
+
+class UpstreamSettings(BaseModel):
+    """Limits on every call to a backend. All in seconds."""
+
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 600.0
+    idle_timeout_s: float = 300.0
+    total_timeout_s: float = 3600.0
+    max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
+    max_connections: int = 4096
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = Field(2, ge=1, description="consecutive failed checks")
+
+
+class TraceSettings(BaseModel):
+    """The batched trace writer."""
+
+    enabled: bool = True
+    queue_size: int = Field(100_000, ge=1)
+    batch_size: int = Field(500, ge=1)
+    flush_interval_s: float = 0.25
+    retry_backoff_s: float = 0.5
+    store_text: bool = True
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 32 * 1024 * 1024
+    cors_origins: list[str] = []
+
+
+class Settings(BaseSettings):
+    """Everything the gateway reads from its environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLOUT_GATEWAY_",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    database_url: str = DEFAULT_SQLITE_URL
+    admin_token: str | None = None
+    api_keys: Annotated[list[str], NoDecode] = []
+    backends: Annotated[list[str], NoDecode] = []
+    pool: Path | None = None
+    policy: str = "least-loaded"
+    weight_version: str = "0"
+    auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")
+
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    traces: TraceSettings = TraceSettings()
+
+    @field_validator("backends", "api_keys", mode="before")
+    @classmethod
+    def _split_csv(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("backends")
+    @classmethod
+    def _normalize_urls(cls, value: list[str]) -> list[str]:
+        out = []
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
+            out.append(url.rstrip("/").removesuffix("/v1"))
+        return out
+
+    def check_safe_to_serve(self) -> None:
+        """Refuse unsafe combinations before binding a socket."""
+        if not _is_loopback(self.server.host) and not self.admin_token:
+            raise ValueError(
+                f"refusing to bind {self.server.host!r} without an admin token: set "
+                "ROLLOUT_GATEWAY_ADMIN_TOKEN (or bind 127.0.0.1)"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

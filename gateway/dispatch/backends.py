@@ -1,0 +1,162 @@
+"""The registry of backends the gateway can route to, and their health checks.
+
+A backend is one OpenAI-compatible server (a vLLM instance, a simulated one, or any
+external URL). Externally managed backends come from ``--backend URL`` (optionally
+``URL#tp=N`` to declare the tensor-parallel degree, which is recorded on every call);
+managed pools add and remove theirs through the pool manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from backends.base import InstanceState
+from gateway.config import UpstreamSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Backend:
+    id: str
+    url: str
+    tp: int | None = None
+    models: set[str] = field(default_factory=set)
+    state: InstanceState = InstanceState.READY
+    healthy: bool = False
+    in_flight: int = 0
+    served: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_check: float | None = None
+    last_error: str | None = None
+    source: str = "static"
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.state is InstanceState.READY
+
+
+def parse_backend_spec(spec: str, index: int) -> Backend:
+    """``http://host:port[/v1][#tp=N]`` -> Backend."""
+    parts = urlsplit(spec)
+    tp = None
+    if parts.fragment:
+        key, _, value = parts.fragment.partition("=")
+        if key != "tp" or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"backend {spec!r}: the only fragment understood is #tp=N")
+        tp = int(value)
+    url = spec.split("#", 1)[0].rstrip("/").removesuffix("/v1")
+    return Backend(id=f"b{index}", url=url, tp=tp)
+
+
+class BackendRegistry:
+    def __init__(self) -> None:
+        self._backends: dict[str, Backend] = {}
+        self.changed = asyncio.Event()
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(list(self._backends.values()))
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def get(self, backend_id: str) -> Backend | None:
+        return self._backends.get(backend_id)
+
+    def add(self, backend: Backend) -> Backend:
+        if backend.id in self._backends:
+            raise ValueError(f"backend id {backend.id!r} already registered")
+        self._backends[backend.id] = backend
+        self.changed.set()
+        return backend
+
+    def remove(self, backend_id: str) -> Backend | None:
+        backend = self._backends.pop(backend_id, None)
+        self.changed.set()
+        return backend
+
+    def models(self) -> list[str]:
+        return sorted({m for b in self._backends.values() if b.healthy for m in b.models})
+
+    def known_models(self) -> set[str]:
+        return {m for b in self._backends.values() for m in b.models}
+
+    def routable(self, model: str, exclude: Iterable[str] = ()) -> list[Backend]:
+        skip = set(exclude)
+        return [
+            b
+            for b in self._backends.values()
+            if b.routable and b.id not in skip and (not b.models or model in b.models)
+        ]
+
+
+class HealthChecker:
+    """Polls ``/health`` and ``/v1/models`` of every backend; marks them (un)healthy."""
+
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        session: aiohttp.ClientSession,
+        settings: UpstreamSettings,
+    ) -> None:
+        self._registry = registry
+        self._session = session
+        self._settings = settings
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-checker")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in self._registry))
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._settings.health_interval_s)
+
+    async def check(self, backend: Backend) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout_s)
+        try:
+            async with self._session.get(f"{backend.url}/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+            if ok and (not backend.models or not backend.healthy):
+                async with self._session.get(f"{backend.url}/v1/models", timeout=timeout) as r:
+                    data = orjson.loads(await r.read())
+                backend.models = {m["id"] for m in data.get("data", []) if "id" in m}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            ok = False
+            backend.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        self.record(backend, ok)
+        return ok
+
+    def record(self, backend: Backend, ok: bool) -> None:
+        backend.last_check = time.time()
+        if ok:
+            backend.consecutive_failures = 0
+            if not backend.healthy:
+                log.info("backend %s (%s) is healthy", backend.id, backend.url)
+            backend.healthy = True
+            return
+        backend.consecutive_failures += 1
+        if backend.healthy and backend.consecutive_failures >= self._settings.unhealthy_after:
+            log.warning("backend %s (%s) is unhealthy: %s", backend.id, backend.url,
+                        backend.last_error)
+            backend.healthy = False

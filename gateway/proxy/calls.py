@@ -1,0 +1,149 @@
+"""Per-call bookkeeping shared by every relay path, and the record it leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.dispatch.dispatcher import Lease
+from gateway.errors import GatewayError
+from gateway.policies.base import CallView
+from gateway.proxy.capture import Capture
+from gateway.runtime import Runtime
+from gateway.store.records import CallRecord
+from gateway.trajectories.tools import after_last_assistant
+from gateway.trajectories.tracker import TrajectoryState
+
+
+@dataclass(slots=True)
+class CallContext:
+    id: str
+    endpoint: str
+    state: TrajectoryState
+    body: dict[str, Any]
+    seq: int
+    stream: bool
+    arrived: float
+    started_wall: float
+    capture: Capture
+    headers: dict[str, str]
+    lease: Lease | None = None
+    weight_version: str = ""
+    dispatched_at: float | None = None
+    first_byte: float | None = None
+    retries: int = 0
+    finished: bool = field(default=False)
+
+    def view(self) -> CallView:
+        st = self.state
+        return CallView(st.id, st.group_id, self.seq, st.context_tokens, st.backend_id)
+
+    def bind(self, lease: Lease, weight_version: str) -> None:
+        self.lease = lease
+        self.weight_version = weight_version
+        self.dispatched_at = time.monotonic()
+        if lease.priority is not None:
+            self.body["priority"] = lease.priority
+
+    def payload(self) -> bytes:
+        return orjson.dumps(self.body)
+
+
+def _status(error: BaseException | None) -> str:
+    if error is None:
+        return "ok"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return "error"
+
+
+def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None) -> None:
+    """Release the backend, update the trajectory, hand the record to the writer. Once."""
+    if ctx.finished or ctx.lease is None:
+        return
+    ctx.finished = True
+    status = _status(error)
+    ctx.lease.release(ok=status != "error")
+    now = time.monotonic()
+    dispatched = ctx.dispatched_at or now
+    cap = ctx.capture.completion(0)
+    delta = rt.tracker.call_finished(
+        ctx.state, now=time.time(), llm_s=now - dispatched,
+        prompt=ctx.capture.prompt_ids if status == "ok" else None,
+        completion=cap.token_ids, ok=status == "ok",
+    )
+    rec = CallRecord(
+        id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
+        endpoint=ctx.endpoint, model=str(ctx.body.get("model")),
+        weight_version=ctx.weight_version, started_at=ctx.started_wall,
+        backend_id=ctx.lease.backend.id, backend_url=ctx.lease.backend.url,
+        tp=ctx.lease.backend.tp or 1, status=status, finish_reason=cap.finish_reason,
+        error=_describe(error), queued_ms=(dispatched - ctx.arrived) * 1000,
+        ttft_ms=(ctx.first_byte - dispatched) * 1000 if ctx.first_byte and ctx.stream else None,
+        total_ms=(now - ctx.arrived) * 1000,
+        prompt_len=len(ctx.capture.prompt_ids or ()),
+        completion_ids=cap.token_ids,
+        completion_logprobs=cap.logprobs if len(cap.logprobs) == len(cap.token_ids) else None,
+        prompt_tokens=_usage(ctx.capture.usage, "prompt_tokens"),
+        completion_tokens=_usage(ctx.capture.usage, "completion_tokens"),
+    )
+    if delta is not None:
+        rec.prompt_offset, rec.prompt_delta, rec.mismatch_pos = (
+            delta.offset, delta.delta, delta.mismatch_pos)
+    _attach_text(rt, ctx, rec)
+    rt.writer.submit(rec)
+    _observe(rt, ctx, rec)
+
+
+def _attach_text(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
+    if len(ctx.capture.choices) > 1:
+        rec.extra_choices = [
+            {"index": i, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+             "text": "".join(c.text)}
+            for i, c in sorted(ctx.capture.choices.items()) if i != 0
+        ]
+    if not rt.settings.traces.store_text:
+        return
+    cap = ctx.capture.completion(0)
+    rec.completion_text = "".join(cap.text)
+    msgs = ctx.body.get("messages")
+    if isinstance(msgs, list):
+        start = after_last_assistant(msgs)
+        rec.request_messages = msgs[start:]
+        if cap.tool_calls:
+            rec.request_messages = [*rec.request_messages,
+                                    {"role": "assistant", "tool_calls": list(
+                                        cap.tool_calls.values())}]
+    elif "prompt" in ctx.body:
+        rec.request_messages = [{"prompt": ctx.body["prompt"]}]
+
+
+def _usage(usage: dict[str, Any] | None, key: str) -> int | None:
+    value = usage.get(key) if usage else None
+    return value if isinstance(value, int) else None
+
+
+def _describe(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    if isinstance(error, GatewayError):
+        return error.message[:1000]
+    return f"{type(error).__name__}: {error}"[:1000]
+
+
+def _observe(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
+    m = rt.metrics
+    m.calls.labels(ctx.endpoint, rec.status).inc()
+    m.queue_time.observe(rec.queued_ms / 1000)
+    m.duration.observe(rec.total_ms / 1000)
+    if rec.ttft_ms is not None:
+        m.ttft.observe(rec.ttft_ms / 1000)
+    if rec.status == "ok":
+        m.tokens.labels("prompt").inc(rec.prompt_len)
+        m.tokens.labels("completion").inc(len(rec.completion_ids))
+    if ctx.retries:
+        m.retries.inc(ctx.retries)

@@ -1,0 +1,148 @@
+"""Token capture: inject ``return_token_ids`` / ``logprobs`` upstream, collect, strip.
+
+Every upstream call asks vLLM for the prompt and completion token ids and the sampled
+tokens' logprobs. What the client did not ask for is removed from the answer before it
+is relayed, so an unmodified harness sees exactly the response shape it expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+INJECTED_KEYS = ("token_ids", "prompt_token_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAsked:
+    """What the client itself requested (so the relay knows what to strip)."""
+
+    token_ids: bool
+    logprobs: bool
+
+
+def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
+    """Turn token capture on in ``body`` (in place); report what the client asked for."""
+    asked_ids = body.get("return_token_ids") is True
+    raw_lp = body.get("logprobs")
+    if chat:
+        asked_lp = raw_lp is True
+        if not asked_lp:
+            body["logprobs"] = True
+            body["top_logprobs"] = 0
+    else:
+        asked_lp = isinstance(raw_lp, int) and not isinstance(raw_lp, bool) and raw_lp >= 0
+        if not asked_lp:
+            body["logprobs"] = 0
+    body["return_token_ids"] = True
+    return ClientAsked(token_ids=asked_ids, logprobs=asked_lp)
+
+
+@dataclass(slots=True)
+class ChoiceCapture:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Capture:
+    """Accumulates what one call produced, from a full response or from stream chunks."""
+
+    chat: bool
+    asked: ClientAsked
+    prompt_ids: list[int] | None = None
+    choices: dict[int, ChoiceCapture] = field(default_factory=dict)
+    usage: dict[str, Any] | None = None
+    chunks: int = 0
+
+    def choice(self, index: int) -> ChoiceCapture:
+        cap = self.choices.get(index)
+        if cap is None:
+            cap = self.choices[index] = ChoiceCapture()
+        return cap
+
+    def feed(self, payload: dict[str, Any], *, stream: bool) -> bool:
+        """Record ``payload`` and strip it in place; True if it was modified."""
+        self.chunks += 1
+        modified = False
+        prompt = payload.get("prompt_token_ids")
+        if isinstance(prompt, list) and self.prompt_ids is None:
+            self.prompt_ids = prompt
+        if not self.asked.token_ids and "prompt_token_ids" in payload:
+            del payload["prompt_token_ids"]
+            modified = True
+        if isinstance(payload.get("usage"), dict):
+            self.usage = payload["usage"]
+        for ch in payload.get("choices") or ():
+            if isinstance(ch, dict):
+                modified |= self._feed_choice(ch, stream=stream)
+        return modified
+
+    def _feed_choice(self, ch: dict[str, Any], *, stream: bool) -> bool:
+        cap = self.choice(int(ch.get("index", 0)))
+        modified = False
+        ids = ch.get("token_ids")
+        if isinstance(ids, list):
+            cap.token_ids.extend(ids)
+        prompt = ch.get("prompt_token_ids")
+        if isinstance(prompt, list) and self.prompt_ids is None:
+            self.prompt_ids = prompt
+        if not self.asked.token_ids:
+            for key in INJECTED_KEYS:
+                if key in ch:
+                    del ch[key]
+                    modified = True
+        lp = ch.get("logprobs")
+        if isinstance(lp, dict):
+            _collect_logprobs(lp, cap.logprobs, chat=self.chat)
+            if not self.asked.logprobs:
+                ch["logprobs"] = None
+                modified = True
+        if ch.get("finish_reason"):
+            cap.finish_reason = ch["finish_reason"]
+        self._collect_text(ch, cap, stream=stream)
+        return modified
+
+    def _collect_text(self, ch: dict[str, Any], cap: ChoiceCapture, *, stream: bool) -> None:
+        if not self.chat:
+            if isinstance(ch.get("text"), str):
+                cap.text.append(ch["text"])
+            return
+        msg = ch.get("delta" if stream else "message")
+        if not isinstance(msg, dict):
+            return
+        if isinstance(msg.get("content"), str):
+            cap.text.append(msg["content"])
+        for call in msg.get("tool_calls") or ():
+            if isinstance(call, dict):
+                _merge_tool_call(cap.tool_calls, call)
+
+    def completion(self, index: int = 0) -> ChoiceCapture:
+        return self.choices.get(index) or ChoiceCapture()
+
+
+def _collect_logprobs(lp: dict[str, Any], out: list[float], *, chat: bool) -> None:
+    if chat:
+        for item in lp.get("content") or ():
+            if isinstance(item, dict):
+                out.append(float(item.get("logprob", 0.0)))
+        return
+    for value in lp.get("token_logprobs") or ():
+        out.append(float(value) if value is not None else 0.0)
+
+
+def _merge_tool_call(acc: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    idx = int(delta.get("index", len(acc)))
+    cur = acc.setdefault(idx, {"id": None, "type": "function", "function": {"name": "",
+                                                                           "arguments": ""}})
+    if delta.get("id"):
+        cur["id"] = delta["id"]
+    fn = delta.get("function")
+    if isinstance(fn, dict):
+        if fn.get("name"):
+            cur["function"]["name"] += fn["name"]
+        if isinstance(fn.get("arguments"), str):
+            cur["function"]["arguments"] += fn["arguments"]

@@ -1,0 +1,235 @@
+"""One proxied call, end to end: validate, tag, dispatch, relay, capture, record.
+
+Retries: a call is retried on another backend only while nothing has reached the client
+(connection refused, a 5xx answer before any byte was relayed). Cancellation: the
+upstream response is closed on every exit path, including a client that disconnects
+while the call is queued, waiting for its first byte, or mid-stream, so the engine stops
+generating and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
+
+from gateway.dispatch.dispatcher import Lease
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, UpstreamError
+from gateway.proxy.calls import CallContext, finish_call
+from gateway.proxy.capture import Capture, inject
+from gateway.proxy.client import UpstreamConnectError, UpstreamResponse, open_upstream
+from gateway.proxy.sse import SSEDecoder, error_event
+from gateway.runtime import Runtime
+from gateway.trajectories.tagging import identify
+from gateway.trajectories.tools import parse_outcomes
+
+log = logging.getLogger(__name__)
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str
+    path: str
+    chat: bool
+
+
+CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
+COMPLETIONS = Endpoint("completions", "/v1/completions", chat=False)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body over {limit} bytes")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The body as a dict, or a 400 that names the offending field."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if endpoint.chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("'messages' must be a non-empty array of objects", param="messages")
+    elif not isinstance(body.get("prompt"), str | list):
+        raise BadRequest("'prompt' is required (string or array)", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise BadRequest("'n' must be a positive integer", param="n")
+    return body
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; cancel it (closing its upstream call) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+class Proxy:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    async def handle(
+        self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
+    ) -> Response:
+        arrived = time.monotonic()
+        raw = await read_body(request, self.rt.settings.server.max_body_bytes)
+        body = parse_request(raw, endpoint)
+        ident = identify(
+            path_trajectory=path_traj, path_group=path_group, headers=request.headers,
+            body=body, api_keys_enabled=bool(self.rt.settings.api_keys),
+        )
+        self.rt.dispatcher.check_model(body["model"])
+        state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
+        outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
+        ctx = CallContext(
+            id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
+            seq=self.rt.tracker.call_arrived(state, outcomes, time.time()),
+            stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
+            capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
+            headers={"x-trajectory-id": ident.trajectory_id},
+        )
+        return await _unless_disconnected(request, self._run(ctx, endpoint))
+
+    async def _run(self, ctx: CallContext, endpoint: Endpoint) -> Response:
+        try:
+            upstream = await self._connect(ctx, endpoint)
+        except BaseException as exc:
+            if ctx.lease is None:
+                self.rt.tracker.call_abandoned(ctx.state)
+            else:
+                finish_call(self.rt, ctx, error=exc)
+            raise
+        if upstream.status != 200:
+            return await self._relay_error(ctx, upstream)
+        if ctx.stream:
+            return StreamingResponse(
+                self._stream(ctx, upstream), media_type="text/event-stream",
+                headers={**ctx.headers, "cache-control": "no-cache"},
+            )
+        return await self._relay_whole(ctx, upstream)
+
+    async def _connect(self, ctx: CallContext, endpoint: Endpoint) -> UpstreamResponse:
+        """Dispatch and open the upstream call, trying other backends on early failures."""
+        rt, tried = self.rt, list[str]()
+        attempts = rt.settings.upstream.max_attempts
+        for attempt in range(1, attempts + 1):
+            lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
+            ctx.bind(lease, rt.weight_version)
+            rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+            try:
+                upstream = await open_upstream(
+                    rt.session, lease.backend.url + endpoint.path, ctx.payload(),
+                    UPSTREAM_HEADERS, rt.settings.upstream,
+                )
+            except UpstreamConnectError:
+                rt.registry_mark_down(lease.backend)
+                if attempt == attempts:
+                    raise
+                self._requeue(ctx, lease, tried)
+                continue
+            if upstream.status in RETRYABLE_STATUS and attempt < attempts:
+                upstream.close()
+                self._requeue(ctx, lease, tried)
+                continue
+            return upstream
+        raise AssertionError("unreachable")
+
+    def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str]) -> None:
+        lease.release(ok=False)
+        tried.append(lease.backend.id)
+        ctx.lease = None
+        ctx.state.in_flight -= 1
+        ctx.state.queued += 1
+        ctx.retries += 1
+
+    async def _relay_error(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
+        try:
+            data = await upstream.read()
+        finally:
+            upstream.close()
+        status = upstream.status if upstream.status < 500 else 502
+        finish_call(self.rt, ctx, error=UpstreamError(f"upstream answered {upstream.status}: "
+                                                       f"{data[:300].decode(errors='replace')}"))
+        return Response(data, status_code=status, media_type="application/json",
+                        headers=ctx.headers)
+
+    async def _relay_whole(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
+        try:
+            data = await upstream.read()
+            ctx.first_byte = time.monotonic()
+            payload = orjson.loads(data)
+            if ctx.capture.feed(payload, stream=False):
+                data = orjson.dumps(payload)
+        except BaseException as exc:
+            upstream.close()
+            finish_call(self.rt, ctx, error=exc)
+            if isinstance(exc, orjson.JSONDecodeError):
+                raise UpstreamError("upstream answered with invalid JSON") from None
+            raise
+        upstream.close()
+        finish_call(self.rt, ctx)
+        return Response(data, media_type="application/json", headers=ctx.headers)
+
+    async def _stream(self, ctx: CallContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+        decoder = SSEDecoder(ctx.capture)
+        error: BaseException | None = None
+        try:
+            async for chunk in upstream.chunks():
+                out = decoder.feed(chunk)
+                if out:
+                    if ctx.first_byte is None:
+                        ctx.first_byte = time.monotonic()
+                    yield out
+            tail = decoder.flush()
+            if tail:
+                yield tail
+        except GatewayError as exc:
+            error = exc
+            yield error_event(exc)
+        except BaseException as exc:  # client went away (cancelled) or a bug: record it
+            error = exc
+            raise
+        finally:
+            upstream.close()
+            finish_call(self.rt, ctx, error=error)

@@ -1,0 +1,114 @@
+"""The gateway's live resources, opened by the app lifespan and closed in reverse.
+
+Routes reach the runtime through ``request.state.rt`` (Starlette lifespan state), never
+through module globals, so several gateways can run in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.core import Metric
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from gateway.config import Settings
+from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.metrics import GatewayMetrics, gauge
+from gateway.proxy.client import make_session
+from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
+from gateway.store.writer import TraceWriter
+from gateway.trajectories.tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    session: aiohttp.ClientSession
+    registry: BackendRegistry
+    health: HealthChecker
+    dispatcher: Dispatcher
+    tracker: Tracker
+    writer: TraceWriter
+    metrics: GatewayMetrics
+    weight_version: str
+    ready: bool = True
+    extras: dict[str, object] = field(default_factory=dict)
+
+    def registry_mark_down(self, backend: Backend) -> None:
+        """A call could not reach ``backend``: take it out of rotation until it recovers."""
+        backend.last_error = "connection refused"
+        if backend.healthy:
+            log.warning("backend %s (%s) unreachable; out of rotation", backend.id, backend.url)
+        backend.healthy = False
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = gauge("rollout_gateway_backend_in_flight", "Calls in flight per backend",
+                         ["backend", "tp"])
+        healthy = gauge("rollout_gateway_backend_healthy", "1 if the backend is in rotation",
+                        ["backend"])
+        for b in self.registry:
+            inflight.add_metric([b.id, str(b.tp or 1)], b.in_flight)
+            healthy.add_metric([b.id], 1.0 if b.routable else 0.0)
+        yield inflight
+        yield healthy
+        phases = gauge("rollout_gateway_trajectories", "Live trajectories by phase", ["phase"])
+        counts: dict[str, int] = {}
+        for st in self.tracker:
+            counts[st.phase.value] = counts.get(st.phase.value, 0) + 1
+        for phase in ("queued", "generating", "tool", "finished"):
+            phases.add_metric([phase], counts.get(phase, 0))
+        yield phases
+        yield _single("rollout_gateway_trace_queue_depth", "Trace records waiting to be "
+                      "written", self.writer.queue_depth)
+        yield _single("rollout_gateway_trace_dropped", "Trace records dropped (queue full)",
+                      self.writer.dropped)
+        yield _single("rollout_gateway_trace_written", "Trace records written",
+                      self.writer.written)
+
+
+def _single(name: str, doc: str, value: float) -> Metric:
+    g = gauge(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
+    """Open every resource the gateway needs; close them in reverse on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        if settings.auto_migrate or is_sqlite(settings.database_url):
+            await asyncio.to_thread(upgrade, settings.database_url)
+        engine = make_engine(settings.database_url)
+        stack.push_async_callback(engine.dispose)
+        sessionmaker = make_sessionmaker(engine)
+        session = make_session(settings.upstream)
+        stack.push_async_callback(session.close)
+        registry = BackendRegistry()
+        for i, spec in enumerate(settings.backends):
+            registry.add(parse_backend_spec(spec, i))
+        health = HealthChecker(registry, session, settings.upstream)
+        await health.check_all()
+        health.start()
+        stack.push_async_callback(health.close)
+        writer = TraceWriter(sessionmaker, settings.traces)
+        writer.start()
+        stack.push_async_callback(writer.close)
+        rt = Runtime(
+            settings=settings, engine=engine, sessionmaker=sessionmaker, session=session,
+            registry=registry, health=health, dispatcher=Dispatcher(registry),
+            tracker=Tracker(), writer=writer, metrics=GatewayMetrics(),
+            weight_version=settings.weight_version,
+        )
+        rt.metrics.add_collector(rt.collect)
+        yield rt
+        rt.ready = False

@@ -1,0 +1,90 @@
+"""Export finished trajectories as training samples (JSON lines or Parquet)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.progress import Progress
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.store import queries
+from gateway.store.db import make_engine, make_sessionmaker
+from gateway.store.samples import Sample, build_sample
+
+SAMPLE_SCHEMA = pa.schema([
+    ("trajectory_id", pa.string()),
+    ("group_id", pa.string()),
+    ("reward", pa.float64()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("logprobs", pa.list_(pa.float32())),
+    ("weight_versions", pa.list_(pa.string())),
+    ("num_calls", pa.int32()),
+    ("num_mismatches", pa.int32()),
+    ("metadata", pa.string()),
+])
+
+
+def sample_record(s: Sample) -> dict[str, Any]:
+    return {
+        "trajectory_id": s.trajectory_id, "group_id": s.group_id, "reward": s.reward,
+        "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
+        "weight_versions": s.weight_versions, "num_calls": len(s.calls),
+        "num_mismatches": len(s.mismatches),
+        "metadata": orjson.dumps(s.metadata).decode() if s.metadata is not None else None,
+    }
+
+
+def samples_table(samples: list[Sample]) -> pa.Table:
+    return pa.Table.from_pylist([sample_record(s) for s in samples], schema=SAMPLE_SCHEMA)
+
+
+async def iter_samples(
+    sessionmaker: async_sessionmaker[AsyncSession], ids: list[str]
+) -> AsyncIterator[Sample]:
+    for trajectory_id in ids:
+        async with sessionmaker() as session:
+            traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
+            if traj is None:
+                continue
+            calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+        yield build_sample(traj, calls)
+
+
+async def export_samples(
+    url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True
+) -> int:
+    """Write every finished trajectory (optionally of one group) to ``out``."""
+    engine = make_engine(url)
+    try:
+        sm = make_sessionmaker(engine)
+        async with sm() as session:
+            ids = await queries.finished_trajectory_ids(session, group_id=group_id)
+        samples: list[Sample] = []
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("exporting", total=len(ids))
+            with out.open("wb") if fmt == "jsonl" else _null() as fh:
+                async for s in iter_samples(sm, ids):
+                    if fh is not None:
+                        fh.write(orjson.dumps(sample_record(s)) + b"\n")
+                    else:
+                        samples.append(s)
+                    bar.advance(task)
+        if fmt == "parquet":
+            pq.write_table(samples_table(samples), out)
+        return len(ids)
+    finally:
+        await engine.dispose()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

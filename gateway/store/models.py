@@ -1,0 +1,85 @@
+"""ORM tables. The schema is created only by Alembic migrations (``migrations/``).
+
+Token sequences are stored packed (little-endian int32 ids, float32 logprobs) and, per
+call, only the prompt tokens that are new relative to the trajectory's previous
+prompt+completion (``prompt_offset`` says where they start), so a trajectory's storage
+grows linearly with its length.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Trajectory(Base):
+    __tablename__ = "trajectories"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    group_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    reward: Mapped[float | None] = mapped_column(Float)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+
+
+class Call(Base):
+    __tablename__ = "calls"
+    __table_args__ = (Index("ix_calls_trajectory_seq", "trajectory_id", "seq"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    trajectory_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("trajectories.id", ondelete="CASCADE")
+    )
+    seq: Mapped[int] = mapped_column(Integer)
+    endpoint: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(256))
+    backend_id: Mapped[str | None] = mapped_column(String(128))
+    backend_url: Mapped[str | None] = mapped_column(String(512))
+    tp: Mapped[int | None] = mapped_column(Integer)
+    weight_version: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    started_at: Mapped[datetime]
+    queued_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float] = mapped_column(Float)
+    prompt_len: Mapped[int] = mapped_column(Integer)
+    prompt_offset: Mapped[int] = mapped_column(Integer)
+    prompt_delta: Mapped[bytes] = mapped_column(LargeBinary)
+    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    mismatch_pos: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    extra_choices: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    request_messages: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    completion_text: Mapped[str | None] = mapped_column(Text)

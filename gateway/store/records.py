@@ -1,0 +1,40 @@
+"""The record of one call, as handed from the request path to the trace writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """Everything stored about one LLM call. Built on the request path, written off it."""
+
+    id: str
+    trajectory_id: str
+    group_id: str | None
+    seq: int
+    endpoint: str
+    model: str
+    weight_version: str
+    started_at: float
+    backend_id: str | None = None
+    backend_url: str | None = None
+    tp: int | None = None
+    status: str = "ok"
+    error: str | None = None
+    finish_reason: str | None = None
+    queued_ms: float = 0.0
+    ttft_ms: float | None = None
+    total_ms: float = 0.0
+    prompt_len: int = 0
+    prompt_offset: int = 0
+    prompt_delta: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    completion_logprobs: list[float] | None = None
+    mismatch_pos: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    extra_choices: list[dict[str, Any]] | None = None
+    request_messages: list[Any] | None = None
+    completion_text: str | None = None

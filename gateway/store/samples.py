@@ -1,0 +1,93 @@
+"""Training samples rebuilt from stored prefix deltas.
+
+A trajectory's token sequence is replayed call by call: truncate to the call's
+``prompt_offset`` (equal to the current length unless the prompt diverged), append its
+new prompt tokens (loss mask 0) and its completion (loss mask 1, with logprobs). What a
+mismatch cut away does not appear in the sample, and the mismatch is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.store.codec import unpack_floats, unpack_ids
+from gateway.store.models import Call, Trajectory
+
+
+@dataclass(slots=True)
+class CallSpan:
+    seq: int
+    call_id: str
+    prompt_start: int
+    completion_start: int
+    completion_end: int
+    weight_version: str
+    backend_id: str | None
+    tp: int | None
+
+
+@dataclass(slots=True)
+class Mismatch:
+    seq: int
+    position: int
+    previous_length: int
+
+
+@dataclass(slots=True)
+class Sample:
+    trajectory_id: str
+    group_id: str | None
+    reward: float | None
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    calls: list[CallSpan] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.calls[0].completion_start if self.calls else len(self.token_ids)
+
+
+def _truncate(sample: Sample, length: int) -> None:
+    del sample.token_ids[length:], sample.loss_mask[length:], sample.logprobs[length:]
+    sample.calls = [c for c in sample.calls if c.completion_end <= length]
+
+
+def _append_call(sample: Sample, call: Call) -> None:
+    previous = len(sample.token_ids)
+    if call.prompt_offset < previous:
+        sample.mismatches.append(Mismatch(call.seq, call.prompt_offset, previous))
+        _truncate(sample, call.prompt_offset)
+    delta = unpack_ids(call.prompt_delta)
+    completion = unpack_ids(call.completion_ids)
+    logprobs = unpack_floats(call.completion_logprobs) or [0.0] * len(completion)
+    start = len(sample.token_ids)
+    sample.token_ids += delta
+    sample.loss_mask += [0] * len(delta)
+    sample.logprobs += [0.0] * len(delta)
+    mid = len(sample.token_ids)
+    sample.token_ids += completion
+    sample.loss_mask += [1] * len(completion)
+    sample.logprobs += logprobs
+    sample.calls.append(CallSpan(call.seq, call.id, start, mid, len(sample.token_ids),
+                                 call.weight_version, call.backend_id, call.tp))
+
+
+def build_sample(trajectory: Trajectory, calls: Sequence[Call]) -> Sample:
+    """The single training sequence of a trajectory (successful calls, in order)."""
+    sample = Sample(trajectory.id, trajectory.group_id, trajectory.reward,
+                    metadata=trajectory.meta)
+    for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):
+        if call.status == "ok":
+            _append_call(sample, call)
+    versions: list[str] = []
+    for span in sample.calls:
+        versions += ["" ] * (span.completion_start - len(versions))
+        versions += [span.weight_version] * (span.completion_end - span.completion_start)
+    sample.weight_versions = versions
+    return sample

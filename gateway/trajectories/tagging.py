@@ -1,0 +1,94 @@
+"""Who a call belongs to: the trajectory (and GRPO group) of each request.
+
+Sources, first match wins:
+
+1. the path: ``/t/{trajectory}/v1/...`` or ``/g/{group}/t/{trajectory}/v1/...``;
+2. headers ``X-Trajectory-Id``, then ``X-Session-ID`` (and ``X-Group-Id``);
+3. ``Authorization: Bearer <session id>`` when API keys are off, unless the key is one
+   of the placeholders harnesses send when they have no key (``EMPTY``, ``sk-...``);
+4. the body: ``metadata.session_id`` (and ``metadata.group_id``), then ``user``.
+
+A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` header.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import InvalidTrajectoryId
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
+PLACEHOLDER_KEYS = frozenset({"", "empty", "none", "null", "dummy", "fake", "x", "token-abc123"})
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    trajectory_id: str
+    group_id: str | None
+    generated: bool = False
+
+
+def validate_id(value: str, *, what: str = "trajectory_id") -> str:
+    """Return ``value`` if it is a valid id, else raise a 400 that says what is allowed."""
+    if not ID_PATTERN.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidTrajectoryId(
+            f"invalid {what} {shown!r}: use 1-128 characters from [A-Za-z0-9._:@+=-], "
+            "starting with a letter or digit",
+            param=what,
+        )
+    return value
+
+
+def _bearer_session(headers: Mapping[str, str], api_keys_enabled: bool) -> str | None:
+    if api_keys_enabled:
+        return None
+    auth = headers.get("authorization", "")
+    if not auth.lower().startswith("bearer "):
+        return None
+    key = auth[7:].strip()
+    if key.lower() in PLACEHOLDER_KEYS or key.startswith("sk-"):
+        return None
+    return key
+
+
+def _body_ids(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    meta = body.get("metadata")
+    traj = group = None
+    if isinstance(meta, Mapping):
+        sid, gid = meta.get("session_id"), meta.get("group_id")
+        traj = sid if isinstance(sid, str) else None
+        group = gid if isinstance(gid, str) else None
+    user = body.get("user")
+    if traj is None and isinstance(user, str) and user:
+        traj = user
+    return traj, group
+
+
+def identify(
+    *,
+    path_trajectory: str | None,
+    path_group: str | None,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    api_keys_enabled: bool = False,
+) -> Identity:
+    """Resolve the call's trajectory and group (see the module docstring for the order)."""
+    body_traj, body_group = _body_ids(body)
+    traj = (
+        path_trajectory
+        or headers.get("x-trajectory-id")
+        or headers.get("x-session-id")
+        or _bearer_session(headers, api_keys_enabled)
+        or body_traj
+    )
+    group = path_group or headers.get("x-group-id") or body_group
+    if group is not None:
+        validate_id(group, what="group_id")
+    if traj is None:
+        return Identity(f"auto-{uuid.uuid4().hex[:20]}", group, generated=True)
+    return Identity(validate_id(traj), group)

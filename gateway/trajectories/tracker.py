@@ -1,0 +1,188 @@
+"""Live per-trajectory state: turns, tokens, time in the LLM and in tool calls.
+
+The tracker is the gateway's working memory about each trajectory. It is updated on the
+request path (cheap, synchronous) and read by the policies through snapshots. The store
+is the source of truth for what was recorded; this is what is needed to decide.
+
+Token sequence bookkeeping lives here too: each trajectory keeps its last full sequence
+(prompt + completion, packed ints) so that the next call's prompt can be stored as a
+delta, and a prompt that does not extend it is reported as a mismatch.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway.trajectories.tools import ToolOutcome
+
+
+class Phase(enum.StrEnum):
+    QUEUED = "queued"
+    GENERATING = "generating"
+    TOOL = "tool"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TrajectoryState:
+    id: str
+    group_id: str | None
+    created_at: float
+    turns: int = 0
+    calls_done: int = 0
+    calls_failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    llm_time_s: float = 0.0
+    queue_time_s: float = 0.0
+    tool_time_s: float = 0.0
+    last_call_end: float | None = None
+    queued: int = 0
+    in_flight: int = 0
+    mismatches: int = 0
+    backend_id: str | None = None
+    outcomes: list[ToolOutcome] = field(default_factory=list)
+    sequence: array[int] = field(default_factory=lambda: array("i"))
+    finished_at: float | None = None
+    reward: float | None = None
+
+    @property
+    def phase(self) -> Phase:
+        if self.finished_at is not None:
+            return Phase.FINISHED
+        if self.in_flight:
+            return Phase.GENERATING
+        if self.queued:
+            return Phase.QUEUED
+        return Phase.TOOL
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.sequence)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDelta:
+    """Where a prompt leaves the trajectory's previous sequence, and what it adds."""
+
+    offset: int
+    delta: list[int]
+    mismatch_pos: int | None
+
+
+def prompt_delta(previous: array[int], prompt: Sequence[int]) -> PromptDelta:
+    """Split ``prompt`` into the part shared with ``previous`` and the new tokens.
+
+    When ``prompt`` extends ``previous`` the offset is ``len(previous)``; otherwise the
+    first differing position is both the offset and the reported mismatch.
+    """
+    n = len(previous)
+    if len(prompt) >= n and array("i", prompt[:n]) == previous:
+        return PromptDelta(n, list(prompt[n:]), None)
+    limit = min(n, len(prompt))
+    pos = next((i for i in range(limit) if previous[i] != prompt[i]), limit)
+    return PromptDelta(pos, list(prompt[pos:]), pos)
+
+
+class Tracker:
+    """All live trajectories, least recently active evicted beyond ``capacity``."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._states: OrderedDict[str, TrajectoryState] = OrderedDict()
+        self._capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[TrajectoryState]:
+        return iter(list(self._states.values()))
+
+    def get(self, trajectory_id: str) -> TrajectoryState | None:
+        return self._states.get(trajectory_id)
+
+    def touch(self, trajectory_id: str, group_id: str | None, now: float) -> TrajectoryState:
+        """The trajectory's state, created on first sight."""
+        state = self._states.get(trajectory_id)
+        if state is None:
+            state = TrajectoryState(trajectory_id, group_id, created_at=now)
+            self._states[trajectory_id] = state
+            self._evict()
+        else:
+            self._states.move_to_end(trajectory_id)
+            if group_id and not state.group_id:
+                state.group_id = group_id
+        return state
+
+    def _evict(self) -> None:
+        while len(self._states) > self._capacity:
+            victim = next(
+                (k for k, s in self._states.items() if not s.in_flight and not s.queued), None
+            )
+            if victim is None:
+                return
+            del self._states[victim]
+
+    def call_arrived(
+        self, state: TrajectoryState, outcomes: list[ToolOutcome], now: float
+    ) -> int:
+        """Register a new call; returns its sequence number within the trajectory."""
+        if state.last_call_end is not None and not state.in_flight and not state.queued:
+            state.tool_time_s += max(0.0, now - state.last_call_end)
+        state.outcomes.extend(outcomes)
+        state.queued += 1
+        seq = state.turns
+        state.turns += 1
+        return seq
+
+    def call_dispatched(
+        self, state: TrajectoryState, backend_id: str, queued_s: float
+    ) -> None:
+        state.queued -= 1
+        state.in_flight += 1
+        state.queue_time_s += queued_s
+        state.backend_id = backend_id
+
+    def call_abandoned(self, state: TrajectoryState) -> None:
+        """A call that never reached a backend (rejected, client left while queued)."""
+        state.queued -= 1
+
+    def call_finished(
+        self,
+        state: TrajectoryState,
+        *,
+        now: float,
+        llm_s: float,
+        prompt: Sequence[int] | None,
+        completion: Sequence[int],
+        ok: bool,
+    ) -> PromptDelta | None:
+        """Account a finished call; returns the prompt's delta when token ids were captured."""
+        state.in_flight -= 1
+        state.last_call_end = now
+        state.llm_time_s += llm_s
+        if not ok:
+            state.calls_failed += 1
+            return None
+        state.calls_done += 1
+        state.completion_tokens += len(completion)
+        if prompt is None:
+            return None
+        state.prompt_tokens += len(prompt)
+        delta = prompt_delta(state.sequence, prompt)
+        if delta.mismatch_pos is not None:
+            state.mismatches += 1
+        seq = array("i", prompt)
+        seq.extend(completion)
+        state.sequence = seq
+        return delta
+
+    def finish(self, trajectory_id: str, reward: float | None, now: float) -> None:
+        state = self._states.get(trajectory_id)
+        if state is not None:
+            state.finished_at = now
+            state.reward = reward
+            state.sequence = array("i")

@@ -1,0 +1,80 @@
+"""Proxy behaviour against scripted upstreams: capture, stripping, retries, timeouts."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from tests.scripted_upstream import Script
+
+
+def test_non_streaming_strips_injected_fields(scripted, gateway_at, sqlite_url):
+    url, seen = scripted(Script())
+    with gateway_at(sqlite_url, [url]) as gw:
+        r = httpx.post(f"{gw}/t/traj-1/v1/chat/completions",
+                       json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+                             "vendor_field": {"keep": 1}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert "prompt_token_ids" not in body
+        assert "token_ids" not in body["choices"][0]
+        assert body["choices"][0]["logprobs"] is None
+        assert r.headers["x-trajectory-id"] == "traj-1"
+        sent = seen.bodies[0]
+        assert sent["return_token_ids"] is True and sent["logprobs"] is True
+        assert sent["vendor_field"] == {"keep": 1}
+        detail = httpx.get(f"{gw}/trajectories/traj-1").json()
+        assert detail["calls"][0]["completion_ids"] == [1000, 1001, 1002, 1003, 1004]
+        assert detail["calls"][0]["completion_logprobs"] == [-0.5] * 5
+
+
+def test_retry_on_5xx_goes_to_another_backend(scripted, gateway_at, sqlite_url):
+    bad, bad_seen = scripted(Script(mode="error500"))
+    good, good_seen = scripted(Script())
+    with gateway_at(sqlite_url, [bad, good]) as gw:
+        for _ in range(4):
+            r = httpx.post(f"{gw}/v1/chat/completions",
+                           json={"model": "scripted", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200, r.text
+        assert len(good_seen.bodies) == 4
+
+
+def test_first_byte_timeout_gives_504(scripted, gateway_at, sqlite_url):
+    url, _ = scripted(Script(mode="hang"))
+    with gateway_at(sqlite_url, [url], upstream={"first_byte_timeout_s": 0.5}) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", timeout=10,
+                       json={"model": "scripted", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_malformed_json_is_400_in_openai_shape(scripted, gateway_at, sqlite_url):
+    url, seen = scripted(Script())
+    with gateway_at(sqlite_url, [url]) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", content=b"{nope",
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(f"{gw}/v1/chat/completions", json={"model": "nope", "messages": [
+            {"role": "user", "content": "x"}]})
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(f"{gw}/t/bad id!/v1/chat/completions", json={"model": "scripted"})
+        assert r.status_code == 400
+        assert seen.bodies == []
+
+
+def test_stream_relays_and_strips(scripted, gateway_at, sqlite_url):
+    url, _ = scripted(Script(tokens=4))
+    with gateway_at(sqlite_url, [url]) as gw:
+        with httpx.stream("POST", f"{gw}/t/s-1/v1/chat/completions", json={
+                "model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        payloads = [orjson.loads(e[6:]) for e in events if e != "data: [DONE]"]
+        assert events[-1] == "data: [DONE]"
+        assert all("prompt_token_ids" not in p for p in payloads)
+        assert all("token_ids" not in c for p in payloads for c in p["choices"])
+        calls = httpx.get(f"{gw}/trajectories/s-1").json()["calls"]
+        assert calls[0]["completion_ids"] == [1000, 1001, 1002, 1003]
+        assert calls[0]["ttft_ms"] is not None

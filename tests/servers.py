@@ -1,0 +1,76 @@
+"""Run ASGI apps on real sockets in a background thread (sync and async clients both work).
+
+Tests fake at process boundaries: the gateway under test, simulated vLLM servers and
+purpose-built upstreams all listen on 127.0.0.1 like the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import uvicorn
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LoopThread:
+    """An event loop in a daemon thread; ``run`` executes a coroutine on it and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float = 60) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        return fut.result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+async def serve_app(app: Any, port: int) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during start-up")
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+async def stop_app(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    server.should_exit = True
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 15)
+
+
+@contextlib.contextmanager
+def app_in_thread(
+    loop: LoopThread, app_factory: Callable[[], Any], port: int | None = None
+) -> Iterator[str]:
+    """Serve ``app_factory()`` on a free port of the loop thread; yield its base URL."""
+    port = port or free_port()
+    server, task = loop.run(serve_app(app_factory(), port))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.run(stop_app(server, task))
