@@ -31,7 +31,8 @@ def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
             body["logprobs"] = True
             body["top_logprobs"] = 0
     else:
-        asked_lp = isinstance(raw_lp, int) and not isinstance(raw_lp, bool) and raw_lp >= 0
+        # vLLM coerces ``logprobs: true`` to 1 on /v1/completions: that is a request too.
+        asked_lp = raw_lp is True or (isinstance(raw_lp, int) and raw_lp >= 0)
         if not asked_lp:
             body["logprobs"] = 0
     body["return_token_ids"] = True

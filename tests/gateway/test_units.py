@@ -1,0 +1,111 @@
+"""Pure pieces of the gateway: tagging, tool outcomes, prefix deltas, capture, SSE."""
+
+from __future__ import annotations
+
+from array import array
+
+import orjson
+import pytest
+
+from gateway.errors import InvalidTrajectoryId
+from gateway.proxy.capture import Capture, inject
+from gateway.proxy.sse import SSEDecoder
+from gateway.trajectories.tagging import identify
+from gateway.trajectories.tools import parse_outcomes
+from gateway.trajectories.tracker import prompt_delta
+
+
+def _id(path=None, group=None, headers=None, body=None, keys=False):
+    return identify(path_trajectory=path, path_group=group, headers=headers or {},
+                    body=body or {}, api_keys_enabled=keys)
+
+
+def test_identity_precedence():
+    assert _id(path="p", headers={"x-trajectory-id": "h"}).trajectory_id == "p"
+    assert _id(headers={"x-trajectory-id": "h", "x-session-id": "s"}).trajectory_id == "h"
+    assert _id(headers={"x-session-id": "s"}).trajectory_id == "s"
+    assert _id(headers={"authorization": "Bearer traj-7"}).trajectory_id == "traj-7"
+    assert _id(body={"metadata": {"session_id": "m", "group_id": "g"}}).group_id == "g"
+    assert _id(body={"user": "u"}).trajectory_id == "u"
+    assert _id(body={"metadata": {"session_id": "m"}, "user": "u"}).trajectory_id == "m"
+
+
+def test_bearer_placeholders_and_api_keys_do_not_tag():
+    for key in ("EMPTY", "sk-abc", "dummy", ""):
+        ident = _id(headers={"authorization": f"Bearer {key}"})
+        assert ident.generated and ident.trajectory_id.startswith("auto-")
+    assert _id(headers={"authorization": "Bearer traj-7"}, keys=True).generated
+
+
+@pytest.mark.parametrize("bad", ["has space", "x" * 129, "-lead", "ü", "a/b"])
+def test_invalid_ids_are_rejected(bad):
+    with pytest.raises(InvalidTrajectoryId):
+        _id(headers={"x-trajectory-id": bad})
+
+
+def test_tool_outcomes_from_new_messages():
+    msgs = [
+        {"role": "user", "content": "fix the bug"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "search", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Traceback (most recent call last):"},
+        {"role": "tool", "tool_call_id": "c2", "content": "x" * 10_000},
+    ]
+    out = parse_outcomes(msgs)
+    assert [(o.tool, o.outcome, o.size) for o in out] == [
+        ("bash", "failure", "small"), ("search", "success", "large")]
+    assert parse_outcomes(msgs[:1]) == []
+    timeout = [*msgs[:2], {"role": "tool", "tool_call_id": "c1", "content": "command timed out"}]
+    assert parse_outcomes(timeout)[0].outcome == "timeout"
+
+
+def test_prompt_delta_extends_or_reports_mismatch():
+    prev = array("i", [1, 2, 3, 4])
+    ok = prompt_delta(prev, [1, 2, 3, 4, 5, 6])
+    assert (ok.offset, ok.delta, ok.mismatch_pos) == (4, [5, 6], None)
+    bad = prompt_delta(prev, [1, 2, 9, 4, 5])
+    assert (bad.offset, bad.delta, bad.mismatch_pos) == (2, [9, 4, 5], 2)
+    short = prompt_delta(prev, [1, 2])
+    assert (short.offset, short.delta, short.mismatch_pos) == (2, [], 2)
+    first = prompt_delta(array("i"), [7, 8])
+    assert (first.offset, first.delta, first.mismatch_pos) == (0, [7, 8], None)
+
+
+def test_inject_respects_what_client_asked():
+    body = {"logprobs": True, "top_logprobs": 3}
+    asked = inject(body, chat=True)
+    assert asked.logprobs and not asked.token_ids and body["top_logprobs"] == 3
+    body = {}
+    asked = inject(body, chat=False)
+    assert body == {"logprobs": 0, "return_token_ids": True} and not asked.logprobs
+    body = {"logprobs": True}
+    assert inject(body, chat=False).logprobs and body["logprobs"] is True
+
+
+def _chunk(**kw):
+    return b"data: " + orjson.dumps(kw) + b"\n\n"
+
+
+def test_sse_decoder_captures_across_split_chunks_and_strips():
+    cap = Capture(chat=True, asked=inject({}, chat=True))
+    dec = SSEDecoder(cap)
+    stream = (_chunk(choices=[{"index": 0, "delta": {"role": "assistant"}}],
+                     prompt_token_ids=[1, 2])
+              + _chunk(choices=[{"index": 0, "delta": {"content": "a"}, "token_ids": [5],
+                                 "logprobs": {"content": [{"logprob": -1.0}]}}])
+              + b"data: [DONE]\n\n")
+    out = b"".join(dec.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + dec.flush()
+    assert cap.prompt_ids == [1, 2]
+    assert cap.completion(0).token_ids == [5] and cap.completion(0).logprobs == [-1.0]
+    assert b"token_ids" not in out and b"prompt_token_ids" not in out
+    assert out.endswith(b"data: [DONE]\n\n") and out.count(b"\n\n") == 3
+
+
+def test_capture_keeps_fields_the_client_asked_for():
+    cap = Capture(chat=True, asked=inject({"return_token_ids": True, "logprobs": True},
+                                          chat=True))
+    payload = {"choices": [{"index": 0, "token_ids": [3], "logprobs": {"content": [
+        {"logprob": -0.1}]}, "message": {"content": "x"}}], "prompt_token_ids": [1]}
+    assert cap.feed(payload, stream=False) is False
+    assert payload["prompt_token_ids"] == [1] and payload["choices"][0]["token_ids"] == [3]
