@@ -101,5 +101,13 @@ def sim_backend(
                      count=count, seed=seed, scheduling_policy=scheduling_policy)
 
 
+def _add_bench() -> None:
+    """``rollout-gateway bench ...`` lives in the ``bench`` package (simulator, harness)."""
+    from bench.cli import bench_app
+
+    app.add_typer(bench_app, name="bench", help="Benchmarks: simulated and live rollouts.")
+
+
 def main() -> None:
+    _add_bench()
     app()
