@@ -1,0 +1,145 @@
+"""Paged KV cache with automatic prefix caching, modelled on vLLM v1's block manager.
+
+Memory is a fixed number of blocks of ``block_size`` tokens. A block is either owned by
+running requests or free. Full blocks carry a *chain hash* (hash of the parent block's
+hash and the block's token ids), so two prompts that share a prefix share its blocks.
+When the last owner releases a hashed block it stays in the cache, in an LRU list of
+free-but-reusable blocks, and is evicted only when a new block is needed and no
+never-hashed free block is left. This is what makes a multi-turn trajectory's next call
+cheap: its prompt extends the previous prompt+completion, whose blocks are still cached.
+
+The cache only counts blocks; it never stores token ids (the simulator must stay cheap
+at 64 engines x thousands of requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: Root of every hash chain; a different root would model a different model/LoRA.
+ROOT_HASH = 0x5EED
+
+
+def chain_hash(parent: int, block_tokens: Sequence[int]) -> int:
+    """Hash of a full block given its parent's hash (deterministic across processes)."""
+    return hash((parent, tuple(block_tokens)))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
+                 parent: int = ROOT_HASH) -> list[int]:
+    """Chain hashes of the full blocks of ``token_ids`` from block index ``start``."""
+    out: list[int] = []
+    for b in range(start, len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[b * block_size:(b + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class KVCache:
+    """Block accounting plus the prefix-cache hash table.
+
+    ``_ref`` maps a block hash to its number of owners; an entry with 0 owners sits in
+    ``_lru`` (insertion order = least recently freed first) and is evictable. Blocks a
+    request owns that are not (yet) hashed are counted by the request, not here.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free_plain = num_blocks
+        self._ref: dict[int, int] = {}
+        self._lru: dict[int, None] = {}
+        self.queries = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
+        self.hits = 0  # of which found cached (vLLM: prefix_cache_hits)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new allocation could take (plain free blocks + evictable cached ones)."""
+        return self._free_plain + len(self._lru)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by requests (vLLM's ``kv_cache_usage_perc``)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._ref)
+
+    def match_prefix(self, hashes: Sequence[int], max_blocks: int) -> tuple[int, int]:
+        """(blocks of ``hashes`` already cached from the start, how many of them are free).
+
+        The second number matters because taking a free cached block removes it from the
+        pool a new allocation could draw from.
+        """
+        if not self.enable_prefix_caching:
+            return 0, 0
+        n = 0
+        in_lru = 0
+        for h in hashes[:max_blocks]:
+            refs = self._ref.get(h)
+            if refs is None:
+                break
+            n += 1
+            in_lru += refs == 0
+        return n, in_lru
+
+    def acquire_cached(self, hashes: Sequence[int]) -> None:
+        """Take ownership of cached blocks found by :meth:`match_prefix`."""
+        for h in hashes:
+            refs = self._ref[h]
+            if refs == 0:
+                del self._lru[h]
+            self._ref[h] = refs + 1
+
+    def allocate(self, n: int) -> bool:
+        """Take ``n`` unhashed blocks, evicting least recently freed cached ones if needed."""
+        if n > self.num_free:
+            return False
+        plain = min(n, self._free_plain)
+        self._free_plain -= plain
+        for _ in range(n - plain):
+            h = next(iter(self._lru))
+            del self._lru[h]
+            del self._ref[h]
+        return True
+
+    def register(self, h: int) -> None:
+        """A request's unhashed block just became full with hash ``h``: cache it.
+
+        If an identical block is already cached (another request computed the same
+        prefix concurrently), share it and return the duplicate to the free pool.
+        """
+        if not self.enable_prefix_caching:
+            return
+        refs = self._ref.get(h)
+        if refs is None:
+            self._ref[h] = 1
+            return
+        if refs == 0:
+            del self._lru[h]
+        self._ref[h] = refs + 1
+        self._free_plain += 1
+
+    def release(self, hashes: Sequence[int], num_plain: int) -> None:
+        """Give back a request's blocks: ``hashes`` it owns plus ``num_plain`` unhashed.
+
+        Hashed blocks are freed tail first so that the *start* of a prefix is the most
+        recently freed part and is evicted last (shared prefixes survive longest).
+        """
+        self._free_plain += num_plain
+        for h in reversed(hashes):
+            refs = self._ref[h] - 1
+            self._ref[h] = refs
+            if refs == 0:
+                self._lru[h] = None
+
+    def check_invariants(self, owned_plain: int) -> None:
+        """Assert block conservation (tests): every block is free, cached or owned."""
+        total = self._free_plain + len(self._ref) + owned_plain
+        assert total == self.num_blocks, (total, self.num_blocks)
+        assert all(self._ref[h] == 0 for h in self._lru)
