@@ -97,7 +97,7 @@ class LocalVLLMLauncher:
 
     async def start(self, spec: InstanceSpec) -> LaunchedInstance:
         _validate(spec)
-        port = _free_port(self.host)
+        port = self._free_port()
         log_path = await self._log_path(spec, port)
         argv = self.command(spec, port)
         env = self.environment(spec)
@@ -180,6 +180,14 @@ class LocalVLLMLauncher:
             if cores:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
         return env
+
+    def _free_port(self) -> int:
+        # The kernel may hand the same free port to two starts in a row; vLLM binds it
+        # only after its imports, so avoid the ports of our own instances explicitly.
+        taken = {_handle(i).port for i in self._running.values()}
+        while (port := _free_port(self.host)) in taken:
+            pass
+        return port
 
     async def _log_path(self, spec: InstanceSpec, port: int) -> Path:
         if self._log_dir is None:
