@@ -1,0 +1,137 @@
+"""The async driver: runs an :class:`EngineCore` in (compressed) real time for a server.
+
+One background task loops: take a batch of engine steps worth about ``tick_s`` of
+simulated time, sleep until their simulated end, then deliver the tokens they emitted to
+per-request queues (one queue item per request per tick, however many steps it spans).
+Batching ticks instead of sleeping every ~10 ms step is what lets eight servers at 20-50x
+speed share one Python process: the cost is that a request arriving mid-tick joins the
+batch at the tick's end (at most ``tick_s`` of simulated time late; a real engine makes
+it wait for the current step, so the error is ``tick_s`` minus one step).
+
+If the process cannot keep up, simulated time slips rather than the engine running
+ahead of the clock: the next batch starts at "now", and ``lag_s`` records the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from backends.sim.clock import Clock
+from backends.sim.engine import EngineCore
+from backends.sim.request import FinishReason, SimRequest, StepOutput
+
+
+@dataclass(slots=True)
+class Delta:
+    """Tokens a request gained since its previous delta, and its end if it ended."""
+
+    num_new: int
+    finish: FinishReason | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RequestHandle:
+    """The live side of one submitted request (simulated timestamps in seconds)."""
+
+    request: SimRequest
+    arrival: float
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_generated: int = 0
+    finish: FinishReason | None = None
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas until (and including) the one that finishes the request."""
+        while True:
+            delta = await self.queue.get()
+            yield delta
+            if delta.finish is not None:
+                return
+
+
+FinishedHook = Callable[[RequestHandle], None]
+
+
+class SimEngine:
+    """Owns the engine loop; ``submit``/``abort`` are called from request handlers."""
+
+    def __init__(self, core: EngineCore, clock: Clock, *, tick_s: float = 0.2,
+                 on_finished: FinishedHook | None = None) -> None:
+        self.core = core
+        self.clock = clock
+        self.tick_s = tick_s  # simulated seconds per delivery batch
+        self.on_finished = on_finished
+        self.lag_s = 0.0
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = asyncio.Event()
+
+    async def submit(self, req: SimRequest) -> RequestHandle:
+        """Queue a request after the per-request API overhead; ValueError if it can't fit."""
+        handle = RequestHandle(req, arrival=self.clock.now())
+        await self.clock.sleep(self.core.profile.request_overhead_ms / 1000.0)
+        req.arrival = handle.arrival
+        self.core.add_request(req)
+        self._handles[req.id] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client went away); True if it was still in the engine."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            handle.finish = FinishReason.ABORT
+        return self.core.abort(request_id)
+
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled."""
+        t_free = self.clock.now()
+        while True:
+            if not self.core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                t_free = self.clock.now()  # an idle engine starts when work arrives
+            now = self.clock.now()
+            if now > t_free + self.tick_s:  # fell behind: let simulated time slip
+                self.lag_s += now - t_free - self.tick_s
+                t_free = now - self.tick_s
+            start = t_free
+            batch = self._run_batch()
+            t_free = start + sum(o.duration_s for o in batch)
+            await self.clock.sleep(t_free - self.clock.now())
+            self._deliver(batch, start)
+
+    def _run_batch(self) -> list[StepOutput]:
+        batch: list[StepOutput] = []
+        elapsed = 0.0
+        while self.core.has_work and elapsed < self.tick_s:
+            out = self.core.step(horizon_s=self.tick_s - elapsed)
+            batch.append(out)
+            elapsed += out.duration_s
+        return batch
+
+    def _deliver(self, batch: list[StepOutput], start: float) -> None:
+        pending: dict[str, tuple[RequestHandle, Delta]] = {}
+        t = start
+        for out in batch:
+            t += out.duration_s
+            for rid, n in out.emitted.items():
+                handle = self._handles.get(rid)
+                if handle is None:  # aborted meanwhile
+                    continue
+                if handle.first_token_at is None:
+                    handle.first_token_at = t
+                handle.num_generated += n
+                pending.setdefault(rid, (handle, Delta(0)))[1].num_new += n
+            for rid, reason in out.finished:
+                handle = self._handles.pop(rid, None)
+                if handle is None:
+                    continue
+                handle.finished_at, handle.finish = t, reason
+                pending.setdefault(rid, (handle, Delta(0)))[1].finish = reason
+                if self.on_finished is not None:
+                    self.on_finished(handle)
+        for handle, delta in pending.values():
+            handle.queue.put_nowait(delta)

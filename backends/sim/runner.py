@@ -1,0 +1,98 @@
+"""Hosting simulated servers: many uvicorn servers in one process and event loop.
+
+One process can host a whole simulated pool (8 servers on 2 cores) because the servers
+only sleep between token batches. ``start_sim_servers`` is for tests and the demo (free
+ports, in-process); ``run_sim_backends`` is what ``rollout-gateway sim-backend`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import AsyncIterator, Generator, Sequence
+
+import uvicorn
+
+from backends.sim.engine import SchedulingPolicy
+from backends.sim.server import create_sim_app
+from backends.sim.state import SimServerConfig
+
+
+class _QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its host (several share a loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _server(config: SimServerConfig) -> _QuietServer:
+    ucfg = uvicorn.Config(create_sim_app(config), log_level="warning", access_log=False,
+                          lifespan="on", timeout_graceful_shutdown=1)
+    return _QuietServer(ucfg)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def start_sim_servers(configs: Sequence[SimServerConfig], host: str = "127.0.0.1"
+                            ) -> AsyncIterator[list[str]]:
+    """Run one server per config on free ports; yields their base URLs (no ``/v1``)."""
+    sockets = [_bind(host, 0) for _ in configs]
+    servers = [_server(c) for c in configs]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks = [asyncio.create_task(s.serve(sockets=[sock]))
+                 for s, sock in zip(servers, sockets, strict=True)]
+        while not all(s.started for s in servers):
+            failed = [t for t in tasks if t.done()]
+            if failed:
+                raise RuntimeError("a simulated server exited during start")
+            await asyncio.sleep(0.01)
+        yield [f"http://{host}:{sock.getsockname()[1]}" for sock in sockets]
+    finally:
+        for s in servers:
+            s.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in sockets:
+            sock.close()
+
+
+def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = "qwen3-14b",
+                     gpu: str = "H100", tp: int = 1, speed: float = 1.0, count: int = 1,
+                     seed: int = 0, scheduling_policy: SchedulingPolicy = "fcfs") -> None:
+    """Serve ``count`` simulated servers on ports ``port .. port+count-1`` until SIGINT/TERM.
+
+    Each server gets seed ``seed + i`` so their outputs differ.
+    """
+    configs = [SimServerConfig(model=model, gpu=gpu, tp=tp, speed=speed, seed=seed + i,
+                               scheduling_policy=scheduling_policy) for i in range(count)]
+    configs[0].profile()  # unknown profile: fail before binding anything
+    asyncio.run(_run_forever(configs, host, port))
+
+
+async def _run_forever(configs: list[SimServerConfig], host: str, port: int) -> None:
+    sockets = [_bind(host, port + i) for i in range(len(configs))]
+    servers = [_server(c) for c in configs]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(s.serve(sockets=[sock]))
+             for s, sock in zip(servers, sockets, strict=True)]
+    print(f"simulated vLLM ({configs[0].profile().key}, speed {configs[0].speed}x) on "
+          + ", ".join(f"http://{host}:{port + i}" for i in range(len(configs))), flush=True)
+    await stop.wait()
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for sock in sockets:
+        sock.close()

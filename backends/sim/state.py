@@ -1,0 +1,145 @@
+"""Configuration and per-app state of one simulated vLLM server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from backends.sim.clock import WallClock
+from backends.sim.driver import SimEngine
+from backends.sim.engine import EngineCore, SchedulingPolicy
+from backends.sim.metrics import ServerMetrics
+from backends.sim.profiles import LatencyProfile, load_profile
+from backends.sim.protocol import APIError, _Body
+from backends.sim.request import SimRequest
+from backends.sim.responses import Choice
+from backends.sim.tokenizer import SimTokenizer, get_tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class SimServerConfig:
+    """One simulated server. ``model``/``gpu``/``tp`` pick the latency profile; the
+    server answers to ``served_model_name`` (default: ``model``).
+
+    Output lengths without ``ignore_eos`` are lognormal(median, sigma) tokens (EOS
+    included). ``tick_real_s`` is the real-time granularity of token delivery.
+    """
+
+    model: str = "qwen3-14b"
+    gpu: str = "H100"
+    tp: int = 1
+    served_model_name: str | None = None
+    tp_penalty: float | None = None
+    speed: float = 1.0
+    seed: int = 0
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 40960
+    enable_prefix_caching: bool = True
+    output_len_median: float = 200.0
+    output_len_sigma: float = 0.9
+    tool_call_prob: float = 0.7
+    tick_real_s: float = 0.01
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def profile(self) -> LatencyProfile:
+        return load_profile(self.model, self.gpu, self.tp, tp_penalty=self.tp_penalty)
+
+
+class SimState:
+    """Engine, tokenizer, metrics and bookkeeping of one server (lives in the lifespan)."""
+
+    def __init__(self, config: SimServerConfig) -> None:
+        self.config = config
+        self.tok: SimTokenizer = get_tokenizer()
+        self.core = EngineCore(config.profile(), max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               scheduling_policy=config.scheduling_policy,
+                               enable_prefix_caching=config.enable_prefix_caching,
+                               seed=config.seed)
+        self.engine = SimEngine(self.core, WallClock(config.speed),
+                                tick_s=config.tick_real_s * config.speed)
+        self.metrics = ServerMetrics(self.engine, config.served_name)
+        self.engine.on_finished = self.metrics.on_finished
+        self._counter = itertools.count()
+        self.seen: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.num_requests = 0
+        self.num_disconnects = 0
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.served_name:
+            raise APIError(404, f"The model `{model}` does not exist.",
+                           type_="NotFoundError", param="model", code="404")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """vLLM's rule: default to the rest of the context; reject what cannot fit."""
+        room = self.config.max_model_len - prompt_len
+        if room <= 0 or (requested is not None and requested > room):
+            raise APIError(400, f"This model's maximum context length is "
+                           f"{self.config.max_model_len} tokens. However, you requested "
+                           f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the "
+                           f"messages, {requested or 0} in the completion).")
+        return requested if requested is not None else room
+
+    def rng_for(self, seed: int | None, choice: int) -> tuple[random.Random, int]:
+        """A per-choice RNG: from the request's ``seed`` if given, else the server's."""
+        base = hash((seed, choice)) if seed is not None else hash(
+            (self.config.seed, next(self._counter)))
+        return random.Random(base), base
+
+    def draw_length(self, rng: random.Random) -> int:
+        c = self.config
+        return max(1, round(rng.lognormvariate(math.log(c.output_len_median),
+                                               c.output_len_sigma)))
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def record_seen(self, rid: str, body: _Body, prompt_len: int, max_tokens: int) -> None:
+        self.num_requests += 1
+        self.seen.append({"id": rid, "priority": body.priority, "prompt_tokens": prompt_len,
+                          "max_tokens": max_tokens, "n": body.n, "stream": body.stream,
+                          "ignore_eos": body.ignore_eos})
+
+    async def submit(self, rid: str, prompt_ids: list[int], choices: list[Choice],
+                     priority: int) -> None:
+        async def one(c: Choice) -> None:
+            req = SimRequest(f"{rid}-{c.index}", prompt_ids, max_tokens=len(c.comp.ids),
+                             ignore_eos=True, priority=priority, output_ids=c.comp.ids)
+            c.handle = await self.engine.submit(req)
+
+        try:
+            await asyncio.gather(*(one(c) for c in choices))
+        except ValueError as exc:
+            self.abort_all(choices)
+            raise APIError(400, str(exc)) from None
+
+    def abort_all(self, choices: list[Choice]) -> None:
+        """Abort every unfinished choice (client disconnected)."""
+        aborted = False
+        for c in choices:
+            if c.handle is not None and c.handle.finish is None:
+                aborted |= self.engine.abort(c.handle.request.id)
+        self.num_disconnects += aborted
+
+    def stats(self) -> dict[str, Any]:
+        core = self.core
+        return {
+            "model": self.config.served_name, "profile": core.profile.key,
+            "running": core.num_running, "waiting": core.num_waiting,
+            "aborted": core.num_aborted, "disconnects": self.num_disconnects,
+            "preemptions": core.num_preemptions, "kv_usage": core.kv_usage,
+            "prefix_cache_queries": core.kv.queries, "prefix_cache_hits": core.kv.hits,
+            "requests_total": self.num_requests, "lag_s": self.engine.lag_s,
+            "requests_seen": list(self.seen),
+        }
