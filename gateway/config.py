@@ -39,7 +39,12 @@ class TraceSettings(BaseModel):
     batch_size: int = Field(500, ge=1)
     flush_interval_s: float = 0.25
     retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 5.0
     store_text: bool = True
+    spool_path: Path | None = Field(
+        None, description="spool file for records the database cannot take yet "
+        "(default: ~/.cache/rollout-gateway/spool/<hash of DATABASE_URL>.jsonl)")
+    spool_max_bytes: int = Field(2 * 1024**3, ge=0)
 
 
 class ServerSettings(BaseModel):

@@ -19,9 +19,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
-from gateway.metrics import GatewayMetrics, gauge
+from gateway.dispatch.scrape import Monitor
+from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.proxy.client import make_session
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
+from gateway.store.spool import Spool, default_spool_path
 from gateway.store.writer import TraceWriter
 from gateway.trajectories.tracker import Tracker
 
@@ -43,6 +45,8 @@ class Runtime:
     weight_version: str
     ready: bool = True
     extras: dict[str, object] = field(default_factory=dict)
+    events: EventLog = field(default_factory=EventLog)
+    monitor: Monitor = field(default_factory=Monitor)
 
     def registry_mark_down(self, backend: Backend) -> None:
         """A call could not reach ``backend``: take it out of rotation until it recovers."""
@@ -74,6 +78,8 @@ class Runtime:
                       self.writer.dropped)
         yield _single("rollout_gateway_trace_written", "Trace records written",
                       self.writer.written)
+        yield _single("rollout_gateway_trace_spool_bytes", "Bytes of trace records spooled "
+                      "to disk while the database is unreachable", self.writer.spool_bytes)
 
 
 def _single(name: str, doc: str, value: float) -> Metric:
@@ -100,7 +106,9 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         await health.check_all()
         health.start()
         stack.push_async_callback(health.close)
-        writer = TraceWriter(sessionmaker, settings.traces)
+        spool_path = settings.traces.spool_path or default_spool_path(settings.database_url)
+        spool = Spool(spool_path, settings.traces.spool_max_bytes)
+        writer = TraceWriter(sessionmaker, settings.traces, spool)
         writer.start()
         stack.push_async_callback(writer.close)
         rt = Runtime(
@@ -110,5 +118,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
             weight_version=settings.weight_version,
         )
         rt.metrics.add_collector(rt.collect)
+        rt.monitor.start(rt)
+        stack.push_async_callback(rt.monitor.close)
         yield rt
         rt.ready = False

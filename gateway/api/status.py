@@ -43,5 +43,7 @@ async def status(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
         "trajectories": {"total": len(rt.tracker), "by_phase": phases},
         "trace_writer": {"queue_depth": rt.writer.queue_depth, "written": rt.writer.written,
                          "dropped": rt.writer.dropped, "write_errors": rt.writer.write_errors,
+                         "spooled": rt.writer.spooled, "spool_bytes": rt.writer.spool_bytes,
+                         "db_ok": rt.writer.db_ok,
                          "last_error": rt.writer.last_error},
     }

@@ -27,7 +27,8 @@ def make_engine(url: str) -> AsyncEngine:
     if is_sqlite(url):
         kwargs = {"connect_args": {"timeout": 30}}
     else:
-        kwargs.update(pool_size=10, max_overflow=10, pool_recycle=1800)
+        kwargs.update(pool_size=10, max_overflow=10, pool_recycle=1800,
+                      connect_args={"timeout": 5, "command_timeout": 60})
     engine = create_async_engine(url, **kwargs)
     if is_sqlite(url):
 

@@ -1,20 +1,25 @@
 """The batched trace writer: the request path submits without waiting; this flushes.
 
-Submissions go into a bounded queue (``submit`` never blocks and never raises; when the
-queue is full the record is counted in ``dropped``). One task drains the queue in
-multi-row inserts, flushing when ``batch_size`` records are waiting or
-``flush_interval_s`` has passed. A batch that fails to write (database down) is kept and
-retried with backoff, so nothing already accepted is lost while the database recovers.
-``close`` flushes what is left.
+Submissions go into a bounded in-memory queue (``submit`` never blocks and never raises;
+when the queue is full the record is counted in ``dropped``). One task drains the queue
+in multi-row inserts, flushing when ``batch_size`` records are waiting or
+``flush_interval_s`` has passed.
+
+When the database is unreachable, nothing already accepted is lost: the failed batch and
+whatever queues up behind it move to a local spool file (off the event loop), which is
+replayed in order once the database answers again, and on the next start if the process
+stops first. Only a full spool (``spool_max_bytes``) drops records, and they are counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,6 +32,7 @@ from gateway.config import TraceSettings
 from gateway.store.codec import pack_floats, pack_ids
 from gateway.store.models import Call, Trajectory
 from gateway.store.records import CallRecord
+from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -35,36 +41,16 @@ def _ts(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, tz=UTC)
 
 
+_CALL_COLUMNS = [f.name for f in fields(CallRecord) if f.name != "group_id"]
+
+
 def call_row(rec: CallRecord) -> dict[str, Any]:
-    return {
-        "id": rec.id,
-        "trajectory_id": rec.trajectory_id,
-        "seq": rec.seq,
-        "endpoint": rec.endpoint,
-        "model": rec.model,
-        "backend_id": rec.backend_id,
-        "backend_url": rec.backend_url,
-        "tp": rec.tp,
-        "weight_version": rec.weight_version,
-        "status": rec.status,
-        "error": rec.error,
-        "finish_reason": rec.finish_reason,
-        "started_at": _ts(rec.started_at),
-        "queued_ms": rec.queued_ms,
-        "ttft_ms": rec.ttft_ms,
-        "total_ms": rec.total_ms,
-        "prompt_len": rec.prompt_len,
-        "prompt_offset": rec.prompt_offset,
-        "prompt_delta": pack_ids(rec.prompt_delta),
-        "completion_ids": pack_ids(rec.completion_ids),
-        "completion_logprobs": pack_floats(rec.completion_logprobs),
-        "mismatch_pos": rec.mismatch_pos,
-        "prompt_tokens": rec.prompt_tokens,
-        "completion_tokens": rec.completion_tokens,
-        "extra_choices": rec.extra_choices,
-        "request_messages": rec.request_messages,
-        "completion_text": rec.completion_text,
-    }
+    row = {k: getattr(rec, k) for k in _CALL_COLUMNS}
+    row["started_at"] = _ts(rec.started_at)
+    row["prompt_delta"] = pack_ids(rec.prompt_delta)
+    row["completion_ids"] = pack_ids(rec.completion_ids)
+    row["completion_logprobs"] = pack_floats(rec.completion_logprobs)
+    return row
 
 
 async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> None:
@@ -84,27 +70,41 @@ async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
 
 class TraceWriter:
     def __init__(
-        self, sessionmaker: async_sessionmaker[AsyncSession], settings: TraceSettings
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        settings: TraceSettings,
+        spool: Spool | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
+        self._spool = spool
         self._queue: asyncio.Queue[CallRecord] = asyncio.Queue(maxsize=settings.queue_size)
         self._task: asyncio.Task[None] | None = None
         self._pending = 0
+        self._inflight: list[CallRecord] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._high_water = asyncio.Event()
         self.written = 0
         self.dropped = 0
-        self.write_errors = 0
         self.rejected = 0
+        self.spooled = 0
+        self.write_errors = 0
+        self.db_ok = True
         self.last_error: str | None = None
         self.last_flush_at: float | None = None
 
     @property
     def queue_depth(self) -> int:
-        return self._pending
+        return self._queue.qsize()
+
+    @property
+    def spool_bytes(self) -> int:
+        return self._spool.pending_bytes if self._spool else 0
 
     def start(self) -> None:
+        if self._spool is not None and self._spool.pending_bytes:
+            self._idle.clear()
         self._task = asyncio.create_task(self._run(), name="trace-writer")
 
     def submit(self, record: CallRecord) -> bool:
@@ -116,10 +116,12 @@ class TraceWriter:
             return False
         self._pending += 1
         self._idle.clear()
+        if self._queue.qsize() * 2 >= self._queue.maxsize:
+            self._high_water.set()
         return True
 
     async def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything submitted so far is written. False on timeout."""
+        """Wait until everything submitted so far is in the database. False on timeout."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
@@ -128,14 +130,24 @@ class TraceWriter:
         return True
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Flush what is queued (up to ``timeout_s``), then stop."""
+        """Flush what is queued (up to ``timeout_s``); spool the rest; stop."""
         await self.drain(timeout_s)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._pending:
-            log.error("trace writer closed with %d records unwritten", self._pending)
+        rest = self._inflight + self._take_queued()
+        self._inflight = []
+        if rest:
+            await self._spill(rest)
+            log.error("trace writer stopped with %d records not in the database; "
+                      "%d bytes spooled for the next start", len(rest), self.spool_bytes)
+
+    def _take_queued(self) -> list[CallRecord]:
+        out = []
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
+        return out
 
     async def _next_batch(self) -> list[CallRecord]:
         batch = [await self._queue.get()]
@@ -157,39 +169,95 @@ class TraceWriter:
         return batch
 
     async def _run(self) -> None:
+        await self._replay_spool()
+        self._mark_idle()
         while True:
-            batch = await self._next_batch()
-            await self._write_with_retry(batch)
-            self._pending -= len(batch)
-            self.written += len(batch)
+            self._inflight = batch = await self._next_batch()
+            if await self._try_write(batch):
+                self._pending -= len(batch)
+                self._inflight = []
+            else:
+                self._inflight = []
+                await self._spill(batch)
+                await self._replay_spool()
+            self._mark_idle()
+
+    def _mark_idle(self) -> None:
+        if self._pending == 0 and not self.spool_bytes:
+            self._idle.set()
+
+    async def _try_write(self, batch: Sequence[CallRecord]) -> bool:
+        """Write ``batch``; False if the database is unreachable (the batch is not lost)."""
+        try:
+            async with self._sessionmaker() as session, session.begin():
+                await write_batch(session, batch)
+        except (IntegrityError, DataError) as exc:
+            log.error("trace batch rejected (%s); writing rows one by one", exc)
+            await self._write_one_by_one(batch)
             self.last_flush_at = time.time()
-            if self._pending == 0:
-                self._idle.set()
+            return True
+        except Exception as exc:
+            self.write_errors += 1
+            self.db_ok = False
+            self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("trace write failed: %s", self.last_error)
+            return False
+        self.db_ok = True
+        self.written += len(batch)
+        self.last_flush_at = time.time()
+        return True
 
-    async def _write_with_retry(self, batch: list[CallRecord]) -> None:
-        backoff = self._settings.retry_backoff_s
-        while True:
-            try:
-                async with self._sessionmaker() as session, session.begin():
-                    await write_batch(session, batch)
-                return
-            except (IntegrityError, DataError) as exc:
-                # The data, not the database, is at fault: isolate the bad rows.
-                log.error("trace batch rejected (%s); writing rows one by one", exc)
-                await self._write_one_by_one(batch)
-                return
-            except Exception as exc:
-                self.write_errors += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("trace write failed (%s); retrying in %.1fs", self.last_error, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    async def _write_one_by_one(self, batch: list[CallRecord]) -> None:
+    async def _write_one_by_one(self, batch: Sequence[CallRecord]) -> None:
         for rec in batch:
             try:
                 async with self._sessionmaker() as session, session.begin():
                     await write_batch(session, [rec])
+                self.written += 1
             except (IntegrityError, DataError) as exc:
                 self.rejected += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+
+    async def _spill(self, records: list[CallRecord]) -> None:
+        """Move records to the spool (or, without one, hold them until the DB is back)."""
+        if self._spool is None:
+            for attempt in itertools.count():
+                if await self._try_write(records):
+                    break
+                await asyncio.sleep(min(self._settings.retry_backoff_s * 2**attempt,
+                                        self._settings.retry_backoff_max_s))
+            self._pending -= len(records)
+            return
+        kept = await asyncio.to_thread(self._spool.append, records)
+        self.spooled += kept
+        self._pending -= len(records)
+        lost = len(records) - kept
+        if lost:
+            self.dropped += lost
+            log.error("trace spool full: dropped %d records", lost)
+
+    async def _replay_spool(self) -> None:
+        """Write the spool back in order, spilling the queue while the DB stays down."""
+        spool, backoff = self._spool, self._settings.retry_backoff_s
+        if spool is None:
+            return
+        while spool.pending_bytes:
+            records, position = await asyncio.to_thread(spool.read, self._settings.batch_size)
+            if await self._try_write(records):
+                await asyncio.to_thread(spool.commit, position)
+                backoff = self._settings.retry_backoff_s
+                continue
+            await self._spill(self._take_queued())
+            await self._spill_while_waiting(backoff)
+            backoff = min(backoff * 2, self._settings.retry_backoff_max_s)
+
+    async def _spill_while_waiting(self, seconds: float) -> None:
+        """Sleep ``seconds``, moving the queue to the spool whenever it fills halfway."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            self._high_water.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._high_water.wait()
+            except TimeoutError:
+                return
+            await self._spill(self._take_queued())

@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 from gateway.trajectories.tools import ToolOutcome
 
+# Timeline kept per trajectory for the status page's Gantt: (kind, start, end) triples
+# packed in an array of doubles, the most recent MAX_SEGMENTS only (bounded memory).
+SEGMENT_KINDS = ("queue", "llm", "tool")
+MAX_SEGMENTS = 64
+
 
 class Phase(enum.StrEnum):
     QUEUED = "queued"
@@ -49,6 +54,8 @@ class TrajectoryState:
     sequence: array[int] = field(default_factory=lambda: array("i"))
     finished_at: float | None = None
     reward: float | None = None
+    last_queue_s: float = 0.0
+    timeline: array[float] = field(default_factory=lambda: array("d"))
 
     @property
     def phase(self) -> Phase:
@@ -63,6 +70,19 @@ class TrajectoryState:
     @property
     def context_tokens(self) -> int:
         return len(self.sequence)
+
+    def add_segment(self, kind: int, start: float, end: float) -> None:
+        """Record ``SEGMENT_KINDS[kind]`` over [start, end] (epoch seconds)."""
+        if end - start < 1e-4:
+            return
+        self.timeline.extend((kind, start, end))
+        if len(self.timeline) > 3 * MAX_SEGMENTS:
+            del self.timeline[:3]
+
+    def segments(self) -> Iterator[tuple[str, float, float]]:
+        t = self.timeline
+        for i in range(0, len(t), 3):
+            yield SEGMENT_KINDS[int(t[i])], t[i + 1], t[i + 2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +152,7 @@ class Tracker:
         """Register a new call; returns its sequence number within the trajectory."""
         if state.last_call_end is not None and not state.in_flight and not state.queued:
             state.tool_time_s += max(0.0, now - state.last_call_end)
+            state.add_segment(2, state.last_call_end, now)
         state.outcomes.extend(outcomes)
         state.queued += 1
         seq = state.turns
@@ -144,6 +165,7 @@ class Tracker:
         state.queued -= 1
         state.in_flight += 1
         state.queue_time_s += queued_s
+        state.last_queue_s = queued_s
         state.backend_id = backend_id
 
     def call_abandoned(self, state: TrajectoryState) -> None:
@@ -164,6 +186,8 @@ class Tracker:
         state.in_flight -= 1
         state.last_call_end = now
         state.llm_time_s += llm_s
+        state.add_segment(0, now - llm_s - state.last_queue_s, now - llm_s)
+        state.add_segment(1, now - llm_s, now)
         if not ok:
             state.calls_failed += 1
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -31,20 +32,21 @@ async def test_writer_batches_and_samples_rebuild_the_sequence(db_url: str, tmp_
     sm = make_sessionmaker(engine)
     writer = TraceWriter(sm, TraceSettings(batch_size=2, flush_interval_s=0.01))
     writer.start()
+    tid = f"t1-{uuid.uuid4().hex[:8]}"
     try:
         # turn 0: prompt [1,2,3] -> [10,11]; turn 1 extends; turn 2 diverges at position 4.
-        for rec in (_rec("t1", 0, 0, [1, 2, 3], [10, 11]),
-                    _rec("t1", 1, 5, [4, 5], [12], version="v2"),
-                    _rec("t1", 2, 4, [99, 7], [13, 14], mismatch=4, version="v2")):
+        for rec in (_rec(tid, 0, 0, [1, 2, 3], [10, 11]),
+                    _rec(tid, 1, 5, [4, 5], [12], version="v2"),
+                    _rec(tid, 2, 4, [99, 7], [13, 14], mismatch=4, version="v2")):
             assert writer.submit(rec)
         assert await writer.drain(10)
         assert writer.written == 3 and writer.dropped == 0
         async with sm() as session, session.begin():
-            await queries.finish_trajectory(session, trajectory_id="t1", group_id=None,
+            await queries.finish_trajectory(session, trajectory_id=tid, group_id=None,
                                             reward=1.5, metadata={"k": 1}, now=time.time())
         async with sm() as session:
-            traj = await queries.get_trajectory(session, trajectory_id="t1")
-            calls = await queries.get_calls(session, trajectory_id="t1")
+            traj = await queries.get_trajectory(session, trajectory_id=tid)
+            calls = await queries.get_calls(session, trajectory_id=tid)
         assert traj is not None and traj.reward == 1.5 and traj.group_id == "g1"
         sample = build_sample(traj, calls)
         # [1,2,3]+[10,11] -> +[4,5]+[12] -> cut to 4 tokens, +[99,7]+[13,14]
@@ -55,10 +57,11 @@ async def test_writer_batches_and_samples_rebuild_the_sequence(db_url: str, tmp_
         assert sample.weight_versions[-1] == "v2" and sample.weight_versions[3] == "v1"
 
         out = tmp_path / "samples.parquet"
-        assert await export_samples(db_url, out, fmt="parquet", progress=False) == 1
-        table = pq.read_table(out)
-        assert table.column("token_ids").to_pylist() == [sample.token_ids]
-        assert table.column("reward").to_pylist() == [1.5]
+        assert await export_samples(db_url, out, fmt="parquet", progress=False, group_id="g1") >= 1
+        table = pq.read_table(out).to_pylist()
+        row = next(r for r in table if r["trajectory_id"] == tid)
+        assert row["token_ids"] == sample.token_ids
+        assert row["reward"] == 1.5
     finally:
         await writer.close()
         await engine.dispose()
