@@ -68,13 +68,16 @@ async def start_sim_servers(configs: Sequence[SimServerConfig], host: str = "127
 
 def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = "qwen3-14b",
                      gpu: str = "H100", tp: int = 1, speed: float = 1.0, count: int = 1,
-                     seed: int = 0, scheduling_policy: SchedulingPolicy = "fcfs") -> None:
+                     seed: int = 0, scheduling_policy: str = "fcfs") -> None:
     """Serve ``count`` simulated servers on ports ``port .. port+count-1`` until SIGINT/TERM.
 
     Each server gets seed ``seed + i`` so their outputs differ.
     """
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy must be fcfs or priority, not {scheduling_policy!r}")
+    policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
     configs = [SimServerConfig(model=model, gpu=gpu, tp=tp, speed=speed, seed=seed + i,
-                               scheduling_policy=scheduling_policy) for i in range(count)]
+                               scheduling_policy=policy) for i in range(count)]
     configs[0].profile()  # unknown profile: fail before binding anything
     asyncio.run(_run_forever(configs, host, port))
 
