@@ -130,6 +130,7 @@ class TPSpeed:
 
     per_token_s: float
     slope: float
+    prefill_s_per_token: float = 0.0  # uncached prompt token cost (re-prefill on a move)
 
     def step_s(self, n: int) -> float:
         return self.per_token_s * (1.0 + self.slope * max(0, n - 1))
@@ -216,7 +217,11 @@ class Policy(Protocol):
 
     name: str
     label: str
-    plan_interval_s: float | None
+
+    @property
+    def plan_interval_s(self) -> float | None:
+        """Driver time between ``plan`` calls (None: never)."""
+        ...
 
     def initial_layout(self, gpus: int) -> tuple[int, ...]:
         """TP degrees of the instances to start with (they sum to ``gpus``)."""

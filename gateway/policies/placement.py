@@ -1,0 +1,188 @@
+"""Queue order (prioritizers) and where calls go (placers).
+
+Sources: FCFS / least-loaded (slime, SGLang router), sticky (verl), sticky with
+rebalance (verl*, as described by Heddle section 2), least-attained-service (Autellix,
+arXiv 2502.13965), progressive priority and presorted-DP placement (Heddle, arXiv
+2603.28101, sections 4-5), C-MLFQ buckets (Libra, arXiv 2606.03077, section 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from gateway.policies.base import PendingCall, Prediction, Slots, Snapshot, TrajectoryView
+from gateway.policies.compose import least_loaded
+from gateway.policies.dp import presorted_dp
+
+# ------------------------------------------------------------------ prioritizers
+
+
+class FCFS:
+    """Arrival order in the gateway queue."""
+
+    def key(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+            now: float) -> float:
+        return call.enqueued_at
+
+
+class LeastAttainedService:
+    """Autellix: least LLM service received so far runs first (minimizes mean latency,
+    the opposite of LPT; a contrast baseline). Key in milliseconds of attained service."""
+
+    def key(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+            now: float) -> float:
+        return traj.llm_time_s * 1000.0
+
+
+class ProgressivePriority:
+    """Heddle's progressive priority: longest predicted *remaining* first (online LPT).
+
+    Aging: every second waited in the queue counts as ``aging_tokens_per_s`` predicted
+    tokens, so a short call's key falls linearly while it waits and it overtakes any
+    finite prediction: wait is bounded by (max prediction gap) / aging rate.
+    """
+
+    def __init__(self, aging_tokens_per_s: float = 400.0) -> None:
+        self.aging = aging_tokens_per_s
+
+    def key(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+            now: float) -> float:
+        remaining = pred.mean if pred is not None else 0.0
+        return -remaining - self.aging * max(0.0, now - call.enqueued_at)
+
+
+# ------------------------------------------------------------------ placers
+
+
+class _Base:
+    def refresh(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> None:
+        return None
+
+    def target_of(self, trajectory_id: str) -> str | None:
+        return None
+
+
+class LeastLoadedPlacer(_Base):
+    """slime: every call to the instance with the most free slots, blind to history."""
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        return least_loaded(slots, snap)
+
+
+class RoundRobinPlacer(_Base):
+    """Next instance (by id order) that has a free slot."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        ids = sorted(slots.free)
+        return ids[next(self._counter) % len(ids)] if ids else None
+
+
+class StickyPlacer(_Base):
+    """verl: a trajectory stays where its first call went (prefix cache reuse).
+
+    With ``rebalance`` (verl*), it leaves its instance when that one is full and the
+    max/min load gap exceeds the threshold; otherwise it waits for its instance.
+    """
+
+    def __init__(self, rebalance: int | None = None) -> None:
+        self.rebalance = rebalance
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        home = snap.instance(traj.instance)
+        if home is None or home.state != "up":
+            return least_loaded(slots, snap)
+        if home.id in slots.free:
+            return home.id
+        if self.rebalance is None:
+            return None
+        loads = [i.running for i in snap.instances if i.state == "up"]
+        if max(loads) - min(loads) > self.rebalance:
+            return least_loaded(slots, snap)
+        return None
+
+
+class PresortedDPPlacer(_Base):
+    """Heddle's presorted dynamic-programming placement (section 5).
+
+    ``refresh`` sorts live trajectories by predicted remaining length and splits them
+    into contiguous groups, fastest instance first, minimizing the predicted makespan
+    ``max_j T_j * F_j(n_j) * L_j`` (see :func:`presorted_dp`). ``choose`` keeps a
+    trajectory where its prefix cache is (moves happen through migration in tool gaps),
+    sends new ones to their DP target, and falls back to least-loaded after ``hold_s``.
+    """
+
+    def __init__(self, hold_s: float = 2.0) -> None:
+        self.hold_s = hold_s
+        self._target: dict[str, str] = {}
+
+    def refresh(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> None:
+        self._target = presorted_dp(snap, preds)
+
+    def target_of(self, trajectory_id: str) -> str | None:
+        return self._target.get(trajectory_id)
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        for want in (traj.instance, self._target.get(traj.id)):
+            if want is not None and want in slots.free:
+                return want
+        home = snap.instance(traj.instance) or snap.instance(self._target.get(traj.id))
+        if home is not None and home.state == "up" and snap.now - call.enqueued_at < self.hold_s:
+            return None
+        return least_loaded(slots, snap)
+
+
+class CMLFQPlacer(_Base):
+    """Libra's C-MLFQ: buckets of instances by TP, each with a token threshold.
+
+    New trajectories start in the smallest bucket. When a fresh prediction is available
+    (after each tool return), the buckets of its mean and of its P90 are computed; the
+    trajectory moves only when both agree and differ from its current bucket (moves may
+    skip levels, up or down). Within a bucket: least-loaded. A full bucket holds the call.
+    """
+
+    def __init__(self, thresholds: Mapping[int, int]) -> None:
+        self.levels = sorted(thresholds.items())  # (tp, max remaining tokens)
+        self.bucket: dict[str, int] = {}
+        self._seen_turn: dict[str, int] = {}
+
+    def bucket_of(self, tokens: float) -> int:
+        for idx, (_, limit) in enumerate(self.levels):
+            if tokens <= limit:
+                return idx
+        return len(self.levels) - 1
+
+    def _update(self, traj: TrajectoryView, pred: Prediction | None) -> int:
+        cur = self.bucket.setdefault(traj.id, 0)
+        if pred is None or self._seen_turn.get(traj.id) == traj.turns:
+            return cur
+        self._seen_turn[traj.id] = traj.turns
+        b_mean, b_p90 = self.bucket_of(pred.mean), self.bucket_of(pred.p90)
+        if b_mean == b_p90 != cur:
+            self.bucket[traj.id] = cur = b_mean
+        return cur
+
+    def target_tp(self, traj: TrajectoryView) -> int:
+        return self.levels[self.bucket.get(traj.id, 0)][0]
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        level = self._update(traj, pred)
+        present = {i.tp for i in snap.instances if i.state == "up"}
+        # nearest level that has instances (the planner may have emptied one)
+        order = sorted(range(len(self.levels)), key=lambda b: (abs(b - level), -b))
+        for b in order:
+            tp = self.levels[b][0]
+            if tp in present:
+                ids = {i.id for i in snap.instances if i.tp == tp and i.state == "up"}
+                if traj.instance in ids and traj.instance in slots.free:
+                    return traj.instance
+                return least_loaded(slots, snap, ids)
+        return least_loaded(slots, snap)
