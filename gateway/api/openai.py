@@ -49,7 +49,12 @@ COMPLETION_BODY = {
                    "stream": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1},
                    "max_tokens": {"type": "integer", "minimum": 1}},
 }
-ID_PARAM = Path(pattern=f"^{ID_PATTERN.pattern}$", max_length=128)
+
+
+def _id_param() -> Any:
+    """A fresh ``Path`` per parameter (FastAPI must not share one FieldInfo between two)."""
+    return Path(pattern=f"^{ID_PATTERN.pattern}$", max_length=128)
+
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["openai"])
 
@@ -70,14 +75,14 @@ def _register(endpoint: Endpoint, schema: dict[str, Any]) -> None:
                                                path_group=None)
 
     @router.post("/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_t", **opts)
-    async def scoped(request: Request, trajectory_id: str = ID_PARAM) -> Response:
+    async def scoped(request: Request, trajectory_id: str = _id_param()) -> Response:
         return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
                                                path_group=None)
 
     @router.post("/g/{group_id}/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_gt",
                  **opts)
     async def grouped(
-        request: Request, group_id: str = ID_PARAM, trajectory_id: str = ID_PARAM
+        request: Request, group_id: str = _id_param(), trajectory_id: str = _id_param()
     ) -> Response:
         return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
                                                path_group=group_id)
@@ -101,12 +106,12 @@ async def models(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
 
 
 @router.get("/t/{trajectory_id}/v1/models", name="models_t")
-async def models_t(trajectory_id: str = ID_PARAM, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def models_t(trajectory_id: str = _id_param(), rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
     return _models(rt)
 
 
 @router.get("/g/{group_id}/t/{trajectory_id}/v1/models", name="models_gt")
 async def models_gt(
-    group_id: str = ID_PARAM, trajectory_id: str = ID_PARAM, rt: Runtime = Depends(get_rt)
+    group_id: str = _id_param(), trajectory_id: str = _id_param(), rt: Runtime = Depends(get_rt)
 ) -> dict[str, Any]:
     return _models(rt)

@@ -41,6 +41,21 @@ def gateway_at(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
         yield start
 
 
+@pytest.fixture(scope="module")
+def sim_pool(loop_thread: LoopThread) -> Iterator[list[str]]:
+    """Two simulated vLLM servers (time compressed 50x), tool calls enabled."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    configs = [SimServerConfig(model="qwen3-14b", gpu="H100", speed=50, seed=i,
+                               scheduling_policy="priority", output_len_median=30)
+               for i in range(2)]
+    cm = start_sim_servers(configs)
+    urls = loop_thread.run(cm.__aenter__())
+    yield urls
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
 @pytest.fixture
 def scripted(loop_thread: LoopThread) -> Iterator[Callable[[Script], tuple[str, Seen]]]:
     stack = ExitStack()
