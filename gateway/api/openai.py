@@ -106,7 +106,9 @@ async def models(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
 
 
 @router.get("/t/{trajectory_id}/v1/models", name="models_t")
-async def models_t(trajectory_id: str = _id_param(), rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def models_t(
+    trajectory_id: str = _id_param(), rt: Runtime = Depends(get_rt)
+) -> dict[str, Any]:
     return _models(rt)
 
 

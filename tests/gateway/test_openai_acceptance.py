@@ -8,6 +8,7 @@ training sample, on SQLite and on Postgres.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -71,7 +72,7 @@ def _check_trace(gw: str, traj: str, asked_ids: list[int]) -> None:
         assert all(lp <= 0 for lp in c["completion_logprobs"])
         assert c["backend_id"] in ("b0", "b1") and c["tp"] == 1
     # prefix delta: each call stores only what is new since the previous prompt+completion
-    for prev, cur in zip(calls, calls[1:], strict=False):
+    for prev, cur in itertools.pairwise(calls):
         assert cur["prompt_offset"] == prev["prompt_offset"] + len(prev["prompt_delta_ids"]) + \
             len(prev["completion_ids"])
         assert cur["prompt_len"] == cur["prompt_offset"] + len(cur["prompt_delta_ids"])
