@@ -109,14 +109,15 @@ arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n\
 {%- endif %}
 """
 
-_WORDS = (
+_WORDS_TEXT = (
     "the a an of to and in is it for on with as at by from this that be are was not or "
     "file test run call tool result error value list read write open close search find "
     "python code function return import class def self name args json query page user "
     "assistant system message content model token patch diff line path repo issue fix "
     "number answer compute sum total step plan first then next done ok yes no true false "
     "weather city temperature time date price order item account status request response"
-).split()
+)
+_WORDS = _WORDS_TEXT.split()
 
 
 def _corpus(seed: int) -> list[str]:
