@@ -1,0 +1,333 @@
+"""Discrete-event simulator: policy objects + simulated vLLM engines on a virtual clock.
+
+The loop has two event sources: engine step ends (one in flight per busy engine) and
+external events (a call becoming ready after its tool gap, planner ticks, restarted
+instances coming up). An engine fuses identical decode steps up to the next external
+event (``EngineCore.step(horizon_s)``), capped at ``max_fuse_s`` so a call routed to a
+busy engine by a step end elsewhere waits at most that long for the batch boundary.
+The gateway side is modelled as in ``gateway/dispatch``: a queue, a per-instance
+concurrency cap, the policy's priority stamped on every request, prewarms
+(``max_tokens: 1``) for migrations, drain-and-restart for layout changes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from backends.sim.engine import EngineCore
+from backends.sim.profiles import LatencyProfile
+from backends.sim.request import SimRequest, StepOutput
+from bench.state import Instance, Traj
+from bench.workloads import TrajectorySpec
+from gateway.policies.base import (
+    GroupView,
+    InstanceState,
+    PendingCall,
+    Phase,
+    Policy,
+    Relayout,
+    Snapshot,
+    TPSpeed,
+    TrajectoryView,
+)
+
+READY, PLAN, UP = 0, 1, 2
+OVERHEAD_S = 0.005  # API server + tokenization per request (profile.request_overhead_ms)
+
+
+@dataclass(slots=True)
+class SimConfig:
+    gpus: int
+    profiles: dict[int, LatencyProfile]
+    speeds: dict[int, TPSpeed]
+    cap_per_gpu: int = 16
+    restart_s: float = 10.8
+    max_fuse_s: float = 0.25
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class SimStats:
+    migrations: int = 0
+    reconfigurations: int = 0
+    preemptions: int = 0
+    calls: int = 0
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    predictions: list[tuple[float, int]] = field(default_factory=list)  # (pred, true)
+    early: dict[str, float] = field(default_factory=dict)  # predicted total at call 3
+
+
+class Simulator:
+    """Run one batch of ``specs`` under ``policy``; see :meth:`run`."""
+
+    def __init__(self, specs: list[TrajectorySpec], policy: Policy, cfg: SimConfig,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.cfg, self.policy, self.progress = cfg, policy, progress
+        self.trajs = {s.id: Traj(s, i) for i, s in enumerate(specs)}
+        self.live: dict[str, Traj] = dict(self.trajs)
+        self.groups: dict[str, GroupView] = {}
+        for s in specs:
+            g = self.groups.get(s.group_id)
+            members = (*g.members, s.id) if g else (s.id,)
+            self.groups[s.group_id] = GroupView(s.group_id, members)
+        self.instances: dict[str, Instance] = {}
+        self.pending: dict[str, PendingCall] = {}
+        self.ext: list[tuple[float, int, int, object]] = []
+        self.steps: list[tuple[float, int, str]] = []
+        self.outputs: dict[str, StepOutput] = {}
+        self.req_owner: dict[str, str] = {}  # request id -> trajectory id (prewarm: "")
+        self.relayouts: dict[int, tuple[Relayout, set[str]]] = {}
+        self.now = 0.0
+        self.stats = SimStats()
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._snap: Snapshot | None = None
+        self.bs = next(iter(cfg.profiles.values())).block_size
+
+    # ------------------------------------------------------------------ setup
+    def _start_instance(self, tp: int) -> Instance:
+        engine = EngineCore(self.cfg.profiles[tp], scheduling_policy="priority",
+                            seed=self.cfg.seed)
+        inst = Instance(f"i{next(self._ids)}-tp{tp}", tp, engine, self.cfg.cap_per_gpu * tp)
+        self.instances[inst.id] = inst
+        return inst
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.ext, (t, next(self._seq), kind, payload))
+
+    def run(self) -> float:
+        """Simulate until every trajectory finished; returns the makespan (seconds)."""
+        layout = self.policy.initial_layout(self.cfg.gpus)
+        if sum(layout) != self.cfg.gpus:
+            raise ValueError(f"layout {layout} does not use {self.cfg.gpus} GPUs")
+        for tp in layout:
+            self._start_instance(tp)
+        for tr in self.trajs.values():
+            self._push(tr.spec.setup_s, READY, tr)
+        if self.policy.plan_interval_s:
+            self._push(self.policy.plan_interval_s, PLAN, None)
+        while self.live:
+            self._next_event()
+        return max(t.finished_at or 0.0 for t in self.trajs.values())
+
+    def _next_event(self) -> None:
+        if self.steps and (not self.ext or self.steps[0][0] <= self.ext[0][0]):
+            t, _, iid = heapq.heappop(self.steps)
+            self.now = t
+            self._snap = None
+            self._step_done(self.instances[iid])
+            return
+        t, _, kind, payload = heapq.heappop(self.ext)
+        self.now = t
+        self._snap = None
+        if kind == READY:
+            assert isinstance(payload, Traj)
+            self._ready(payload)
+        elif kind == PLAN:
+            self._plan()
+        else:
+            assert isinstance(payload, tuple)
+            for tp in payload:
+                self._start_instance(tp)
+        self._schedule()
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self) -> Snapshot:
+        if self._snap is None:
+            self._snap = Snapshot(
+                self.now, self.cfg.gpus, tuple(i.view() for i in self.instances.values()),
+                _Views(self.live), self.groups, self.cfg.speeds, self.cfg.restart_s,
+                len(self.trajs) - len(self.live))
+        return self._snap
+
+    def _changed(self, tr: Traj) -> None:
+        tr.touch()
+        self._snap = None
+
+    # ------------------------------------------------------------------ trajectories
+    def _ready(self, tr: Traj) -> None:
+        """A call becomes ready: first call after setup, or the next after a tool gap."""
+        if tr.turn == 0:
+            tr.started_at = self.now
+        else:
+            prev = tr.spec.turns[tr.turn - 1]
+            tr.outcomes.append(prev.tool_state)
+            tr.tool_s += prev.tool_s
+        tr.phase = Phase.QUEUED
+        tr.enqueued_at = self.now
+        self._changed(tr)
+        self.policy.observe(tr.view(), self.groups, self.now)
+        self._record_prediction(tr)
+        key = f"{tr.spec.id}#{tr.turn}"
+        self.pending[key] = PendingCall(key, tr.spec.id, tr.turn, tr.prompt_len(), self.now)
+
+    def _record_prediction(self, tr: Traj) -> None:
+        pred = self.policy.predict(tr.view(), self.snapshot())
+        if pred is None:
+            return
+        self.stats.predictions.append((pred.mean, tr.remaining_output(tr.generated)))
+        if tr.turn <= 2:
+            self.stats.early[tr.spec.id] = tr.generated + pred.mean
+
+    def _schedule(self) -> None:
+        if not self.pending:
+            return
+        snap = self.snapshot()
+        if not any(i.free_slots for i in snap.instances):
+            return
+        for d in self.policy.schedule(snap, list(self.pending.values())):
+            inst = self.instances.get(d.instance)
+            call = self.pending.get(d.key)
+            if inst is None or call is None or inst.state is not InstanceState.UP:
+                continue
+            if inst.running >= inst.cap:
+                continue
+            del self.pending[d.key]
+            self._dispatch(self.trajs[call.trajectory_id], inst, d.priority)
+
+    def _dispatch(self, tr: Traj, inst: Instance, priority: int) -> None:
+        n = tr.prompt_len()
+        toks = tr.tokens(n + tr.spec.turns[tr.turn].output_tokens)
+        hashes = tr.hashes_for(toks[:n], self.bs)
+        rid = f"{tr.spec.id}#{tr.turn}"
+        inst.engine.add_request(SimRequest(
+            rid, toks[:n], tr.spec.turns[tr.turn].output_tokens, ignore_eos=True,
+            priority=priority, arrival=self.now, output_ids=toks[n:], prompt_hashes=hashes))
+        self.req_owner[rid] = tr.spec.id
+        tr.queue_s += self.now - tr.enqueued_at
+        tr.dispatched_at = self.now
+        tr.instance = inst.id
+        tr.phase = Phase.GENERATING
+        self._changed(tr)
+        inst.running += 1
+        self.stats.calls += 1
+        self._kick(inst)
+
+    def _call_done(self, tr: Traj, inst: Instance) -> None:
+        turn = tr.spec.turns[tr.turn]
+        tr.context = tr.prompt_len() + turn.output_tokens
+        tr.generated += turn.output_tokens
+        tr.llm_s += self.now - tr.dispatched_at
+        tr.turn += 1
+        inst.running -= 1
+        inst.served += 1
+        last = tr.turn == len(tr.spec.turns)
+        tr.phase = Phase.FINISHED if last else Phase.TOOL
+        self._changed(tr)
+        if last:
+            self._finish(tr)
+            return
+        self.policy.observe(tr.view(), self.groups, self.now)
+        self._push(self.now + turn.tool_s + OVERHEAD_S, READY, tr)
+        mig = self.policy.on_tool_gap(self.snapshot(), tr.view())
+        if mig is not None:
+            self._migrate(tr, mig.target)
+
+    def _finish(self, tr: Traj) -> None:
+        tr.finished_at = self.now
+        del self.live[tr.spec.id]
+        g = self.groups[tr.spec.group_id]
+        self.groups[tr.spec.group_id] = GroupView(
+            g.id, g.members, (*g.finished_lengths, tr.generated), (*g.finished_turns, tr.turn))
+        self.policy.observe(tr.view(), self.groups, self.now)
+        if self.progress is not None:
+            self.progress(len(self.trajs) - len(self.live))
+
+    def _migrate(self, tr: Traj, target: str) -> None:
+        """Prewarm ``target`` with the trajectory's context while its tool runs."""
+        inst = self.instances.get(target)
+        if inst is None or inst.state is not InstanceState.UP or tr.context < 2:
+            return
+        toks = tr.tokens(tr.context)
+        rid = f"{tr.spec.id}#{tr.turn}:warm"
+        inst.engine.add_request(SimRequest(
+            rid, toks, 1, ignore_eos=True, priority=-2_000_000, arrival=self.now,
+            prompt_hashes=tr.hashes_for(toks, self.bs)))
+        self.req_owner[rid] = ""
+        tr.instance = target
+        self._changed(tr)
+        self.stats.migrations += 1
+        self._kick(inst)
+
+    # ------------------------------------------------------------------ engines
+    def _kick(self, inst: Instance) -> None:
+        if inst.busy or not inst.engine.has_work:
+            return
+        horizon = self.cfg.max_fuse_s
+        if self.ext:
+            horizon = min(horizon, max(0.0, self.ext[0][0] - self.now))
+        out = inst.engine.step(horizon)
+        inst.busy = True
+        self.outputs[inst.id] = out
+        heapq.heappush(self.steps, (self.now + out.duration_s, next(self._seq), inst.id))
+
+    def _step_done(self, inst: Instance) -> None:
+        inst.busy = False
+        out = self.outputs.pop(inst.id)
+        self.stats.preemptions += len(out.preempted)
+        for rid, _ in out.finished:
+            owner = self.req_owner.pop(rid)
+            if owner:
+                self._call_done(self.trajs[owner], inst)
+        if inst.state is InstanceState.DRAINING:
+            self._maybe_stopped(inst)
+        else:
+            self._kick(inst)
+        self._schedule()
+        if inst.state is InstanceState.UP:
+            self._kick(inst)
+
+    # ------------------------------------------------------------------ layout
+    def _plan(self) -> None:
+        interval = self.policy.plan_interval_s
+        if interval:
+            self._push(self.now + interval, PLAN, None)
+        change = self.policy.plan(self.snapshot())
+        if change is None or not self._valid(change):
+            return
+        rid = next(self._ids)
+        self.relayouts[rid] = (change, set(change.retire))
+        self.stats.reconfigurations += 1
+        for iid in change.retire:
+            inst = self.instances[iid]
+            inst.state = InstanceState.DRAINING
+            inst.relayout = rid
+            self._maybe_stopped(inst)
+
+    def _valid(self, change: Relayout) -> bool:
+        insts = [self.instances.get(i) for i in change.retire]
+        if any(i is None or i.state is not InstanceState.UP for i in insts):
+            return False
+        gpus = sum(i.tp for i in insts if i is not None)
+        return gpus == sum(change.launch) and all(tp in self.cfg.profiles for tp in change.launch)
+
+    def _maybe_stopped(self, inst: Instance) -> None:
+        if inst.busy or inst.engine.has_work or inst.relayout is None:
+            return
+        change, left = self.relayouts[inst.relayout]
+        left.discard(inst.id)
+        del self.instances[inst.id]
+        self._snap = None
+        if not left:
+            del self.relayouts[inst.relayout]
+            self._push(self.now + self.cfg.restart_s, UP, change.launch)
+
+
+class _Views(Mapping[str, TrajectoryView]):
+    """Read-only mapping of live trajectory id -> view (views are built lazily, cached)."""
+
+    def __init__(self, live: dict[str, Traj]) -> None:
+        self._live = live
+
+    def __getitem__(self, key: str) -> TrajectoryView:
+        return self._live[key].view()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
