@@ -114,8 +114,6 @@ class Monitor:
         self.engines: dict[str, EngineStats] = {}
         self.history = History(history_capacity)
         self.started_at = time.time()
-        self.ticks = 0
-        self._tick = asyncio.Event()
         self._missing: dict[str, float] = {}
         self._seen: dict[str, tuple[str, bool]] = {}
         self._watched: tuple[str, str] | None = None
@@ -132,14 +130,6 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def wait_tick(self, timeout: float) -> bool:
-        """Wait for the next sample (True) or ``timeout`` seconds (False)."""
-        try:
-            await asyncio.wait_for(self._tick.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     async def _run(self, rt: Runtime) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
@@ -148,9 +138,6 @@ class Monitor:
                 self.observe(rt, time.time())
             except Exception:  # a bug here must not stop the monitor for good
                 log.exception("status monitor round failed")
-            self.ticks += 1
-            self._tick.set()
-            self._tick = asyncio.Event()
 
     async def scrape_all(self, rt: Runtime) -> None:
         now = time.time()

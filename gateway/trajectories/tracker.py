@@ -73,7 +73,7 @@ class TrajectoryState:
 
     def add_segment(self, kind: int, start: float, end: float) -> None:
         """Record ``SEGMENT_KINDS[kind]`` over [start, end] (epoch seconds)."""
-        if end - start < 1e-4:
+        if end - start < 1e-3:  # sub-millisecond slivers are invisible and cost memory
             return
         self.timeline.extend((kind, start, end))
         if len(self.timeline) > 3 * MAX_SEGMENTS:
