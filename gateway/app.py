@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from gateway.api import admin, openai, status, trajectories
+from gateway.api import admin, openai, status, trajectories, web
 from gateway.config import Settings
 from gateway.errors import install_error_handlers
 from gateway.proxy.relay import Proxy
@@ -37,6 +37,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, trajectories, admin, status):
+    for module in (openai, trajectories, admin, status, web):
         app.include_router(module.router)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -9,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.deps import get_rt
+from gateway.api.snapshot import backend_row, live_view, phase_counts
 from gateway.runtime import Runtime
 
 router = APIRouter(tags=["status"])
@@ -28,22 +30,20 @@ async def metrics(rt: Runtime = Depends(get_rt)) -> Response:
 
 @router.get("/status", summary="Live state of the pool, trajectories and trace writer")
 async def status(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    phases: dict[str, int] = {}
-    for st in rt.tracker:
-        phases[st.phase.value] = phases.get(st.phase.value, 0) + 1
+    return status_body(rt)
+
+
+def status_body(rt: Runtime) -> dict[str, Any]:
+    """The status page's data (also sent by ``/status/stream``); shape in docs/status-page.md."""
+    states = list(rt.tracker)
     return {
         "policy": rt.dispatcher.placement.name,
         "weight_version": rt.weight_version,
-        "backends": [
-            {"id": b.id, "url": b.url, "tp": b.tp or 1, "state": b.state.value,
-             "healthy": b.healthy, "in_flight": b.in_flight, "served": b.served,
-             "failures": b.failures, "models": sorted(b.models), "last_error": b.last_error}
-            for b in rt.registry
-        ],
-        "trajectories": {"total": len(rt.tracker), "by_phase": phases},
+        "backends": [backend_row(rt, b) for b in rt.registry],
+        "trajectories": {"total": len(states), "by_phase": phase_counts(states)},
         "trace_writer": {"queue_depth": rt.writer.queue_depth, "written": rt.writer.written,
                          "dropped": rt.writer.dropped, "write_errors": rt.writer.write_errors,
                          "spooled": rt.writer.spooled, "spool_bytes": rt.writer.spool_bytes,
                          "db_ok": rt.writer.db_ok,
                          "last_error": rt.writer.last_error},
-    }
+    } | live_view(rt, time.time())
