@@ -1,0 +1,155 @@
+"""The status page in real headless Chromium while an agent workload runs.
+
+Debian's chromium driven by Playwright (``executable_path``; Playwright's own browser
+builds cannot be downloaded here). Without chromium the test skips on a developer
+machine and FAILS under CI, where ``scripts/setup-browser.sh`` must have installed it.
+Screenshots go to ``artifacts/web/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backends.sim.runner import start_sim_servers
+from backends.sim.state import SimServerConfig
+from gateway.app import create_app
+from tests.servers import LoopThread, app_in_thread
+from tests.web.conftest import ADMIN_TOKEN, Workload, entered, gateway_settings, start_workload
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts" / "web"
+CHROMIUM = os.environ.get("ROLLOUT_GATEWAY_CHROMIUM") or shutil.which("chromium") or \
+    "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _unavailable(reason: str) -> None:
+    message = f"{reason}; run scripts/setup-browser.sh and `pip install -e .[dev]`"
+    if os.environ.get("CI"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def browser(sqlite_url: str) -> Iterator[Any]:
+    """Chromium, launched after the migrated database: Playwright's sync API keeps an event
+    loop running in this thread, where ``asyncio.run`` (Alembic) no longer works."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed")
+    if not Path(CHROMIUM).is_file():
+        _unavailable(f"chromium not found at {CHROMIUM}")
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def busy_gateway(loop_thread: LoopThread, sqlite_url: str) -> Iterator[tuple[str, Workload]]:
+    """Three simulated vLLM servers (TP 1, 1, 2) behind a gateway, agents running."""
+    configs = [SimServerConfig(model="qwen3-14b", tp=tp, speed=2.0, seed=i)
+               for i, tp in enumerate((1, 1, 2))]
+    with entered(loop_thread, start_sim_servers(configs)) as urls:
+        backends = [f"{u}#tp={c.tp}" for u, c in zip(urls, configs, strict=True)]
+        settings = gateway_settings(sqlite_url, backends)
+        with app_in_thread(loop_thread, lambda: create_app(settings)) as gw:
+            workload = Workload(gw, model="qwen3-14b", trajectories=48, turns=(4, 16))
+            running = start_workload(loop_thread, workload)
+            try:
+                yield gw, workload
+            finally:
+                running.cancel()
+
+
+def _watch_console(page: Any, errors: list[str]) -> None:
+    page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error"
+            else None)
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}")
+            if "/status/stream" not in r.url else None)
+
+
+def _text(page: Any, selector: str) -> str:
+    return str(page.locator(selector).text_content() or "")
+
+
+def test_status_page_is_live_and_usable(browser, busy_gateway):
+    from playwright.sync_api import expect
+
+    gw, workload = busy_gateway
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    _watch_console(page, errors)
+    page.goto(f"{gw}/")
+    expect(page.locator("#conn")).to_have_text("live", timeout=15_000)
+
+    # Live numbers change without a reload.
+    calls_before = _text(page, "#kpi-calls-total")
+    page.wait_for_function(
+        "before => document.getElementById('kpi-calls-total').textContent !== before",
+        arg=calls_before, timeout=20_000)
+    expect(page.locator("#pool tbody tr")).to_have_count(3)
+    expect(page.locator("#gantt .row").first).to_be_visible(timeout=15_000)
+    page.wait_for_function("() => document.querySelectorAll('#pool .meter').length === 3",
+                           timeout=15_000)  # KV use scraped from each vLLM /metrics
+    page.wait_for_function("() => document.querySelectorAll('#throughput path.line').length",
+                           timeout=15_000)
+    page.wait_for_timeout(4_000)  # let the run build some history for the screenshot
+    page.screenshot(path=str(ARTIFACTS / "status-1280x800.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "status-1280x800-fold.png"))
+
+    # Admin action without the token is refused; with it, it takes effect.
+    page.fill("#weights-value", "step-42")
+    page.click("#weights-form button[type=submit]")
+    expect(page.locator("#admin-result")).to_contain_text("rejected")
+    page.fill("#admin-token", ADMIN_TOKEN)
+    page.click("#token-form button[type=submit]")
+    expect(page.locator("#admin-state")).to_have_text("token set for this tab")
+    page.click("#weights-form button[type=submit]")
+    expect(page.locator("#admin-result")).to_contain_text("step-42")
+    expect(page.locator("#weight-version")).to_have_text("step-42", timeout=5_000)
+    assert httpx.get(f"{gw}/status").json()["weight_version"] == "step-42"
+    expect(page.locator("#events li").first).to_contain_text("weight version",
+                                                              timeout=5_000)
+
+    # A trajectory's calls open from the Gantt; with the admin token its text is shown.
+    page.locator("#gantt .row").first.click()
+    expect(page.locator("#traj-calls tbody tr").first).to_be_visible(timeout=5_000)
+    page.locator("#traj-text details").first.click()
+    expect(page.locator("#traj-text pre").first).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "trajectory-dialog.png"))
+    page.click("#traj-close")
+
+    # Narrow screen: one column, nothing wider than the viewport.
+    narrow = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                              is_mobile=True, has_touch=True)
+    _watch_console(narrow, errors)
+    narrow.goto(f"{gw}/")
+    expect(narrow.locator("#conn")).to_have_text("live", timeout=15_000)
+    expect(narrow.locator("#gantt .row").first).to_be_visible(timeout=15_000)
+    overflow = narrow.evaluate("() => document.documentElement.scrollWidth - innerWidth")
+    assert overflow <= 0, f"page is {overflow}px wider than a 390px screen"
+    for card in ("#pool-card", "#gantt-card", "#admin-card"):
+        box = narrow.locator(card).bounding_box()
+        assert box is not None and box["width"] <= 390, card
+    narrow.screenshot(path=str(ARTIFACTS / "status-390x844.png"), full_page=True)
+
+    page.close()
+    narrow.close()
+    expected = "console: Failed to load resource: the server responded with a status of 401"
+    assert sum(e.startswith(expected) for e in errors) == 1  # the refused action above
+    assert not [e for e in errors if not e.startswith(expected)], errors
+    assert not workload.errors, workload.errors[:3]

@@ -1,0 +1,134 @@
+"""``/status``, ``/status/stream``, ``/metrics`` and the page assets, against a live gateway."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.web.conftest import ADMIN_TOKEN
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _wait_for(pred, timeout=10.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def _chat(gw, traj, stream=False):
+    r = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", timeout=10, json={
+        "model": "scripted", "stream": stream,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_status_json_has_the_page_data(scripted_gateway):
+    gw, _ = scripted_gateway
+    for _ in range(3):
+        _chat(gw, "traj-a", stream=True)
+        time.sleep(0.05)
+    _chat(gw, "traj-b")
+    httpx.post(f"{gw}/trajectories/traj-b/finish", json={"reward": 1.0})
+    status = _wait_for(lambda: (s := httpx.get(f"{gw}/status").json())["backends"][0]["engine"]
+                       and len(s["history"]["points"]) >= 2 and s)
+    engine = status["backends"][0]["engine"]
+    assert engine["kv_usage"] == 0.25 and engine["waiting"] == 1.0
+    assert engine["prefix_hit_rate"] == 0.75
+    assert status["pool"] == {"instances": 1, "routable": 1, "gpus": 1, "running": 0,
+                              "queued": 0}
+    assert status["trajectories"]["by_phase"] == {"queued": 0, "generating": 0, "tool": 1,
+                                                  "finished": 1}
+    assert status["totals"]["calls"] == 4 and status["totals"]["completion_tokens"] == 20
+    assert status["lengths"]["count"] == 2 and status["lengths"]["max"] == 15
+    rows = {r["id"]: r for r in status["gantt"]["rows"]}
+    kinds = [seg[0] for seg in rows["traj-a"]["segments"]]
+    assert kinds.count("llm") == 3 and kinds.count("tool") == 3  # the last one still open
+    assert kinds[-1] == "tool" and rows["traj-a"]["segments"][-1][2] == status["gantt"]["now"]
+    assert rows["traj-b"]["phase"] == "finished"
+    assert status["policy"] == "least-loaded"
+    assert "completion_text" not in json.dumps(status)
+
+
+def test_admin_changes_show_up_as_events(scripted_gateway):
+    gw, _ = scripted_gateway
+    r = httpx.put(f"{gw}/admin/weight-version", json={"version": "step-9"},
+                  headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 200
+    events = _wait_for(lambda: httpx.get(f"{gw}/status").json()["events"])
+    assert events[0]["kind"] == "weight_version" and events[0]["version"] == "step-9"
+    assert {"seq", "ts", "kind", "message"} <= events[0].keys()
+
+
+def test_stream_sends_status_events(scripted_gateway):
+    gw, _ = scripted_gateway
+    events = []
+    with httpx.stream("GET", f"{gw}/status/stream", params={"interval": 0.25},
+                      timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    break
+    assert events[1]["server_time"] > events[0]["server_time"]
+    assert events[0]["weight_version"] == "0"
+
+
+def test_page_and_assets_are_served_from_this_origin(scripted_gateway):
+    gw, _ = scripted_gateway
+    page = httpx.get(f"{gw}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assets = re.findall(r'(?:src|href)="(/static/[^"]+)"', page.text)
+    assert {"/static/app.js", "/static/style.css", "/static/favicon.svg"} <= set(assets)
+    for path in assets:
+        r = httpx.get(f"{gw}{path}")
+        assert r.status_code == 200 and r.content, path
+    assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
+    for bad in ("/static/__init__.py", "/static/..%2fpyproject.toml", "/static/.hidden.js",
+                "/static/missing.js"):
+        assert httpx.get(f"{gw}{bad}").status_code == 404, bad
+
+
+def _exposed_names(text):
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(s.name for s in family.samples)
+    return names
+
+
+def test_grafana_dashboard_uses_only_exposed_metrics(scripted_gateway):
+    gw, _ = scripted_gateway
+    _chat(gw, "traj-m", stream=True)
+    _wait_for(lambda: "rollout_gateway_backend_kv_cache_usage{" in httpx.get(f"{gw}/metrics").text)
+    exposed = _exposed_names(httpx.get(f"{gw}/metrics").text)
+    dashboards = sorted((ROOT / "grafana").glob("*.json"))
+    assert dashboards
+    for path in dashboards:
+        exprs = [t["expr"] for panel in json.loads(path.read_text())["panels"]
+                 for t in panel.get("targets", [])]
+        used = {n for e in exprs for n in re.findall(r"\brollout_gateway_[a-z0-9_]+", e)}
+        assert len(used) >= 15, path
+        assert used <= exposed, (path.name, sorted(used - exposed))
+
+
+def test_every_exposed_metric_is_documented(scripted_gateway):
+    gw, _ = scripted_gateway
+    _chat(gw, "traj-d")
+    doc = (ROOT / "docs" / "status-page.md").read_text()
+    families = {f.name for f in text_string_to_metric_families(httpx.get(f"{gw}/metrics").text)}
+    families = {n for n in families if not n.endswith("_created")}  # client-library extras
+    missing = sorted(n for n in families if n.startswith("rollout_gateway_") and n not in doc)
+    assert not missing
+    assert len(families) >= 20
