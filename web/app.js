@@ -85,6 +85,7 @@
     latest = s;
     setText("policy", s.policy);
     setText("weight-version", s.weight_version);
+    $("paused").hidden = !s.paused;  // present once the gateway can pause
     setText("uptime", dur(s.server_time - s.started_at));
     renderKpis(s);
     renderPhases(s);
@@ -353,8 +354,8 @@
     $("token-clear").addEventListener("click", () => { sessionStorage.removeItem(TOKEN_KEY); showTokenState(); });
     $("pool-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
-      const instances = Number($("pool-instances").value), tp = Number($("pool-tp").value);
-      admin("PUT", "/admin/pool", { instances, tp }, () => `Pool resize to ${instances} × TP${tp} requested.`);
+      const gpus = Number($("pool-gpus").value), tp = Number($("pool-tp").value);
+      admin("PUT", "/admin/pool", { gpus, tp }, () => `Pool resize to ${gpus} GPUs (new instances TP${tp}) requested.`);
     });
     $("policy-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
