@@ -19,9 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from backends.sim.state import SimServerConfig
 from bench.harness import BatchResult, HarnessConfig, TrajectoryResult, run_batch
-from bench.hosting import free_port, port_is_free, serve_gateway, sim_pool
+from bench.hosting import free_port, port_is_free, serve_gateway, sim_pool_process
 from bench.workloads import generate
 from gateway.config import ServerSettings, Settings
 
@@ -39,6 +38,8 @@ class DemoOptions:
     port: int = 8000
     database_url: str | None = None
     keep: bool = False
+    stream: bool = False
+    max_context: int = 32768  # the model serves 40960; leave room for the chat template
 
 
 def _progress(console: Console) -> Progress:
@@ -84,6 +85,10 @@ def _summary(console: Console, batch: BatchResult) -> None:
     table.add_row("trajectory p50 / p99", f"{statistics.median(durations):.0f} s / "
                   f"{durations[min(len(durations) - 1, int(0.99 * len(durations)))]:.0f} s")
     console.print(table)
+    errors = [r for r in batch.trajectories if r.error]
+    if errors:
+        console.print(f"[red]{len(errors)} trajectories failed[/], e.g. {errors[0].id}: "
+                      f"{errors[0].error}")
 
 
 async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchResult:
@@ -91,20 +96,21 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
     workdir = Path(tempfile.mkdtemp(prefix="rollout-gateway-demo-"))
     db_url = opts.database_url or f"sqlite+aiosqlite:///{workdir / 'traces.db'}"
     port = opts.port if port_is_free("127.0.0.1", opts.port) else free_port()
-    specs = generate(opts.workload, opts.seed, prompts=opts.prompts, group_size=opts.group_size)
-    configs = [SimServerConfig(model=opts.model, gpu=opts.gpu, speed=opts.speed, seed=i,
-                               scheduling_policy="priority") for i in range(opts.instances)]
+    specs = generate(opts.workload, opts.seed, prompts=opts.prompts, group_size=opts.group_size,
+                     max_context=opts.max_context)
     console.print(f"[bold]rollout-gateway demo[/]: {len(specs)} '{opts.workload}' trajectories, "
                   f"{opts.instances} x simulated {opts.model} on {opts.gpu} (TP1), "
                   f"time compressed {opts.speed:g}x")
-    async with sim_pool(configs) as urls:
+    pool = sim_pool_process(count=opts.instances, model=opts.model, gpu=opts.gpu,
+                            speed=opts.speed, seed=opts.seed)
+    async with pool as urls:
         settings = Settings(database_url=db_url, backends=urls,
                             server=ServerSettings(host="127.0.0.1", port=port),
                             traces={"spool_path": workdir / "spool.jsonl"})
         async with serve_gateway(settings) as gw, httpx.AsyncClient(timeout=30) as http:
             console.print(f"status page: [link]{gw}/[/]   traces: {db_url}")
             cfg = HarnessConfig(gateway_url=gw, model=opts.model, speed=opts.speed,
-                                seed=opts.seed)
+                                seed=opts.seed, stream=opts.stream)
             with _progress(console) as progress:
                 task = progress.add_task("trajectories", total=len(specs), detail="")
 
@@ -115,6 +121,9 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
                 batch = await run_batch(specs, cfg, on_done=done)
                 watcher.cancel()
             _summary(console, batch)
+            lags = [(await http.get(f"{u}/sim/stats")).json()["lag_s"] for u in urls]
+            console.print(f"simulation lag (time the 2-core host fell behind the simulated "
+                          f"clock): max {max(lags):.1f} s of {batch.makespan_s:.0f} s")
             console.print(await _slowest(http, gw, batch))
             first = batch.trajectories[0].id
             sample = (await http.get(f"{gw}/trajectories/{first}/sample")).json()

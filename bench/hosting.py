@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 from collections.abc import AsyncIterator, Sequence
 
+import httpx
 import uvicorn
 
 from backends.sim.runner import start_sim_servers
@@ -61,5 +63,62 @@ async def serve_gateway(settings: Settings) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def sim_pool(configs: Sequence[SimServerConfig]) -> AsyncIterator[list[str]]:
+    """Simulated servers in this process (cheap to start; shares this process's core)."""
     async with start_sim_servers(configs) as urls:
         yield urls
+
+
+def _free_block(count: int, host: str = "127.0.0.1") -> int:
+    """A first port such that ``count`` consecutive ports are free."""
+    for _ in range(50):
+        first = free_port(host)
+        if first + count < 65535 and all(port_is_free(host, first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no block of {count} free ports")
+
+
+@contextlib.asynccontextmanager
+async def sim_pool_process(
+    *, count: int, model: str, gpu: str, tp: int = 1, speed: float = 1.0, seed: int = 0,
+    scheduling_policy: str = "priority", host: str = "127.0.0.1", ready_timeout_s: float = 30,
+) -> AsyncIterator[list[str]]:
+    """``rollout-gateway sim-backend --count N`` in a child process, so the simulated pool
+    gets its own core instead of competing with the gateway and the harness for one GIL."""
+    port = _free_block(count, host)
+    args = ["-m", "gateway", "sim-backend", "--host", host, "--port", str(port),
+            "--count", str(count), "--model", model, "--gpu", gpu, "--tp", str(tp),
+            "--speed", str(speed), "--seed", str(seed), "--scheduling-policy", scheduling_policy]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE)
+    urls = [f"http://{host}:{port + i}" for i in range(count)]
+    try:
+        await _wait_healthy(urls, proc, ready_timeout_s)
+        yield urls
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _wait_healthy(urls: list[str], proc: asyncio.subprocess.Process,
+                        timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(timeout=1) as http:
+        while True:
+            if proc.returncode is not None:
+                err = await proc.stderr.read() if proc.stderr else b""
+                raise RuntimeError(f"sim-backend exited: {err.decode(errors='replace')[-800:]}")
+            try:
+                codes = [(await http.get(f"{u}/health")).status_code for u in urls]
+                if all(code == 200 for code in codes):
+                    return
+            except httpx.HTTPError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError("simulated pool not healthy in time")
+            await asyncio.sleep(0.2)
