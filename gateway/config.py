@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -47,6 +47,19 @@ class TraceSettings(BaseModel):
     spool_max_bytes: int = Field(2 * 1024**3, ge=0)
 
 
+class DispatchSettings(BaseModel):
+    """How the dispatcher holds calls it cannot place yet. All in seconds."""
+
+    pause_mode: Literal["wait", "reject"] = Field(
+        "wait", description="while paused for weight sync: hold new calls until resume "
+        "(429 after pause_max_wait_s), or answer 429 with Retry-After at once")
+    pause_max_wait_s: float = Field(600.0, ge=0)
+    pause_retry_after_s: float = Field(5.0, ge=0)
+    backend_wait_s: float = Field(
+        300.0, ge=0, description="while a managed pool reconfigures and no instance is "
+        "routable, hold calls this long before answering 503")
+
+
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -75,6 +88,7 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     traces: TraceSettings = TraceSettings()
+    dispatch: DispatchSettings = DispatchSettings()
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod

@@ -8,6 +8,7 @@
     +-- Unauthorized                  (401 authentication_error)
     +-- NotFound                      (404 not_found_error)
     |   +-- ModelNotFound             (404 model_not_found)
+    +-- Conflict                      (409: the request clashes with the current state)
     +-- PayloadTooLarge               (413)
     +-- Overloaded                    (429 / 503 with Retry-After)
     |   +-- Paused                    (429 while the pool is paused for weight sync)
@@ -72,6 +73,12 @@ class NotFound(GatewayError):
 class ModelNotFound(NotFound):
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    status_code = 409
+    error_type = "conflict_error"
+    code = "conflict"
 
 
 class PayloadTooLarge(GatewayError):

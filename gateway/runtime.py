@@ -19,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.jobs import JobBook
+from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.scrape import Monitor
 from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.proxy.client import make_session
@@ -47,6 +49,8 @@ class Runtime:
     extras: dict[str, object] = field(default_factory=dict)
     events: EventLog = field(default_factory=EventLog)
     monitor: Monitor = field(default_factory=Monitor)
+    jobs: JobBook = field(default_factory=JobBook)
+    pool: PoolManager | None = None  # the managed pool (``settings.pool``), if any
 
     def registry_mark_down(self, backend: Backend) -> None:
         """A call could not reach ``backend``: take it out of rotation until it recovers."""
@@ -113,12 +117,16 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         stack.push_async_callback(writer.close)
         rt = Runtime(
             settings=settings, engine=engine, sessionmaker=sessionmaker, session=session,
-            registry=registry, health=health, dispatcher=Dispatcher(registry),
+            registry=registry, health=health,
+            dispatcher=Dispatcher(registry, settings=settings.dispatch),
             tracker=Tracker(), writer=writer, metrics=GatewayMetrics(),
             weight_version=settings.weight_version,
         )
         rt.metrics.add_collector(rt.collect)
         rt.monitor.start(rt)
         stack.push_async_callback(rt.monitor.close)
+        stack.push_async_callback(rt.jobs.close)
+        if settings.pool is not None:
+            rt.pool = await stack.enter_async_context(open_pool(rt))
         yield rt
         rt.ready = False

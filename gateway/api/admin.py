@@ -1,43 +1,90 @@
-"""Admin API (bearer admin token): backends and weight version.
+"""Admin API (bearer admin token): backends, the managed pool, jobs, pause, weight version.
 
-Pool reconfiguration, pause/resume and policy switching join this router as the managed
-pool and policies land.
+Changes that take time (resizing the pool, removing a backend that still serves calls)
+answer ``202`` with a job at once; ``GET /admin/jobs/{id}`` shows its phases. Removal
+always drains first: no new calls, in-flight calls finish, then the backend goes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, Field, ValidationError
 
 from gateway.api.deps import get_rt, require_admin
 from gateway.dispatch.backends import parse_backend_spec
-from gateway.errors import BadRequest, NotFound
+from gateway.dispatch.drain import start_remove_job, wait_idle
+from gateway.dispatch.jobs import Job
+from gateway.dispatch.layout import InstanceRequest, LayoutError
+from gateway.dispatch.pool import PoolManager
+from gateway.dispatch.poolspec import LayoutEntry
+from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.runtime import Runtime
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+REMOVE_DRAIN_TIMEOUT_S = 600.0
 
 
 class AddBackend(BaseModel):
-    url: str = Field(min_length=8, max_length=512)
+    """An external URL, or (without ``url``) a new instance of the managed pool."""
+
+    url: str | None = Field(None, min_length=8, max_length=512)
     tp: int | None = Field(None, ge=1, le=64)
     id: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    gpus: list[int] | None = None
+    node: str | None = None
+
+
+class PoolChange(BaseModel):
+    """``gpus``: a count, or GPU ids (``3`` or ``"node:3"``) of the inventory to keep;
+    ``layout``: the instances wanted; ``tp``: TP of instances created on freed GPUs."""
+
+    gpus: int | list[int | str] | None = None
+    layout: list[LayoutEntry] | None = None
+    tp: int | None = Field(None, ge=1, le=64)
+
+
+class Pause(BaseModel):
+    mode: Literal["wait", "reject"] | None = Field(
+        None, description="hold new calls, or answer 429 (default: the settings' mode)")
+    wait_idle: bool = Field(False, description="answer once no call is in flight")
+    timeout_s: float = Field(60.0, ge=0, le=3600)
 
 
 class WeightVersion(BaseModel):
     version: str = Field(min_length=1, max_length=128)
 
 
+def _job_ref(job: Job) -> dict[str, Any]:
+    return {"job": job.id, "status": job.status.value, "url": f"/admin/jobs/{job.id}"}
+
+
+def _pool(rt: Runtime) -> PoolManager:
+    if rt.pool is None:
+        raise Conflict("no managed pool: start the gateway with --pool FILE")
+    return rt.pool
+
+
 @router.get("/backends")
 async def list_backends(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    return {"data": [{"id": b.id, "url": b.url, "tp": b.tp or 1, "healthy": b.healthy,
-                      "state": b.state.value, "in_flight": b.in_flight,
+    return {"data": [{"id": b.id, "url": b.url, "tp": b.tp or 1, "gpus": list(b.gpus),
+                      "healthy": b.healthy, "state": b.state.value, "in_flight": b.in_flight,
                       "source": b.source} for b in rt.registry]}
 
 
 @router.post("/backends", status_code=201)
-async def add_backend(body: AddBackend, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def add_backend(body: AddBackend, response: Response,
+                      rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """201 with an external backend registered, or 202 with the job starting an instance."""
+    if body.url is None:
+        response.status_code = 202
+        request = InstanceRequest(tp=body.tp or 1, node=body.node, id=body.id,
+                                  gpus=None if body.gpus is None else tuple(body.gpus))
+        try:
+            return _job_ref(_pool(rt).add_instance(request))
+        except LayoutError as exc:
+            raise BadRequest(str(exc)) from None
     try:
         backend = parse_backend_spec(body.url, len(rt.registry))
     except ValueError as exc:
@@ -51,15 +98,82 @@ async def add_backend(body: AddBackend, rt: Runtime = Depends(get_rt)) -> dict[s
     return {"id": backend.id, "url": backend.url, "healthy": backend.healthy}
 
 
-@router.delete("/backends/{backend_id}")
+@router.delete("/backends/{backend_id}", status_code=202)
 async def remove_backend(backend_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    backend = rt.registry.remove(backend_id)
-    if backend is None:
-        raise NotFound(f"no backend {backend_id!r}")
-    return {"id": backend.id, "removed": True, "in_flight": backend.in_flight}
+    """Drain, then remove (a pool instance is also stopped); returns the job."""
+    job = rt.pool.remove_instance(backend_id) if rt.pool is not None else None
+    if job is None:
+        backend = rt.registry.get(backend_id)
+        if backend is None:
+            raise NotFound(f"no backend {backend_id!r}")
+        job = start_remove_job(rt.registry, rt.jobs, backend, REMOVE_DRAIN_TIMEOUT_S)
+    return {"id": backend_id, "draining": True, **_job_ref(job)}
+
+
+@router.get("/pool")
+async def get_pool(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    gate = rt.dispatcher.gate
+    paused = {"paused": gate.paused, "paused_since": gate.paused_at}
+    if rt.pool is None:
+        return {"managed": False, **paused, "instances": (await list_backends(rt))["data"]}
+    return {"managed": True, **paused, **rt.pool.to_dict(),
+            "jobs": [_job_ref(j) for j in rt.jobs.recent(10)]}
+
+
+@router.put("/pool", status_code=202)
+async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Resize and/or re-lay-out the pool; validated now, applied by the returned job."""
+    if body.gpus is None and body.layout is None and body.tp is None:
+        raise BadRequest("give 'gpus', 'layout' or 'tp'")
+    pool = _pool(rt)
+    try:
+        layout = (None if body.layout is None
+                  else [r for e in body.layout for r in e.requests()])
+        job = pool.reconfigure(gpus=body.gpus, layout=layout, tp=body.tp)
+    except (LayoutError, ValidationError, ValueError) as exc:
+        raise BadRequest(str(exc)) from None
+    return {**_job_ref(job), "planned": [s.id for s in pool.planned]}
+
+
+@router.get("/jobs")
+async def list_jobs(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    return {"data": [j.to_dict() for j in rt.jobs.recent(50)]}
+
+
+@router.get("/jobs/{job_id}")
+async def get_job(job_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    job = rt.jobs.get(job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}")
+    return job.to_dict()
+
+
+@router.post("/pause")
+async def pause(body: Pause | None = None, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Hold (or refuse) new calls for a weight sync; calls in flight finish."""
+    body = body or Pause()
+    gate = rt.dispatcher.gate
+    gate.pause(body.mode)
+    mode = body.mode or rt.settings.dispatch.pause_mode
+    rt.events.emit("pause", f"paused for weight sync ({mode})", mode=mode)
+    busy = await wait_idle(list(rt.registry), body.timeout_s) if body.wait_idle else None
+    return {"paused": True, "since": gate.paused_at, "mode": mode,
+            "in_flight": sum(b.in_flight for b in rt.registry),
+            "idle": None if busy is None else not busy}
+
+
+@router.post("/resume")
+async def resume(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    gate = rt.dispatcher.gate
+    was_paused = gate.paused
+    held = gate.resume()
+    if was_paused:
+        rt.events.emit("resume", f"resumed after {held:.1f} s", paused_s=round(held, 3))
+    return {"paused": False, "paused_s": round(held, 3), "weight_version": rt.weight_version}
 
 
 @router.put("/weight-version")
 async def set_weight_version(body: WeightVersion, rt: Runtime = Depends(get_rt)) -> dict[str, str]:
+    """Stamped on every call dispatched from now on (calls already running keep theirs)."""
     previous, rt.weight_version = rt.weight_version, body.version
     return {"previous": previous, "version": rt.weight_version}

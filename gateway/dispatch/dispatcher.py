@@ -4,15 +4,31 @@
 returns a :class:`Lease`; releasing the lease (exactly once, on every path) returns the
 backend's in-flight count. The policies issue grows this into a queue with per-instance
 concurrency caps and priorities; the proxy only ever sees ``acquire`` and ``Lease``.
+
+Pool reconfiguration contract (``gateway.dispatch.pool``), which any placement code here
+must keep:
+
+- only ``Backend.routable`` backends (healthy and ``state == READY``) get NEW calls. A
+  ``DRAINING`` backend gets none, not even the next call of a trajectory that ran there:
+  every new call of a trajectory starts after a tool gap, and that is where it moves.
+  Calls already holding a lease on it finish; the pool stops it once its ``in_flight``
+  reaches 0 (or after the drain timeout), so ``in_flight`` must be incremented in the
+  same synchronous step that picks the backend (no ``await`` in between);
+- while the pool is paused for a weight sync, new calls are held or refused (``gate``);
+- while the pool is starting instances and none is routable, calls wait for one
+  (bounded by ``DispatchSettings.backend_wait_s``) rather than failing with 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
+from gateway.dispatch.gate import CapacitySource, PauseGate
 from gateway.errors import ModelNotFound, NoBackendAvailable
 from gateway.policies.base import BackendView, CallView, LeastLoaded, Placement
 
@@ -35,15 +51,26 @@ class Lease:
 
 
 class Dispatcher:
-    def __init__(self, registry: BackendRegistry, placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        placement: Placement | None = None,
+        settings: DispatchSettings | None = None,
+    ) -> None:
         self.registry = registry
         self.placement: Placement = placement or LeastLoaded()
+        self.settings = settings or DispatchSettings()
+        self.gate = PauseGate()
+        #: Set by a managed pool so calls wait for instances it is starting.
+        self.capacity: CapacitySource | None = None
 
     def check_model(self, model: str) -> None:
         """404 for a model no backend serves; 503 when there is nothing to ask."""
         known = self.registry.known_models()
+        if self.capacity is not None:
+            known |= self.capacity.served_models()
         if not known:
-            if not any(b.routable for b in self.registry):
+            if not any(b.routable for b in self.registry) and not self._expecting():
                 raise NoBackendAvailable("no healthy backend is registered")
             return
         if model not in known:
@@ -54,11 +81,26 @@ class Dispatcher:
 
     async def acquire(self, call: CallView, model: str, exclude: Iterable[str] = ()) -> Lease:
         started = time.monotonic()
-        candidates = self.registry.routable(model, exclude)
-        if not candidates:
-            raise NoBackendAvailable(f"no healthy backend can serve model {model!r} right now")
+        if not exclude:  # a retry of a call already admitted is not held again
+            await self.gate.admit(self.settings)
+        candidates = await self._candidates(model, exclude)
         views = [BackendView(b.id, b.tp or 1, b.in_flight, b.served) for b in candidates]
         chosen_id = self.placement.choose(call, views, time.monotonic())
         backend = next(b for b in candidates if b.id == chosen_id)
         backend.in_flight += 1
         return Lease(backend, None, time.monotonic() - started)
+
+    def _expecting(self) -> bool:
+        return self.capacity is not None and self.capacity.expecting_capacity()
+
+    async def _candidates(self, model: str, exclude: Iterable[str]) -> list[Backend]:
+        """Routable backends for ``model``; while the pool is bringing instances up and
+        none is routable, poll for one until ``backend_wait_s`` runs out."""
+        exclude = tuple(exclude)
+        deadline = time.monotonic() + self.settings.backend_wait_s
+        while not (candidates := self.registry.routable(model, exclude)):
+            if not self._expecting() or time.monotonic() >= deadline:
+                raise NoBackendAvailable(
+                    f"no healthy backend can serve model {model!r} right now")
+            await asyncio.sleep(0.1)
+        return candidates

@@ -1,0 +1,47 @@
+"""One instance of a managed pool, as the pool manager tracks it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.base import InstanceSpec, InstanceState, LaunchedInstance
+from gateway.dispatch.backends import Backend
+
+
+@dataclass(slots=True)
+class PoolInstance:
+    """A spec, its lifecycle state, and (once started) the server and its registry entry.
+
+    The registry's ``Backend.state`` mirrors ``state`` so that placement sees draining
+    and failed instances as not routable.
+    """
+
+    spec: InstanceSpec
+    state: InstanceState = InstanceState.STARTING
+    launched: LaunchedInstance | None = None
+    backend: Backend | None = None
+    restarts: int = 0
+    error: str | None = None
+    start_s: float | None = None
+    since: float = field(default_factory=time.time)
+
+    def set_state(self, state: InstanceState) -> None:
+        self.state, self.since = state, time.time()
+        if self.backend is not None:
+            self.backend.state = state
+            if state is InstanceState.FAILED:
+                self.backend.healthy = False
+
+    def to_dict(self) -> dict[str, Any]:
+        b = self.backend
+        return {
+            "id": self.spec.id, "state": self.state.value, "tp": self.spec.tp,
+            "gpus": list(self.spec.gpus), "node": self.spec.node,
+            "url": self.launched.url if self.launched else None,
+            "in_flight": b.in_flight if b else 0, "healthy": b.healthy if b else False,
+            "restarts": self.restarts, "error": self.error, "start_s": self.start_s,
+            "since": self.since,
+            "log_path": self.launched.log_path if self.launched else None,
+        }

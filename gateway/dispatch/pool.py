@@ -1,0 +1,367 @@
+"""The managed pool: instances on GPUs, applied layouts, crash restarts.
+
+The pool manager owns the pool's *shape*. A new layout (explicit, or derived from a GPU
+resize) is checked against the inventory when it is requested and then applied by one
+background job at a time:
+
+1. plan: diff against the current instances; unchanged placements keep serving;
+2. retire the changed ones: ``DRAINING`` (no new calls), wait for in-flight calls,
+   unregister, stop; meanwhile start new instances whose GPUs are already free;
+3. start the rest on the GPUs just freed; each instance is registered in the
+   ``BackendRegistry`` (with its TP and GPUs, so every call records the TP it ran on)
+   only once it answers, after an optional one-token warm-up call.
+
+While a job runs and nothing is routable, the dispatcher holds calls (``CapacitySource``)
+instead of failing them. A crashed instance (``Launcher.alive`` false) is marked failed
+and restarted with exponential backoff, up to ``restart.max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from backends.base import InstanceSpec, InstanceState, Launcher
+from gateway.dispatch.backends import Backend
+from gateway.dispatch.drain import drain
+from gateway.dispatch.instance import PoolInstance
+from gateway.dispatch.jobs import Job, JobStatus
+from gateway.dispatch.layout import (
+    InstanceRequest,
+    LayoutError,
+    Plan,
+    Slot,
+    diff,
+    place,
+    resize,
+    select_gpus,
+    slots_of,
+)
+from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
+
+log = logging.getLogger(__name__)
+WARMUP_TIMEOUT_S = 120.0
+GpuSelection = int | Sequence[int | str]
+
+
+class PoolManager:
+    """Applies layouts through a :class:`~backends.base.Launcher` (module docstring)."""
+
+    def __init__(self, spec: PoolSpec, launcher: Launcher, rt: Runtime) -> None:
+        self.spec, self.launcher, self.rt = spec, launcher, rt
+        self.static = isinstance(spec.launcher, StaticLauncherSpec)
+        self.inventory: list[Slot] = spec.inventory.slots()
+        self.active: list[Slot] = list(self.inventory)
+        self.instances: dict[str, PoolInstance] = {}
+        self.planned: list[InstanceSpec] = []  # the target of the last accepted job
+        self._lock = asyncio.Lock()
+        self._restarting = 0
+        self._watch: asyncio.Task[None] | None = None
+
+    # -- what the dispatcher asks (CapacitySource) -----------------------------------
+
+    def expecting_capacity(self) -> bool:
+        return (self._restarting > 0 or self.rt.jobs.running > 0
+                or any(i.state is InstanceState.STARTING for i in self.instances.values()))
+
+    def served_models(self) -> set[str]:
+        return {self.spec.model}
+
+    # -- requests (validated now, applied by a job) -----------------------------------
+
+    def start(self) -> Job:
+        """Bring up the spec's initial layout and start crash detection."""
+        self._watch = asyncio.create_task(self._watch_loop(), name="pool-watch")
+        return self._submit("initial", {"layout": "from spec"}, self.initial_specs())
+
+    def initial_specs(self) -> list[InstanceSpec]:
+        ls = self.spec.launcher
+        if isinstance(ls, StaticLauncherSpec):
+            return [InstanceSpec(id=b.id or f"s{i}", model=self.spec.model, tp=b.tp,
+                                 node="static") for i, b in enumerate(ls.backends)]
+        requests = (self.spec.requests() if self.spec.layout is not None
+                    else resize([], self.active, self.spec.default_tp))
+        return place(requests, self.active, self.spec.model)
+
+    def reconfigure(self, *, gpus: GpuSelection | None = None,
+                    layout: Sequence[InstanceRequest] | None = None,
+                    tp: int | None = None) -> Job:
+        """Resize to ``gpus`` (a count or a list) and/or apply ``layout``; LayoutError if
+        it cannot be placed. Without ``layout``, kept instances stay and freed GPUs get
+        ``tp`` (default: the spec's ``default_tp``) instances."""
+        if self.static:
+            raise LayoutError("a static pool cannot be reconfigured (only backends removed)")
+        active = self._select(gpus) if gpus is not None else self.active
+        if layout is not None:
+            target = place(layout, active, self.spec.model, self.planned)
+        else:
+            target = place(resize(self.planned, active, tp or self.spec.default_tp), active,
+                           self.spec.model, self.planned)
+        self.active = active
+        request = {"gpus": gpus if isinstance(gpus, int | None) else list(gpus), "tp": tp,
+                   "layout": None if layout is None else [_req_json(r) for r in layout]}
+        return self._submit("reconfigure", request, target)
+
+    def add_instance(self, request: InstanceRequest) -> Job:
+        if self.static:
+            raise LayoutError("a static pool cannot start instances")
+        current = [_as_request(s) for s in self.planned]
+        target = place([*current, request], self.active, self.spec.model, self.planned)
+        return self._submit("add-instance", _req_json(request), target)
+
+    def remove_instance(self, instance_id: str) -> Job | None:
+        """Drain and stop one instance; None if the pool has no such instance."""
+        if all(s.id != instance_id for s in self.planned):
+            return None
+        target = [s for s in self.planned if s.id != instance_id]
+        return self._submit("remove-instance", {"id": instance_id}, target)
+
+    def _select(self, gpus: GpuSelection) -> list[Slot]:
+        if isinstance(gpus, int):
+            return select_gpus(self.inventory, self.planned, gpus)
+        wanted = {_slot(g) for g in gpus}
+        unknown = wanted - set(self.inventory)
+        if unknown:
+            raise LayoutError(f"GPUs not in the inventory: {sorted(unknown)}")
+        return [s for s in self.inventory if s in wanted]
+
+    def _submit(self, kind: str, request: dict[str, Any], target: list[InstanceSpec]) -> Job:
+        job = self.rt.jobs.create(kind, request)
+        self.planned = target
+        self.rt.events.emit("pool", f"job {job.id}: {kind} requested", job=job.id)
+        self.rt.jobs.track(asyncio.create_task(self._run(job, target), name=f"job-{job.id}"))
+        return job
+
+    # -- applying a layout ------------------------------------------------------------
+
+    async def _run(self, job: Job, target: list[InstanceSpec]) -> None:
+        metrics = self.rt.metrics
+        metrics.reconfigurations_running.inc()
+        try:
+            async with self._lock:
+                job.begin()
+                self.rt.events.emit("reconfiguration", f"job {job.id} ({job.kind}) started",
+                                    job=job.id)
+                await self._apply(job, target)
+                job.end()
+        except asyncio.CancelledError:
+            job.end(JobStatus.CANCELLED)
+            raise
+        except Exception as exc:  # a bug must not leave the job "running" forever
+            log.exception("pool job %s failed", job.id)
+            job.errors.append(f"{type(exc).__name__}: {exc}")
+            job.end()
+        finally:
+            metrics.reconfigurations_running.dec()
+            result = {"succeeded": "ok", "failed": "failed"}.get(job.status.value, "cancelled")
+            metrics.reconfigurations.labels(result).inc()
+            self.rt.events.emit("reconfiguration", f"job {job.id} {job.status.value}",
+                                job=job.id, result=result, duration_s=job.to_dict()["duration_s"])
+
+    async def _apply(self, job: Job, target: list[InstanceSpec]) -> None:
+        insts = list(self.instances.values())
+        failed = [i.spec for i in insts if i.state is InstanceState.FAILED]
+        healthy = [i.spec for i in insts if i.state is not InstanceState.FAILED]
+        plan = diff(healthy, target)
+        plan = Plan(plan.keep, (*plan.stop, *failed), plan.start)
+        job.plan = plan.describe()
+        busy = {slot for s in plan.stop for slot in slots_of(s)}
+        stopping = {s.id for s in plan.stop}
+        now = [s for s in plan.start if not slots_of(s) & busy and s.id not in stopping]
+        later = [s for s in plan.start if s not in now]
+        await asyncio.gather(self._retire(job, plan.stop), self._launch(job, now, "start"))
+        await self._launch(job, later, "start" if not now else "start-after-stop")
+
+    async def _retire(self, job: Job, specs: Sequence[InstanceSpec]) -> None:
+        if not specs:
+            return
+        insts = [self.instances[s.id] for s in specs]
+        for inst in insts:
+            inst.set_state(InstanceState.DRAINING)
+        await drain(job, [i.backend for i in insts if i.backend is not None],
+                    self.spec.drain_timeout_s)
+        with job.phase("stop", instances=[s.id for s in specs]):
+            await asyncio.gather(*(self._stop(i, job) for i in insts))
+
+    async def _stop(self, inst: PoolInstance, job: Job | None = None) -> None:
+        inst.set_state(InstanceState.STOPPING)
+        if inst.backend is not None:
+            self.rt.registry.remove(inst.backend.id)
+        try:
+            if inst.launched is not None:
+                await self.launcher.stop(inst.launched)
+        except Exception as exc:
+            log.exception("stopping %s failed", inst.spec.id)
+            if job is not None:
+                job.errors.append(f"{inst.spec.id}: stop failed: {exc}")
+        inst.set_state(InstanceState.STOPPED)
+        if self.instances.get(inst.spec.id) is inst:
+            del self.instances[inst.spec.id]
+
+    async def _launch(self, job: Job, specs: Sequence[InstanceSpec], name: str) -> None:
+        if not specs:
+            return
+        with job.phase(name, instances=[s.id for s in specs]) as ph:
+            started = await asyncio.gather(*(self._start_one(s) for s in specs))
+            ph.detail["start_s"] = {i.spec.id: i.start_s for i in started}
+            job.errors += [f"{i.spec.id}: {i.error}" for i in started if i.error]
+
+    async def _start_one(self, spec: InstanceSpec, restarts: int = 0) -> PoolInstance:
+        """Start, warm up, register; on failure mark failed and schedule a restart."""
+        inst = PoolInstance(spec, restarts=restarts)
+        self.instances[spec.id] = inst
+        t0 = time.monotonic()
+        try:
+            inst.launched = await self.launcher.start(spec)
+            if self.spec.warmup and not self.static:
+                await self._warm_up(inst.launched.url)
+        except Exception as exc:
+            inst.error = str(exc)[:2000]
+            inst.set_state(InstanceState.FAILED)
+            self.rt.events.emit("backend", f"{spec.id} failed to start", backend=spec.id)
+            self._schedule_restart(inst)
+            return inst
+        inst.start_s = round(time.monotonic() - t0, 3)
+        backend = Backend(id=spec.id, url=inst.launched.url, tp=spec.tp, gpus=spec.gpus,
+                          source=self.launcher.name, state=InstanceState.READY)
+        await self.rt.health.check(backend)  # fills its models; routable as it is added
+        self.rt.registry.add(backend)
+        inst.backend = backend
+        inst.set_state(InstanceState.READY)
+        return inst
+
+    async def _warm_up(self, url: str) -> None:
+        """One ``max_tokens: 1`` call: a real vLLM's first call is seconds slower."""
+        body = {"model": self.spec.model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "warm-up"}]}
+        timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
+        try:
+            async with self.rt.session.post(f"{url}/v1/chat/completions", json=body,
+                                            timeout=timeout) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("warm-up call to %s failed: %s", url, exc)
+
+    # -- crash detection and restarts -------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.check_interval_s)
+            for inst in list(self.instances.values()):
+                if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                    await self._check_alive(inst)
+
+    async def _check_alive(self, inst: PoolInstance) -> None:
+        if inst.launched is None:
+            return
+        try:
+            alive = await self.launcher.alive(inst.launched)
+        except Exception:  # a launcher bug: do not restart on it
+            log.exception("alive() of %s failed", inst.spec.id)
+            return
+        if alive or inst.state not in (InstanceState.READY, InstanceState.DRAINING):
+            return
+        was_ready = inst.state is InstanceState.READY
+        inst.error = "the server exited"
+        inst.set_state(InstanceState.FAILED)
+        self.rt.events.emit("backend", f"{inst.spec.id} crashed", backend=inst.spec.id,
+                            state="failed")
+        if was_ready:  # a draining instance was on its way out anyway
+            self._schedule_restart(inst)
+
+    def _schedule_restart(self, inst: PoolInstance) -> None:
+        policy = self.spec.restart
+        if inst.restarts >= policy.max_restarts:
+            self.rt.events.emit("backend", f"{inst.spec.id}: gave up after {inst.restarts} "
+                                "restarts", backend=inst.spec.id)
+            return
+        delay = min(policy.backoff_s * 2**inst.restarts, policy.backoff_max_s)
+        self._restarting += 1
+        self.rt.jobs.track(asyncio.create_task(self._restart(inst, delay),
+                                               name=f"restart-{inst.spec.id}"))
+
+    async def _restart(self, inst: PoolInstance, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            async with self._lock:
+                if self.instances.get(inst.spec.id) is not inst:
+                    return  # a reconfiguration replaced or removed it meanwhile
+                await self._stop(inst)
+                n = inst.restarts + 1
+                self.rt.events.emit("backend", f"{inst.spec.id}: restart {n} of "
+                                    f"{self.spec.restart.max_restarts}", backend=inst.spec.id)
+                await self._start_one(inst.spec, restarts=n)
+        finally:
+            self._restarting -= 1
+
+    # -- views and shutdown -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes: dict[str, list[int]] = {}
+        for node, gpu in self.inventory:
+            nodes.setdefault(node, []).append(gpu)
+        return {
+            "model": self.spec.model, "launcher": self.launcher.name,
+            "inventory": [{"node": n, "gpus": g} for n, g in nodes.items()],
+            "active_gpus": [_slot_json(s) for s in self.active],
+            "instances": [i.to_dict() for i in self.instances.values()],
+            "planned": [s.id for s in self.planned],
+            "reconfiguring": self.rt.jobs.running > 0,
+            "restart": self.spec.restart.model_dump(),
+        }
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        await self.rt.jobs.close()
+        await asyncio.gather(*(self._stop(i) for i in list(self.instances.values())))
+        await self.launcher.close()
+
+
+@contextlib.asynccontextmanager
+async def open_pool(rt: Runtime) -> AsyncIterator[PoolManager]:
+    """Load ``settings.pool``, start its initial layout in the background, stop it on exit."""
+    assert rt.settings.pool is not None
+    spec = await asyncio.to_thread(load_pool_spec, rt.settings.pool)
+    pool = PoolManager(spec, build_launcher(spec), rt)
+    rt.dispatcher.capacity = pool
+    pool.start()
+    try:
+        yield pool
+    finally:
+        rt.dispatcher.capacity = None
+        await pool.close()
+
+
+def _slot(value: int | str) -> Slot:
+    if isinstance(value, int):
+        return ("local", value)
+    node, _, gpu = value.rpartition(":")
+    if not gpu.isdigit():
+        raise LayoutError(f"a GPU is an id or 'node:id', not {value!r}")
+    return (node or "local", int(gpu))
+
+
+def _slot_json(slot: Slot) -> int | str:
+    return slot[1] if slot[0] == "local" else f"{slot[0]}:{slot[1]}"
+
+
+def _as_request(spec: InstanceSpec) -> InstanceRequest:
+    return InstanceRequest(tp=spec.tp, gpus=spec.gpus, node=spec.node, id=spec.id,
+                           extra_args=spec.extra_args)
+
+
+def _req_json(r: InstanceRequest) -> dict[str, Any]:
+    return {"id": r.id, "tp": r.tp, "node": r.node, "extra_args": list(r.extra_args),
+            "gpus": None if r.gpus is None else list(r.gpus)}

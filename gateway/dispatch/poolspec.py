@@ -1,0 +1,232 @@
+"""The pool spec file (``--pool FILE`` / ``ROLLOUT_GATEWAY_POOL``): YAML or JSON.
+
+It declares what the gateway may manage: the GPU inventory, how servers are launched,
+the model they serve and the initial layout. Example (``examples/pool-sim.yaml``)::
+
+    model: qwen3-14b
+    inventory: {gpus: 8}            # or {nodes: [{name: n1, gpus: [0, 1, 2, 3]}, ...]}
+    launcher: {kind: sim, speed: 10}
+    layout:
+      - {tp: 1, count: 4}
+      - {tp: 4}
+
+Validation happens at load time (a layout that does not fit the inventory is refused
+with the reason), and launchers are imported only when built, so the gateway's import
+path never pulls in Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from backends.base import Launcher
+from gateway.dispatch.layout import InstanceRequest, Slot, place
+
+
+class PoolSpecError(ValueError):
+    """The pool spec file is missing, unparsable or invalid (message says where)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeSpec(_Strict):
+    name: str = "local"
+    gpus: list[int] | int = Field(description="GPU ids, or a count (ids 0..count-1)")
+
+    def ids(self) -> list[int]:
+        return list(range(self.gpus)) if isinstance(self.gpus, int) else list(self.gpus)
+
+
+class InventorySpec(_Strict):
+    """All GPUs the pool may ever use; ``PUT /admin/pool`` selects a subset of them."""
+
+    nodes: list[NodeSpec] = []
+    gpus: list[int] | int | None = Field(None, description="shorthand for one node 'local'")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> InventorySpec:
+        if self.gpus is not None:
+            if self.nodes:
+                raise ValueError("give either 'gpus' or 'nodes', not both")
+            self.nodes, self.gpus = [NodeSpec(name="local", gpus=self.gpus)], None
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node names must be unique: {names}")
+        return self
+
+    def slots(self) -> list[Slot]:
+        return [(n.name, g) for n in self.nodes for g in n.ids()]
+
+
+class SimOptions(_Strict):
+    """Simulated vLLM servers; ``profile``/``gpu`` pick the latency constants."""
+
+    profile: str = "qwen3-14b"
+    gpu: str = "H100"
+    speed: float = Field(1.0, gt=0)
+    seed: int = 0
+    options: dict[str, Any] = Field({}, description="other SimServerConfig fields")
+
+
+class VLLMOptions(_Strict):
+    """``python -m vllm.entrypoints.openai.api_server`` processes."""
+
+    python: str = sys.executable
+    model_path: str | None = Field(None, description="what vLLM loads (default: model)")
+    device: Literal["cuda", "cpu"] = "cuda"
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    tool_call_parser: str | None = "hermes"
+    start_timeout_s: float = Field(600.0, gt=0)
+    log_dir: Path | None = None
+
+
+class SimLauncherSpec(SimOptions):
+    kind: Literal["sim"]
+
+
+class VLLMLauncherSpec(VLLMOptions):
+    kind: Literal["vllm"]
+
+
+class RayLauncherSpec(_Strict):
+    """One Ray actor per instance, in a placement group holding its GPUs."""
+
+    kind: Literal["ray"]
+    address: str | None = Field(None, description="ray.init address when not connected yet")
+    server: Literal["sim", "vllm"] = "vllm"
+    sim: SimOptions = SimOptions()
+    vllm: VLLMOptions = VLLMOptions()
+    cpus_per_instance: float = Field(1.0, ge=0)
+    start_timeout_s: float = Field(600.0, gt=0)
+
+
+class StaticBackendSpec(_Strict):
+    url: str = Field(pattern=r"^https?://")
+    tp: int = Field(1, ge=1)
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class StaticLauncherSpec(_Strict):
+    kind: Literal["static"]
+    backends: list[StaticBackendSpec] = Field(min_length=1)
+
+
+LauncherSpec = Annotated[
+    SimLauncherSpec | VLLMLauncherSpec | RayLauncherSpec | StaticLauncherSpec,
+    Field(discriminator="kind"),
+]
+
+
+class LayoutEntry(_Strict):
+    tp: int = Field(1, ge=1, le=64)
+    gpus: list[int] | None = None
+    node: str | None = None
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$", max_length=64)
+    extra_args: list[str] = []
+    count: int = Field(1, ge=1, description="this many identical instances (auto GPUs)")
+
+    def requests(self) -> list[InstanceRequest]:
+        if self.count > 1 and (self.gpus is not None or self.id is not None):
+            raise ValueError("'count' > 1 cannot be combined with explicit 'gpus' or 'id'")
+        gpus = tuple(self.gpus) if self.gpus is not None else None
+        return [InstanceRequest(tp=self.tp, gpus=gpus, node=self.node, id=self.id,
+                                extra_args=tuple(self.extra_args))] * self.count
+
+
+class RestartPolicy(_Strict):
+    """Crashed instances are restarted up to ``max_restarts`` times (then left failed),
+    waiting ``backoff_s * 2**n`` (capped at ``backoff_max_s``) before restart ``n+1``."""
+
+    max_restarts: int = Field(3, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+
+
+class PoolSpec(_Strict):
+    model: str = Field(min_length=1, description="the model name clients send")
+    inventory: InventorySpec = InventorySpec()
+    launcher: LauncherSpec
+    layout: list[LayoutEntry] | None = Field(
+        None, description="initial instances (default: all GPUs as default_tp instances)")
+    default_tp: int = Field(1, ge=1, description="TP of instances created by a resize")
+    restart: RestartPolicy = RestartPolicy()
+    drain_timeout_s: float = Field(600.0, ge=0)
+    check_interval_s: float = Field(1.0, gt=0, description="crash detection period")
+    warmup: bool = Field(True, description="send one max_tokens=1 call before routing")
+
+    @model_validator(mode="after")
+    def _fits(self) -> PoolSpec:
+        if isinstance(self.launcher, StaticLauncherSpec):
+            if self.layout or self.inventory.nodes:
+                raise ValueError("a static pool takes its instances from launcher.backends")
+            return self
+        if not self.inventory.slots():
+            raise ValueError("inventory declares no GPUs")
+        if self.layout is not None:
+            place(self.requests(), self.inventory.slots(), self.model)
+        return self
+
+    def requests(self) -> list[InstanceRequest]:
+        return [r for entry in self.layout or () for r in entry.requests()]
+
+
+def parse_pool_spec(data: object, source: str = "pool spec") -> PoolSpec:
+    try:
+        return PoolSpec.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}"
+                 for e in exc.errors()]
+        raise PoolSpecError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_pool_spec(path: Path) -> PoolSpec:
+    """Read and validate a spec file (``.json`` as JSON, anything else as YAML)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PoolSpecError(f"pool spec {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise PoolSpecError(f"pool spec {path} does not parse: {exc}") from None
+    return parse_pool_spec(data, f"pool spec {path}")
+
+
+def build_launcher(spec: PoolSpec) -> Launcher:
+    """The launcher the spec names; heavy implementations are imported only here."""
+    ls = spec.launcher
+    if isinstance(ls, SimLauncherSpec):
+        from backends.sim_launcher import SimLauncher
+
+        return SimLauncher(profile=ls.profile, gpu=ls.gpu, speed=ls.speed, seed=ls.seed,
+                           options=ls.options)
+    if isinstance(ls, VLLMLauncherSpec):
+        return vllm_launcher(ls)
+    if isinstance(ls, RayLauncherSpec):
+        from backends.ray_launcher import RayLauncher
+
+        return RayLauncher(address=ls.address, server=ls.server, sim=ls.sim.model_dump(),
+                           vllm=ls.vllm.model_dump(mode="json"),
+                           cpus_per_instance=ls.cpus_per_instance,
+                           start_timeout_s=ls.start_timeout_s)
+    from backends.static import StaticLauncher
+
+    return StaticLauncher({b.id or f"s{i}": b.url for i, b in enumerate(ls.backends)})
+
+
+def vllm_launcher(opts: VLLMOptions) -> Launcher:
+    from backends.vllm_local import LocalVLLMLauncher
+
+    return LocalVLLMLauncher(
+        python=opts.python, model_path=opts.model_path, device=opts.device,
+        extra_args=opts.extra_args, env=opts.env, tool_call_parser=opts.tool_call_parser,
+        start_timeout_s=opts.start_timeout_s, log_dir=opts.log_dir)
