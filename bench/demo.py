@@ -16,7 +16,14 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from bench.harness import BatchResult, HarnessConfig, TrajectoryResult, run_batch
@@ -33,7 +40,7 @@ class DemoOptions:
     instances: int = 8
     model: str = "qwen3-14b"
     gpu: str = "H100"
-    speed: float = 25.0
+    speed: float = 15.0
     seed: int = 1
     port: int = 8000
     database_url: str | None = None
@@ -47,7 +54,7 @@ def _progress(console: Console) -> Progress:
                     TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console)
 
 
-async def _watch(progress: Progress, task: int, gw: str, http: httpx.AsyncClient) -> None:
+async def _watch(progress: Progress, task: TaskID, gw: str, http: httpx.AsyncClient) -> None:
     while True:
         await asyncio.sleep(0.5)
         try:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 
 from bench.workloads import TrajectorySpec, Turn
@@ -101,7 +101,7 @@ class BatchResult:
 class Agent:
     """One trajectory's agent loop."""
 
-    def __init__(self, spec: TrajectorySpec, cfg: HarnessConfig, http: httpx.AsyncClient) -> None:
+    def __init__(self, spec: TrajectorySpec, cfg: HarnessConfig, http: httpx2.AsyncClient) -> None:
         self.spec = spec
         self.cfg = cfg
         self.rng = random.Random(f"{cfg.seed}:{spec.id}")
@@ -154,13 +154,13 @@ class Agent:
                     await asyncio.sleep(turn.tool_s / speed)
                     self.messages.append(self._observe(turn))
             await asyncio.sleep(spec.reward_s / speed)
-        except (openai.APIError, httpx.HTTPError) as exc:
+        except (openai.APIError, httpx2.HTTPError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
         result.end = time.monotonic()
         return result
 
 
-async def finish_trajectory(http: httpx.AsyncClient, cfg: HarnessConfig,
+async def finish_trajectory(http: httpx2.AsyncClient, cfg: HarnessConfig,
                             res: TrajectoryResult) -> None:
     reward = 0.0 if res.error else float(random.Random(res.id).random() < 0.5)
     await http.post(f"{cfg.gateway_url}/trajectories/{res.id}/finish",
@@ -174,8 +174,9 @@ async def run_batch(
     on_done: Callable[[TrajectoryResult], None] | None = None,
 ) -> BatchResult:
     """Run every trajectory of the batch concurrently; returns when the last one ends."""
-    limits = httpx.Limits(max_connections=len(specs) + 16, max_keepalive_connections=len(specs))
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout_s) as http:
+    limits = httpx2.Limits(max_connections=len(specs) + 16, max_keepalive_connections=len(specs))
+    # the openai client's own transport (httpx2), shared by every agent of the batch
+    async with openai.DefaultAsyncHttpxClient(limits=limits, timeout=cfg.request_timeout_s) as http:
         start = time.monotonic()
 
         async def one(spec: TrajectorySpec) -> TrajectoryResult:

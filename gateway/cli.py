@@ -107,7 +107,7 @@ def demo(
     prompts: Annotated[int, typer.Option(help="GRPO groups (prompts) in the batch")] = 8,
     group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
     instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1)")] = 8,
-    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 25.0,
+    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 15.0,
     workload: Annotated[str, typer.Option(help="swe, search, math-code or tau")] = "swe",
     port: Annotated[int, typer.Option(help="gateway port (a free one if taken)")] = 8000,
     keep: Annotated[bool, typer.Option("--keep", help="keep serving afterwards")] = False,
