@@ -14,6 +14,7 @@ at 64 engines x thousands of requests).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 #: Root of every hash chain; a different root would model a different model/LoRA.
@@ -52,7 +53,9 @@ class KVCache:
         self.enable_prefix_caching = enable_prefix_caching
         self._free_plain = num_blocks
         self._ref: dict[int, int] = {}
-        self._lru: dict[int, None] = {}
+        # OrderedDict: popping the oldest entry is O(1); next(iter(dict)) after many
+        # front deletions scans dummy slots (quadratic under heavy eviction).
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
         self.hits = 0  # of which found cached (vLLM: prefix_cache_hits)
 
@@ -103,8 +106,7 @@ class KVCache:
         plain = min(n, self._free_plain)
         self._free_plain -= plain
         for _ in range(n - plain):
-            h = next(iter(self._lru))
-            del self._lru[h]
+            h, _ = self._lru.popitem(last=False)
             del self._ref[h]
         return True
 

@@ -35,7 +35,9 @@ def _server(config: SimServerConfig) -> _QuietServer:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose
+    # proto says TCP, and without it Nagle + delayed ACK add 40 ms to every response.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)

@@ -47,12 +47,16 @@ class SimServerConfig:
     output_len_sigma: float = 0.9
     tool_call_prob: float = 0.7
     tick_real_s: float = 0.01
+    #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
+    latency: LatencyProfile | None = None
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model
 
     def profile(self) -> LatencyProfile:
+        if self.latency is not None:
+            return self.latency
         return load_profile(self.model, self.gpu, self.tp, tp_penalty=self.tp_penalty)
 
 
