@@ -1,0 +1,202 @@
+"""The REST calls both clients make, described once; the sync and async clients only send.
+
+Each endpoint is a :class:`Request`: method, path, query, body and how to read the
+answer. Nothing here does I/O, so :class:`RolloutClient` and :class:`AsyncRolloutClient`
+cannot drift apart in paths or shapes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from gateway.client.errors import GatewayConnectionError, raise_for_response
+from gateway.client.types import JobInfo, TrajectoryInfo, sample_from_json
+from gateway.store.samples import Sample
+from gateway.trajectories.tagging import ID_PATTERN
+
+T = TypeVar("T")
+PAGE = 1000  # rows per GET /trajectories page
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Request(Generic[T]):
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    params: dict[str, Any] | None = None
+    json: Any = None
+    #: seconds; ``None`` keeps the client's default
+    timeout: float | None = None
+
+
+def check_id(value: str, what: str = "trajectory_id") -> str:
+    """``value`` if the gateway accepts it as an id, else ``ValueError`` (before any call)."""
+    if not ID_PATTERN.fullmatch(value):
+        raise ValueError(f"invalid {what} {value!r}: use 1-128 characters from "
+                         "[A-Za-z0-9._:@+=-], starting with a letter or digit")
+    return value
+
+
+def new_id(prefix: str = "traj") -> str:
+    """A fresh id the gateway accepts, e.g. ``traj-3f9c0a1b2c4d``."""
+    return check_id(f"{prefix}-{uuid.uuid4().hex[:12]}")
+
+
+def openai_base_url(gateway_url: str, trajectory_id: str, group_id: str | None = None) -> str:
+    """The ``OPENAI_BASE_URL`` that tags every call of a harness with its trajectory."""
+    root = gateway_url.rstrip("/")
+    traj = quote(check_id(trajectory_id), safe="")
+    if group_id is None:
+        return f"{root}/t/{traj}/v1"
+    return f"{root}/g/{quote(check_id(group_id, 'group_id'), safe='')}/t/{traj}/v1"
+
+
+def session_headers(trajectory_id: str, group_id: str | None = None) -> dict[str, str]:
+    """Headers that tag calls when the harness cannot change its base URL."""
+    headers = {"X-Session-ID": check_id(trajectory_id)}
+    if group_id is not None:
+        headers["X-Group-Id"] = check_id(group_id, "group_id")
+    return headers
+
+
+def _infos(body: Any) -> list[TrajectoryInfo]:
+    return [TrajectoryInfo.from_json(d) for d in body["data"]]
+
+
+def _dict(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise TypeError(f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _path_id(value: str, what: str = "trajectory_id") -> str:
+    return quote(check_id(value, what), safe="")
+
+
+class Endpoints:
+    """One static method per REST call of the gateway the clients use."""
+
+    @staticmethod
+    def list_page(*, group_id: str | None, finished: bool | None, limit: int,
+                  offset: int) -> Request[list[TrajectoryInfo]]:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if group_id is not None:
+            params["group_id"] = check_id(group_id, "group_id")
+        if finished is not None:
+            params["finished"] = "true" if finished else "false"
+        return Request("GET", "/trajectories", _infos, params=params)
+
+    @staticmethod
+    def trajectory(trajectory_id: str) -> Request[dict[str, Any]]:
+        return Request("GET", f"/trajectories/{_path_id(trajectory_id)}", _dict)
+
+    @staticmethod
+    def finish(trajectory_id: str, reward: float | None, *, metadata: dict[str, Any] | None,
+               group_id: str | None) -> Request[TrajectoryInfo]:
+        body: dict[str, Any] = {"reward": reward}
+        if metadata is not None:
+            body["metadata"] = metadata
+        if group_id is not None:
+            body["group_id"] = check_id(group_id, "group_id")
+        return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/finish",
+                       TrajectoryInfo.from_json, json=body)
+
+    @staticmethod
+    def sample(trajectory_id: str) -> Request[Sample]:
+        return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/sample",
+                       sample_from_json)
+
+    @staticmethod
+    def pause(*, mode: str | None, wait_idle: bool, timeout_s: float
+              ) -> Request[dict[str, Any]]:
+        body: dict[str, Any] = {"wait_idle": wait_idle, "timeout_s": timeout_s}
+        if mode is not None:
+            body["mode"] = mode
+        return Request("POST", "/admin/pause", _dict, json=body,
+                       timeout=timeout_s + DEFAULT_TIMEOUT_S if wait_idle else None)
+
+    @staticmethod
+    def resume() -> Request[dict[str, Any]]:
+        return Request("POST", "/admin/resume", _dict)
+
+    @staticmethod
+    def set_weight_version(version: str) -> Request[str | None]:
+        return Request("PUT", "/admin/weight-version", lambda b: _dict(b).get("previous"),
+                       json={"version": version})
+
+    @staticmethod
+    def pool() -> Request[dict[str, Any]]:
+        return Request("GET", "/admin/pool", _dict)
+
+    @staticmethod
+    def change_pool(*, gpus: int | list[int | str] | None, layout: list[dict[str, Any]] | None,
+                    tp: int | None) -> Request[str]:
+        body = {k: v for k, v in (("gpus", gpus), ("layout", layout), ("tp", tp))
+                if v is not None}
+        if not body:
+            raise ValueError("give gpus, layout or tp")
+        return Request("PUT", "/admin/pool", lambda b: str(_dict(b)["job"]), json=body)
+
+    @staticmethod
+    def job(job_id: str) -> Request[JobInfo]:
+        return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", JobInfo.from_json)
+
+    @staticmethod
+    def backends() -> Request[list[dict[str, Any]]]:
+        return Request("GET", "/admin/backends", lambda b: list(_dict(b)["data"]))
+
+    @staticmethod
+    def status() -> Request[dict[str, Any]]:
+        return Request("GET", "/status", _dict)
+
+    @staticmethod
+    def health() -> Request[dict[str, Any]]:
+        return Request("GET", "/health", _dict)
+
+
+class ClientBase:
+    """Configuration and URL helpers shared by both clients."""
+
+    def __init__(self, base_url: str, *, admin_token: str | None, timeout: float,
+                 poll_interval_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.admin_token = admin_token
+        self.timeout = timeout
+        self.poll_interval_s = poll_interval_s
+
+    def _headers(self) -> dict[str, str]:
+        # the admin token also unlocks include_text on the trajectory routes
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    def base_url_for(self, trajectory_id: str, group_id: str | None = None) -> str:
+        """The OpenAI base URL for one trajectory: ``{gateway}/g/{group}/t/{id}/v1``."""
+        return openai_base_url(self.base_url, trajectory_id, group_id)
+
+    def _request_kwargs(self, req: Request[Any]) -> dict[str, Any]:
+        kw: dict[str, Any] = {"params": req.params, "json": req.json,
+                              "headers": self._headers()}
+        if req.timeout is not None:
+            kw["timeout"] = req.timeout
+        return kw
+
+
+def parse(req: Request[T], response: httpx.Response) -> T:
+    raise_for_response(response)
+    return req.parse(response.json())
+
+
+def connection_error(req: Request[Any], base_url: str, exc: httpx.TransportError
+                     ) -> GatewayConnectionError:
+    return GatewayConnectionError(
+        f"{req.method} {base_url}{req.path} failed: {type(exc).__name__}: {exc}")
+
+
+def pending(ids: Iterable[str], done: dict[str, TrajectoryInfo]) -> list[str]:
+    return [i for i in ids if i not in done]

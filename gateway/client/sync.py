@@ -1,0 +1,227 @@
+"""The blocking trainer-side client (``httpx.Client``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import httpx
+
+from gateway.client._base import (
+    DEFAULT_TIMEOUT_S,
+    PAGE,
+    ClientBase,
+    Endpoints,
+    Request,
+    connection_error,
+    parse,
+    pending,
+)
+from gateway.client.errors import GatewayClientError, JobFailed, NotFoundError, WaitTimeout
+from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo
+from gateway.store.samples import Sample
+
+T = TypeVar("T")
+
+
+class RolloutClient:
+    """Talks to one gateway over its REST API; the gateway's store is the only truth.
+
+    ``base_url`` is the gateway's root (``http://host:8000``, no ``/v1``). The admin
+    token is needed for pause/resume, weight versions and the pool. Use as a context
+    manager, or call :meth:`close`.
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *,
+                 admin_token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 poll_interval_s: float = 0.5, http: httpx.Client | None = None) -> None:
+        self._cfg = ClientBase(base_url, admin_token=admin_token, timeout=timeout_s,
+                               poll_interval_s=poll_interval_s)
+        self._http = http or httpx.Client(base_url=self._cfg.base_url, timeout=timeout_s)
+        self._owns_http = http is None
+
+    @property
+    def base_url(self) -> str:
+        return self._cfg.base_url
+
+    def base_url_for(self, trajectory_id: str, group_id: str | None = None) -> str:
+        """The OpenAI base URL for one trajectory: ``{gateway}/g/{group}/t/{id}/v1``."""
+        return self._cfg.base_url_for(trajectory_id, group_id)
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _send(self, req: Request[T]) -> T:
+        try:
+            response = self._http.request(req.method, req.path,
+                                          **self._cfg._request_kwargs(req))
+        except httpx.TransportError as exc:
+            raise connection_error(req, self.base_url, exc) from exc
+        return parse(req, response)
+
+    # -- trajectories ------------------------------------------------------------------
+
+    def list_trajectories(self, *, group_id: str | None = None,
+                          finished: bool | None = None) -> list[TrajectoryInfo]:
+        """Every matching trajectory, oldest first (pages through ``GET /trajectories``)."""
+        out: list[TrajectoryInfo] = []
+        while True:
+            page = self._send(Endpoints.list_page(group_id=group_id, finished=finished,
+                                                  limit=PAGE, offset=len(out)))
+            out += page
+            if len(page) < PAGE:
+                return out
+
+    def trajectory(self, trajectory_id: str) -> dict[str, Any]:
+        """``GET /trajectories/{id}``: the trajectory with its calls' token traces."""
+        return self._send(Endpoints.trajectory(trajectory_id))
+
+    def finish(self, trajectory_id: str, reward: float | None = None, *,
+               metadata: dict[str, Any] | None = None,
+               group_id: str | None = None) -> TrajectoryInfo:
+        """Mark a trajectory finished with its reward (idempotent: the last call wins)."""
+        return self._send(Endpoints.finish(trajectory_id, reward, metadata=metadata,
+                                           group_id=group_id))
+
+    def finish_many(self, rewards: Mapping[str, float | None], *,
+                    group_id: str | None = None) -> list[TrajectoryInfo]:
+        return [self.finish(t, r, group_id=group_id) for t, r in rewards.items()]
+
+    def wait_for_group(self, group_id: str, count: int, *,
+                       timeout_s: float = 600.0) -> list[TrajectoryInfo]:
+        """Block until ``count`` trajectories of ``group_id`` are finished; returns them.
+
+        Raises :class:`WaitTimeout` (with ``finished``) when ``timeout_s`` seconds pass first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.list_trajectories(group_id=group_id, finished=True)
+            if len(done) >= count:
+                return done
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"group {group_id!r}: {len(done)} of {count} finished "
+                                  f"after {timeout_s:g} s", finished=done)
+            time.sleep(self._cfg.poll_interval_s)
+
+    def wait_for_trajectories(self, ids: Iterable[str], *,
+                              timeout_s: float = 600.0) -> list[TrajectoryInfo]:
+        """Block until every id is finished (ids not recorded yet count as unfinished)."""
+        wanted = list(ids)
+        done: dict[str, TrajectoryInfo] = {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for tid in pending(wanted, done):
+                with contextlib.suppress(NotFoundError):
+                    info = TrajectoryInfo.from_json(self.trajectory(tid))
+                    if info.finished:
+                        done[tid] = info
+            if not pending(wanted, done):
+                return [done[i] for i in wanted]
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"{len(done)} of {len(wanted)} trajectories finished "
+                                  f"after {timeout_s:g} s", finished=list(done.values()))
+            time.sleep(self._cfg.poll_interval_s)
+
+    def sample(self, trajectory_id: str) -> Sample:
+        """One trajectory as a training sample (token ids, loss mask, logprobs, ...)."""
+        return self._send(Endpoints.sample(trajectory_id))
+
+    def samples(self, ids: Iterable[str]) -> SampleBatch:
+        return SampleBatch([self.sample(i) for i in ids])
+
+    def fetch_group(self, group_id: str, count: int | None = None, *,
+                    timeout_s: float = 600.0) -> SampleBatch:
+        """Samples of a group's finished trajectories; with ``count``, wait for that many."""
+        if count is None:
+            infos = self.list_trajectories(group_id=group_id, finished=True)
+        else:
+            infos = self.wait_for_group(group_id, count, timeout_s=timeout_s)
+        return self.samples(i.id for i in infos)
+
+    # -- weight sync -------------------------------------------------------------------
+
+    def pause(self, *, mode: str | None = None, wait_idle: bool = False,
+              timeout_s: float = 60.0) -> dict[str, Any]:
+        """Hold (``mode="wait"``) or refuse (``"reject"``) new calls; in-flight ones finish.
+        With ``wait_idle`` the answer comes once nothing is in flight (``idle`` says if)."""
+        return self._send(Endpoints.pause(mode=mode, wait_idle=wait_idle, timeout_s=timeout_s))
+
+    def resume(self) -> dict[str, Any]:
+        return self._send(Endpoints.resume())
+
+    def set_weight_version(self, version: str) -> str | None:
+        """Stamp calls dispatched from now on with ``version``; returns the previous one."""
+        return self._send(Endpoints.set_weight_version(version))
+
+    @contextlib.contextmanager
+    def weight_sync(self, version: str | None = None, *, wait_idle: bool = True,
+                    timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
+        """Pause (waiting until idle), run the block (load the new weights), then set
+        ``version`` and resume. The gateway resumes even if the block raises, and the
+        version is only bumped when it did not."""
+        paused = self.pause(wait_idle=wait_idle, timeout_s=timeout_s)
+        try:
+            yield paused
+            if version is not None:
+                self.set_weight_version(version)
+        finally:
+            self.resume()
+
+    # -- pool --------------------------------------------------------------------------
+
+    def pool(self) -> dict[str, Any]:
+        """``GET /admin/pool``: instances, layout, pause state (see docs/pool.md)."""
+        return self._send(Endpoints.pool())
+
+    def backends(self) -> list[dict[str, Any]]:
+        return self._send(Endpoints.backends())
+
+    def resize_pool(self, gpus: int | list[int | str] | None = None, *,
+                    layout: list[dict[str, Any]] | None = None, tp: int | None = None,
+                    wait: bool = True, timeout_s: float = 600.0) -> JobInfo:
+        """Resize (``gpus``) and/or re-lay-out (``layout=[{"tp": 2, "count": 2}]``) the
+        managed pool. With ``wait`` block until the job ends; raises :class:`JobFailed`."""
+        job_id = self._send(Endpoints.change_pool(gpus=gpus, layout=layout, tp=tp))
+        return self.wait_job(job_id, timeout_s=timeout_s) if wait else self.job(job_id)
+
+    def job(self, job_id: str) -> JobInfo:
+        return self._send(Endpoints.job(job_id))
+
+    def wait_job(self, job_id: str, *, timeout_s: float = 600.0) -> JobInfo:
+        deadline = time.monotonic() + timeout_s
+        while not (job := self.job(job_id)).done:
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"job {job_id} still {job.status.value} after {timeout_s:g} s")
+            time.sleep(min(self._cfg.poll_interval_s, 0.2))
+        if not job.succeeded:
+            raise JobFailed(f"job {job_id} {job.status.value}: {'; '.join(job.errors)}",
+                            job=job.raw)
+        return job
+
+    # -- gateway -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return self._send(Endpoints.status())
+
+    def wait_ready(self, *, timeout_s: float = 30.0) -> None:
+        """Block until ``GET /health`` answers 200 (the gateway has started)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._send(Endpoints.health())
+                return
+            except GatewayClientError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.1)
