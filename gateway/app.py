@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from gateway.api import admin, openai, status, trajectories, web
+from gateway.api import admin, openai, policy, status, trajectories, web
 from gateway.config import Settings
-from gateway.errors import install_error_handlers
+from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
 from gateway.runtime import open_runtime
 
@@ -32,11 +32,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
     if settings.server.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, trajectories, admin, status, web):
+    for module in (openai, trajectories, admin, policy, status, web):
         app.include_router(module.router)
     return app

@@ -29,6 +29,12 @@ class UpstreamSettings(BaseModel):
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed checks")
+    breaker_failures: int = Field(
+        5, ge=1, description="consecutive failed calls (refused, 5xx, timeout, broken stream) "
+        "that open a backend's circuit breaker")
+    breaker_cooldown_s: float = Field(
+        10.0, ge=0, description="how long an open breaker keeps the backend out of rotation "
+        "before one probe call is let through (half-open)")
 
 
 class TraceSettings(BaseModel):
@@ -58,13 +64,36 @@ class DispatchSettings(BaseModel):
     backend_wait_s: float = Field(
         300.0, ge=0, description="while a managed pool reconfigures and no instance is "
         "routable, hold calls this long before answering 503")
+    cap_per_gpu: int = Field(
+        16, ge=1, description="gateway-side concurrency cap per GPU of an instance: calls "
+        "beyond it wait in the gateway queue, where the policy orders them")
+    max_queued: int = Field(10_000, ge=1, description="queued calls before 503 + Retry-After")
+    queue_timeout_s: float = Field(3600.0, gt=0)
+    overload_retry_after_s: float = Field(2.0, ge=0)
+    send_priority: bool = Field(True, description="stamp the policy's vLLM `priority` field")
+    speed_profile: str = Field(
+        "qwen3-14b/H100", description="latency profile (MODEL/GPU) the policies use to "
+        "estimate per-token time and interference per TP degree")
+    migrate: bool = Field(True, description="let policies move trajectories in tool gaps")
+    tick_s: float = Field(0.5, gt=0, description="periodic rescheduling (aging, pool changes)")
+    restart_s: float = Field(10.8, ge=0, description="cost of restarting an instance with a "
+                             "new TP degree, weighed by planners (Libra measures 10.8 s)")
 
 
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, description="larger bodies get 413")
     cors_origins: list[str] = []
+    max_in_flight: int = Field(
+        4096, ge=0, description="LLM calls admitted at once (queued or running); more are "
+        "answered 503 with Retry-After. 0: no limit")
+    overload_retry_after_s: float = Field(1.0, ge=0)
+    shutdown_delay_s: float = Field(
+        2.0, ge=0, description="after SIGTERM, keep serving this long with /health at 503 so "
+        "load balancers stop sending, then stop accepting")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="then wait this long for calls in flight to finish")
 
 
 class Settings(BaseSettings):
@@ -81,7 +110,7 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = []
     backends: Annotated[list[str], NoDecode] = []
     pool: Path | None = None
-    policy: str = "least-loaded"
+    policy: str = Field("ours", description="scheduling/placement policy (see docs/policies.md)")
     weight_version: str = "0"
     auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")
 

@@ -20,14 +20,19 @@ from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.jobs import JobBook
+from gateway.dispatch.migrate import prewarm
 from gateway.dispatch.pool import PoolManager, open_pool
+from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor
+from gateway.dispatch.speeds import speeds_for
 from gateway.metrics import EventLog, GatewayMetrics, gauge
+from gateway.policies.base import Migrate, Relayout
+from gateway.policies.registry import get_policy
 from gateway.proxy.client import make_session
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.spool import Spool, default_spool_path
 from gateway.store.writer import TraceWriter
-from gateway.trajectories.tracker import Tracker
+from gateway.trajectories.tracker import Tracker, TrajectoryState
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,36 @@ def _single(name: str, doc: str, value: float) -> Metric:
     return g
 
 
+def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
+    """Connect the scheduler's decisions to the resources that carry them out."""
+    tasks: set[asyncio.Task[bool]] = set()
+
+    def kv(backend_id: str) -> float | None:
+        stats = rt.monitor.engines.get(backend_id)
+        return stats.sample.kv_usage if stats is not None else None
+
+    def migrate(state: TrajectoryState, move: Migrate) -> None:
+        target = rt.registry.get(move.target)
+        if target is None or state.model is None or not state.sequence:
+            return
+        rt.metrics.migrations.inc()
+        rt.events.emit("migration", f"{state.id}: {state.backend_id} -> {target.id}",
+                       trajectory=state.id, source=state.backend_id, target=target.id)
+        task = asyncio.create_task(prewarm(rt.session, target, state.model,
+                                           state.sequence.tolist()))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def relayout(change: Relayout) -> None:
+        rt.events.emit("relayout", f"policy proposes retiring {list(change.retire)} for TP "
+                       f"{list(change.launch)} ({change.reason}); no managed pool to apply it",
+                       retire=list(change.retire), launch=list(change.launch))
+
+    scheduler.kv_usage = kv
+    scheduler.on_migrate = migrate
+    scheduler.on_relayout = relayout
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
     """Open every resource the gateway needs; close them in reverse on exit."""
@@ -115,14 +150,20 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         writer = TraceWriter(sessionmaker, settings.traces, spool)
         writer.start()
         stack.push_async_callback(writer.close)
+        tracker = Tracker()
+        scheduler = Scheduler(registry, tracker, get_policy(settings.policy),
+                              speeds_for(settings.dispatch.speed_profile), settings.dispatch)
         rt = Runtime(
             settings=settings, engine=engine, sessionmaker=sessionmaker, session=session,
             registry=registry, health=health,
-            dispatcher=Dispatcher(registry, settings=settings.dispatch),
-            tracker=Tracker(), writer=writer, metrics=GatewayMetrics(),
+            dispatcher=Dispatcher(registry, scheduler, settings=settings.dispatch),
+            tracker=tracker, writer=writer, metrics=GatewayMetrics(),
             weight_version=settings.weight_version,
         )
         rt.metrics.add_collector(rt.collect)
+        wire_scheduler(rt, scheduler)
+        scheduler.start()
+        stack.push_async_callback(scheduler.close)
         rt.monitor.start(rt)
         stack.push_async_callback(rt.monitor.close)
         stack.push_async_callback(rt.jobs.close)

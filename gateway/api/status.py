@@ -37,7 +37,7 @@ def status_body(rt: Runtime) -> dict[str, Any]:
     """The status page's data (also sent by ``/status/stream``); shape in docs/status-page.md."""
     states = list(rt.tracker)
     return {
-        "policy": rt.dispatcher.placement.name,
+        "policy": rt.dispatcher.policy_name,
         "weight_version": rt.weight_version,
         "backends": [backend_row(rt, b) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},

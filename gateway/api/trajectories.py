@@ -124,7 +124,9 @@ async def finish(
         traj = await queries.finish_trajectory(
             session, trajectory_id=trajectory_id, group_id=group, reward=body.reward,
             metadata=body.metadata, now=now)
-    rt.tracker.finish(trajectory_id, body.reward, now)
+    if live is not None and live.finished_at is None:
+        rt.tracker.finish(trajectory_id, body.reward, now)
+        rt.dispatcher.scheduler.trajectory_finished(live)
     return {"id": traj.id, "group_id": traj.group_id, "reward": traj.reward,
             "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
 

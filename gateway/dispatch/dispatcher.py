@@ -1,9 +1,10 @@
-"""The live driver of placement: picks a backend per call and accounts in-flight load.
+"""Admission and placement of calls: the proxy's single entry point, ``acquire``.
 
-``acquire`` asks the active placement policy for a backend among the routable ones and
-returns a :class:`Lease`; releasing the lease (exactly once, on every path) returns the
-backend's in-flight count. The policies issue grows this into a queue with per-instance
-concurrency caps and priorities; the proxy only ever sees ``acquire`` and ``Lease``.
+``acquire`` passes the admission gates (pause for weight sync, wait for pool capacity),
+then queues the call in the :class:`~gateway.dispatch.scheduler.Scheduler`, where the
+active trajectory-aware policy decides when it runs, where, and with which vLLM
+priority. It returns a :class:`Lease`; releasing the lease (exactly once, on every path)
+returns the backend's in-flight slot and lets the scheduler dispatch the next call.
 
 Pool reconfiguration contract (``gateway.dispatch.pool``), which any placement code here
 must keep:
@@ -23,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.gate import CapacitySource, PauseGate
+from gateway.dispatch.scheduler import Scheduler
 from gateway.errors import ModelNotFound, NoBackendAvailable
-from gateway.policies.base import BackendView, CallView, LeastLoaded, Placement
+from gateway.policies.base import CallView
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class Lease:
     backend: Backend
     priority: int | None
     queued_s: float
+    on_release: Callable[[], None] | None = None
     released: bool = False
 
     def release(self, *, ok: bool = True) -> None:
@@ -48,17 +51,19 @@ class Lease:
         self.backend.served += 1
         if not ok:
             self.backend.failures += 1
+        if self.on_release is not None:
+            self.on_release()
 
 
 class Dispatcher:
     def __init__(
         self,
         registry: BackendRegistry,
-        placement: Placement | None = None,
+        scheduler: Scheduler,
         settings: DispatchSettings | None = None,
     ) -> None:
         self.registry = registry
-        self.placement: Placement = placement or LeastLoaded()
+        self.scheduler = scheduler
         self.settings = settings or DispatchSettings()
         self.gate = PauseGate()
         #: Set by a managed pool so calls wait for instances it is starting.
@@ -83,12 +88,15 @@ class Dispatcher:
         started = time.monotonic()
         if not exclude:  # a retry of a call already admitted is not held again
             await self.gate.admit(self.settings)
-        candidates = await self._candidates(model, exclude)
-        views = [BackendView(b.id, b.tp or 1, b.in_flight, b.served) for b in candidates]
-        chosen_id = self.placement.choose(call, views, time.monotonic())
-        backend = next(b for b in candidates if b.id == chosen_id)
-        backend.in_flight += 1
-        return Lease(backend, None, time.monotonic() - started)
+        await self._candidates(model, exclude)
+        backend, priority = await self.scheduler.place(
+            call.trajectory_id, call.seq, call.context_tokens, model, exclude)
+        return Lease(backend, priority if self.settings.send_priority else None,
+                     time.monotonic() - started, on_release=self.scheduler.kick)
+
+    @property
+    def policy_name(self) -> str:
+        return self.scheduler.policy.name
 
     def _expecting(self) -> bool:
         return self.capacity is not None and self.capacity.expecting_capacity()

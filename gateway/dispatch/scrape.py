@@ -176,7 +176,7 @@ class Monitor:
             completion_tokens=sample_sum(m.tokens, "_total", kind="completion"),
             running=running, queued=queued, finished=finished))
         self._diff_backends(rt, now)
-        watched = (rt.weight_version, rt.dispatcher.placement.name)
+        watched = (rt.weight_version, rt.dispatcher.policy_name)
         if self._watched is not None and watched != self._watched:
             if watched[0] != self._watched[0]:
                 rt.events.emit("weight_version", f"weight version {self._watched[0]} -> "
@@ -236,7 +236,7 @@ class Monitor:
         yield gpus
         policy = GaugeMetricFamily("rollout_gateway_policy_info", "1 for the active placement "
                                    "policy", labels=["policy"])
-        policy.add_metric([rt.dispatcher.placement.name], 1.0)
+        policy.add_metric([rt.dispatcher.policy_name], 1.0)
         yield policy
         events = CounterMetricFamily("rollout_gateway_events", "Operational events (pauses, "
                                      "migrations, reconfigurations, backend changes) by kind",

@@ -76,6 +76,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
         prompt=ctx.capture.prompt_ids if status == "ok" else None,
         completion=cap.token_ids, ok=status == "ok",
     )
+    rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
         endpoint=ctx.endpoint, model=str(ctx.body.get("model")),

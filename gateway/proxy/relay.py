@@ -1,35 +1,53 @@
 """One proxied call, end to end: validate, tag, dispatch, relay, capture, record.
 
 Retries: a call is retried on another backend only while nothing has reached the client
-(connection refused, a 5xx answer before any byte was relayed). Cancellation: the
-upstream response is closed on every exit path, including a client that disconnects
-while the call is queued, waiting for its first byte, or mid-stream, so the engine stops
-generating and frees its KV cache.
+(connection refused, the connection dropped before the response headers, a first-byte
+timeout, a 5xx answer), within ``max_attempts`` and one deadline (``total_timeout_s``
+from arrival) for all attempts together. Every outcome feeds the backend's circuit
+breaker. Cancellation: the upstream response is closed on every exit path, including a
+client that disconnects while the call is queued, waiting for its first byte, or
+mid-stream, so the engine stops generating and frees its KV cache. Admission: at most
+``max_in_flight`` calls at once; more get 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
+from gateway.dispatch.backends import Backend, CircuitBreaker
 from gateway.dispatch.dispatcher import Lease
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, UpstreamError
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NoBackendAvailable,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from gateway.proxy.admission import Admission, Slot
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
-from gateway.proxy.client import UpstreamConnectError, UpstreamResponse, open_upstream
+from gateway.proxy.client import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamResponse,
+    open_upstream,
+)
 from gateway.proxy.sse import SSEDecoder, error_event
 from gateway.runtime import Runtime
-from gateway.trajectories.tagging import identify
+from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
 
 log = logging.getLogger(__name__)
@@ -105,13 +123,52 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
     return task.result()
 
 
+class RelayStream(StreamingResponse):
+    """A streamed relay whose clean-up runs however the response ends.
+
+    Starlette neither closes the body generator when the client goes away nor starts it
+    when the client left before the first chunk; ``on_close`` and ``aclose`` here make
+    sure the upstream is closed, the call recorded and its slot released exactly once.
+    """
+
+    def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], None],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._gen = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(RuntimeError):  # already running elsewhere: it closes
+                await self._gen.aclose()
+            self._on_close()
+
+
 class Proxy:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.breaker = CircuitBreaker(rt.settings.upstream)
+        server = rt.settings.server
+        self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
+        rt.metrics.add_collector(self.admission.collect)
 
     async def handle(
         self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
+        slot = self.admission.enter()
+        try:
+            response = await self._handle(request, endpoint, slot, path_traj, path_group)
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(response, RelayStream):
+            slot.release()
+        return response
+
+    async def _handle(self, request: Request, endpoint: Endpoint, slot: Slot,
+                      path_traj: str | None, path_group: str | None) -> Response:
         arrived = time.monotonic()
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
         body = parse_request(raw, endpoint)
@@ -121,6 +178,10 @@ class Proxy:
         )
         self.rt.dispatcher.check_model(body["model"])
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
+        if state.prompt_id is None:
+            state.prompt_id = prompt_identity(body)
+            state.model = body["model"]
+            state.auto = ident.generated
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
         ctx = CallContext(
             id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
@@ -129,9 +190,9 @@ class Proxy:
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
             headers={"x-trajectory-id": ident.trajectory_id},
         )
-        return await _unless_disconnected(request, self._run(ctx, endpoint))
+        return await _unless_disconnected(request, self._run(ctx, endpoint, slot))
 
-    async def _run(self, ctx: CallContext, endpoint: Endpoint) -> Response:
+    async def _run(self, ctx: CallContext, endpoint: Endpoint, slot: Slot) -> Response:
         try:
             upstream = await self._connect(ctx, endpoint)
         except BaseException as exc:
@@ -143,35 +204,53 @@ class Proxy:
         if upstream.status != 200:
             return await self._relay_error(ctx, upstream)
         if ctx.stream:
-            return StreamingResponse(
-                self._stream(ctx, upstream), media_type="text/event-stream",
-                headers={**ctx.headers, "cache-control": "no-cache"},
-            )
+            def on_close() -> None:
+                upstream.close()
+                finish_call(self.rt, ctx, error=asyncio.CancelledError())
+                slot.release()
+
+            return RelayStream(self._stream(ctx, upstream), on_close,
+                               headers={**ctx.headers, "cache-control": "no-cache"})
         return await self._relay_whole(ctx, upstream)
 
     async def _connect(self, ctx: CallContext, endpoint: Endpoint) -> UpstreamResponse:
         """Dispatch and open the upstream call, trying other backends on early failures."""
         rt, tried = self.rt, list[str]()
-        attempts = rt.settings.upstream.max_attempts
-        for attempt in range(1, attempts + 1):
-            lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
+        limits = rt.settings.upstream
+        deadline = ctx.arrived + limits.total_timeout_s
+        last: UpstreamError | None = None
+        for attempt in range(1, limits.max_attempts + 1):
+            try:
+                lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
+            except NoBackendAvailable:
+                if last is not None:  # every backend failed: say how the last one did
+                    raise last from None
+                raise
             ctx.bind(lease, rt.weight_version)
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(
                     rt.session, lease.backend.url + endpoint.path, ctx.payload(),
-                    UPSTREAM_HEADERS, rt.settings.upstream,
+                    UPSTREAM_HEADERS, limits, deadline,
                 )
-            except UpstreamConnectError:
-                rt.registry_mark_down(lease.backend)
-                if attempt == attempts:
+            except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
+                self.breaker.failure(lease.backend, exc.message)
+                if isinstance(exc, UpstreamConnectError):
+                    rt.registry_mark_down(lease.backend)
+                if attempt == limits.max_attempts or time.monotonic() >= deadline:
                     raise
+                last = exc
                 self._requeue(ctx, lease, tried)
                 continue
-            if upstream.status in RETRYABLE_STATUS and attempt < attempts:
-                upstream.close()
-                self._requeue(ctx, lease, tried)
-                continue
+            if upstream.status in RETRYABLE_STATUS:
+                self.breaker.failure(lease.backend, f"answered {upstream.status}")
+                if attempt < limits.max_attempts:
+                    upstream.close()
+                    last = UpstreamError(f"upstream answered {upstream.status}")
+                    self._requeue(ctx, lease, tried)
+                    continue
+            else:
+                self.breaker.success(lease.backend)
             return upstream
         raise AssertionError("unreachable")
 
@@ -194,6 +273,10 @@ class Proxy:
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 
+    def _broke(self, backend: Backend, exc: GatewayError) -> None:
+        """The backend failed mid-response (died, hung): count it against the backend."""
+        self.breaker.failure(backend, exc.message)
+
     async def _relay_whole(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
         try:
             data = await upstream.read()
@@ -204,6 +287,8 @@ class Proxy:
         except BaseException as exc:
             upstream.close()
             finish_call(self.rt, ctx, error=exc)
+            if isinstance(exc, UpstreamError) and ctx.lease is not None:
+                self._broke(ctx.lease.backend, exc)
             if isinstance(exc, orjson.JSONDecodeError):
                 raise UpstreamError("upstream answered with invalid JSON") from None
             raise
@@ -211,7 +296,8 @@ class Proxy:
         finish_call(self.rt, ctx)
         return Response(data, media_type="application/json", headers=ctx.headers)
 
-    async def _stream(self, ctx: CallContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+    async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
+                      ) -> AsyncGenerator[bytes, None]:
         decoder = SSEDecoder(ctx.capture)
         error: BaseException | None = None
         try:
@@ -226,6 +312,8 @@ class Proxy:
                 yield tail
         except GatewayError as exc:
             error = exc
+            if ctx.lease is not None:
+                self._broke(ctx.lease.backend, exc)
             yield error_event(exc)
         except BaseException as exc:  # client went away (cancelled) or a bug: record it
             error = exc

@@ -13,6 +13,7 @@ A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` h
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Mapping
@@ -92,3 +93,23 @@ def identify(
     if traj is None:
         return Identity(f"auto-{uuid.uuid4().hex[:20]}", group, generated=True)
     return Identity(validate_id(traj), group)
+
+
+def prompt_identity(body: Mapping[str, Any]) -> str:
+    """A stable id of the task prompt: the conversation up to the first user message.
+
+    Members of one GRPO group (and reruns of the same task in later batches) share it,
+    which is what per-prompt statistics and Libra's causal tree key on.
+    """
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        head = []
+        for m in msgs:
+            head.append(repr((m.get("role"), m.get("content"))) if isinstance(m, Mapping)
+                        else repr(m))
+            if isinstance(m, Mapping) and m.get("role") == "user":
+                break
+        text = "\n".join(head)
+    else:
+        text = repr(body.get("prompt"))[:4096]
+    return "p-" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

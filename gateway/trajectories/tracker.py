@@ -56,6 +56,12 @@ class TrajectoryState:
     reward: float | None = None
     last_queue_s: float = 0.0
     timeline: array[float] = field(default_factory=lambda: array("d"))
+    prompt_id: str | None = None  # identity of the task prompt (same across a GRPO group)
+    model: str | None = None
+    last_completion_tokens: int = 0
+    preferred_backend: str | None = None  # a migration target whose cache was prewarmed
+    auto: bool = False  # untagged call: a one-call trajectory, never continued
+    view: object | None = None  # the policies' cached TrajectoryView (None when stale)
 
     @property
     def phase(self) -> Phase:
@@ -108,12 +114,29 @@ def prompt_delta(previous: array[int], prompt: Sequence[int]) -> PromptDelta:
     return PromptDelta(pos, list(prompt[pos:]), pos)
 
 
+@dataclass(slots=True)
+class GroupState:
+    """A GRPO group as observed: its members and what finished members generated."""
+
+    members: list[str] = field(default_factory=list)
+    finished_lengths: list[int] = field(default_factory=list)
+    finished_turns: list[int] = field(default_factory=list)
+    view: object | None = None
+
+
 class Tracker:
-    """All live trajectories, least recently active evicted beyond ``capacity``."""
+    """All live trajectories, least recently active evicted beyond ``capacity``.
+
+    ``live`` holds the trajectories a policy should consider: seen, not finished, and not
+    a one-call untagged trajectory whose call is over.
+    """
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._states: OrderedDict[str, TrajectoryState] = OrderedDict()
         self._capacity = capacity
+        self.live: dict[str, TrajectoryState] = {}
+        self.groups: dict[str, GroupState] = {}
+        self.finished_count = 0
 
     def __len__(self) -> int:
         return len(self._states)
@@ -130,12 +153,21 @@ class Tracker:
         if state is None:
             state = TrajectoryState(trajectory_id, group_id, created_at=now)
             self._states[trajectory_id] = state
+            self.live[trajectory_id] = state
+            self._join_group(state)
             self._evict()
         else:
             self._states.move_to_end(trajectory_id)
             if group_id and not state.group_id:
                 state.group_id = group_id
+                self._join_group(state)
         return state
+
+    def _join_group(self, state: TrajectoryState) -> None:
+        if state.group_id is not None:
+            group = self.groups.setdefault(state.group_id, GroupState())
+            group.members.append(state.id)
+            group.view = None
 
     def _evict(self) -> None:
         while len(self._states) > self._capacity:
@@ -144,7 +176,14 @@ class Tracker:
             )
             if victim is None:
                 return
-            del self._states[victim]
+            gone = self._states.pop(victim)
+            self.live.pop(victim, None)
+            group = self.groups.get(gone.group_id) if gone.group_id else None
+            if group is not None and victim in group.members:
+                group.members.remove(victim)
+                group.view = None
+                if not group.members:
+                    del self.groups[gone.group_id]  # type: ignore[arg-type]
 
     def call_arrived(
         self, state: TrajectoryState, outcomes: list[ToolOutcome], now: float
@@ -155,6 +194,7 @@ class Tracker:
             state.add_segment(2, state.last_call_end, now)
         state.outcomes.extend(outcomes)
         state.queued += 1
+        state.view = None
         seq = state.turns
         state.turns += 1
         return seq
@@ -167,10 +207,13 @@ class Tracker:
         state.queue_time_s += queued_s
         state.last_queue_s = queued_s
         state.backend_id = backend_id
+        state.preferred_backend = None
+        state.view = None
 
     def call_abandoned(self, state: TrajectoryState) -> None:
         """A call that never reached a backend (rejected, client left while queued)."""
         state.queued -= 1
+        state.view = None
 
     def call_finished(
         self,
@@ -188,11 +231,15 @@ class Tracker:
         state.llm_time_s += llm_s
         state.add_segment(0, now - llm_s - state.last_queue_s, now - llm_s)
         state.add_segment(1, now - llm_s, now)
+        state.view = None
+        if state.auto and not state.in_flight and not state.queued:
+            self.live.pop(state.id, None)
         if not ok:
             state.calls_failed += 1
             return None
         state.calls_done += 1
         state.completion_tokens += len(completion)
+        state.last_completion_tokens = len(completion)
         if prompt is None:
             return None
         state.prompt_tokens += len(prompt)
@@ -206,7 +253,16 @@ class Tracker:
 
     def finish(self, trajectory_id: str, reward: float | None, now: float) -> None:
         state = self._states.get(trajectory_id)
-        if state is not None:
-            state.finished_at = now
-            state.reward = reward
-            state.sequence = array("i")
+        if state is None or state.finished_at is not None:
+            return
+        state.finished_at = now
+        state.reward = reward
+        state.sequence = array("i")
+        state.view = None
+        self.live.pop(trajectory_id, None)
+        self.finished_count += 1
+        group = self.groups.get(state.group_id) if state.group_id else None
+        if group is not None:
+            group.finished_lengths.append(state.completion_tokens)
+            group.finished_turns.append(state.calls_done)
+            group.view = None

@@ -1,0 +1,42 @@
+"""Admin: read and switch the scheduling policy at run time (bearer admin token)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+
+from gateway.api.deps import get_rt, require_admin
+from gateway.errors import BadRequest
+from gateway.policies.registry import POLICY_NAMES, get_policy
+from gateway.runtime import Runtime
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+#: The oracle needs the benchmark's hidden lengths; a live gateway never has them.
+SWITCHABLE = tuple(n for n in POLICY_NAMES if n != "oracle")
+
+
+class PolicyChange(BaseModel):
+    policy: str = Field(min_length=1, max_length=64)
+
+
+def _describe(rt: Runtime) -> dict[str, Any]:
+    s = rt.dispatcher.scheduler
+    return {"policy": s.policy.name, "label": s.policy.label, "available": list(SWITCHABLE),
+            "queued": s.queue_depth, "migrations": s.migrations, "relayouts": s.relayouts}
+
+
+@router.get("/policy", summary="The active scheduling policy")
+async def current_policy(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    return _describe(rt)
+
+
+@router.put("/policy", summary="Switch the scheduling policy (queued calls are rescheduled)")
+async def switch_policy(body: PolicyChange, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    if body.policy not in SWITCHABLE:
+        raise BadRequest(f"unknown policy {body.policy!r}; available: {', '.join(SWITCHABLE)}",
+                         param="policy")
+    previous = rt.dispatcher.scheduler.policy.name
+    rt.dispatcher.scheduler.set_policy(get_policy(body.policy))  # the monitor logs the event
+    return {"previous": previous, **_describe(rt)}

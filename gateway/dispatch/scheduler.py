@@ -1,0 +1,236 @@
+"""The gateway-side queue, ordered and placed by a trajectory-aware policy.
+
+Every call waits here until the active policy dispatches it: the policy sees a snapshot
+(instances with their load and a per-instance concurrency cap, live trajectories, GRPO
+groups, per-TP speeds) and the pending calls, and returns which to send where, with
+which vLLM ``priority``. The cap (``cap_per_gpu`` x GPUs) keeps most waiting in this
+queue, where ordering decisions still matter, instead of in vLLM's own FCFS backlog.
+
+Scheduling runs whenever something changes (a call arrives, a call ends, the pool
+changes) and on a periodic tick (so aging priorities and a reconfigured pool are seen),
+coalesced to one pass per event-loop iteration. Between calls the driver also gives the
+policy its other two hooks: ``observe``/``on_tool_gap`` when a call completes (a
+migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of the
+trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
+are handed to the managed pool, if there is one).
+
+This is the same ``Policy`` object the discrete-event simulator drives (``bench/des.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from gateway.config import DispatchSettings
+from gateway.dispatch.backends import Backend, BackendRegistry
+from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
+from gateway.errors import Overloaded, UpstreamTimeout
+from gateway.policies.base import (
+    Migrate,
+    PendingCall,
+    Policy,
+    Relayout,
+    Snapshot,
+    TPSpeed,
+)
+from gateway.trajectories.tracker import Tracker, TrajectoryState
+
+log = logging.getLogger(__name__)
+Placed = tuple[Backend, int]
+KvLookup = Callable[[str], float | None]
+
+
+@dataclass(slots=True)
+class Waiter:
+    call: PendingCall
+    model: str
+    exclude: frozenset[str]
+    future: asyncio.Future[Placed]
+
+
+class Scheduler:
+    def __init__(self, registry: BackendRegistry, tracker: Tracker, policy: Policy,
+                 speeds: dict[int, TPSpeed], settings: DispatchSettings) -> None:
+        self.registry = registry
+        self.tracker = tracker
+        self.policy = policy
+        self.speeds = speeds
+        self.settings = settings
+        self.kv_usage: KvLookup = lambda _id: None
+        self.on_migrate: Callable[[TrajectoryState, Migrate], None] | None = None
+        self.on_relayout: Callable[[Relayout], Awaitable[None]] | None = None
+        self._waiting: dict[str, Waiter] = {}
+        self._keys = itertools.count()
+        self._kick: asyncio.Handle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.dispatched = 0
+        self.migrations = 0
+        self.relayouts = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._ticker(), name="scheduler-tick")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for w in list(self._waiting.values()):
+            if not w.future.done():
+                w.future.set_exception(Overloaded("the gateway is shutting down"))
+        self._waiting.clear()
+
+    async def _ticker(self) -> None:
+        last_plan = time.monotonic()
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            self.kick()
+            interval = self.policy.plan_interval_s
+            if interval and time.monotonic() - last_plan >= interval:
+                last_plan = time.monotonic()
+                await self._plan()
+
+    def set_policy(self, policy: Policy) -> None:
+        """Switch policies at run time; queued calls are rescheduled by the new one."""
+        self.policy = policy
+        self.kick()
+
+    # ------------------------------------------------------------------ the queue
+    async def place(self, trajectory_id: str, seq: int, context_tokens: int, model: str,
+                    exclude: Iterable[str] = ()) -> Placed:
+        """Wait until the policy dispatches this call; returns (backend, priority).
+
+        The backend's ``in_flight`` is already counted when this returns; the caller
+        releases it through its lease.
+        """
+        if len(self._waiting) >= self.settings.max_queued:
+            raise Overloaded(f"{len(self._waiting)} calls already queued in the gateway",
+                             retry_after_s=self.settings.overload_retry_after_s)
+        key = f"q{next(self._keys)}"
+        fut: asyncio.Future[Placed] = asyncio.get_running_loop().create_future()
+        call = PendingCall(key, trajectory_id, seq, context_tokens, time.time())
+        self._waiting[key] = Waiter(call, model, frozenset(exclude), fut)
+        self.kick()
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout_s):
+                return await fut
+        except TimeoutError:
+            self._give_back(fut)
+            raise UpstreamTimeout(
+                f"call waited {self.settings.queue_timeout_s:g}s in the gateway queue"
+            ) from None
+        except asyncio.CancelledError:
+            self._give_back(fut)
+            raise
+        finally:
+            self._waiting.pop(key, None)
+
+    def _give_back(self, fut: asyncio.Future[Placed]) -> None:
+        """The call was placed but its caller is gone: return the slot."""
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            backend, _ = fut.result()
+            backend.in_flight -= 1
+            self.kick()
+        elif not fut.done():
+            fut.cancel()
+
+    def kick(self) -> None:
+        """Schedule a pass at the next loop iteration (many kicks, one pass)."""
+        if self._kick is None and self._waiting:
+            self._kick = asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._kick = None
+        by_model: dict[str, list[Waiter]] = {}
+        for w in self._waiting.values():
+            if not w.future.done():
+                by_model.setdefault(w.model, []).append(w)
+        for model, waiters in by_model.items():
+            self._schedule_model(model, waiters)
+
+    def _cap(self, b: Backend) -> int:
+        return self.settings.cap_per_gpu * (len(b.gpus) or (b.tp or 1))
+
+    def _schedule_model(self, model: str, waiters: list[Waiter]) -> None:
+        backends = {b.id: b for b in self.registry.routable(model)}
+        if not backends:
+            return
+        retries = [w for w in waiters if w.exclude]
+        for w in retries:  # a retry goes to the least loaded backend it has not tried
+            free = [b for b in backends.values()
+                    if b.id not in w.exclude and b.in_flight < self._cap(b)]
+            if free:
+                self._resolve(w, min(free, key=lambda b: (b.in_flight, b.id)), 0)
+        plain = [w.call for w in waiters if not w.exclude]
+        if not plain:
+            return
+        snap = self.snapshot(backends.values())
+        for d in self.policy.schedule(snap, plain):
+            waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
+            if waiter is None or backend is None or waiter.future.done():
+                continue
+            if backend.in_flight < self._cap(backend):
+                self._resolve(waiter, backend, d.priority)
+
+    def _resolve(self, w: Waiter, backend: Backend, priority: int) -> None:
+        backend.in_flight += 1  # in the same step as the choice (pool drain contract)
+        self.dispatched += 1
+        w.future.set_result((backend, priority))
+
+    def snapshot(self, backends: Iterable[Backend] | None = None) -> Snapshot:
+        chosen = list(backends) if backends is not None else list(self.registry)
+        instances = tuple(instance_view(b, self.settings.cap_per_gpu, self.kv_usage(b.id))
+                          for b in chosen)
+        return Snapshot(
+            now=time.time(), total_gpus=sum(i.gpus for i in instances), instances=instances,
+            trajectories=LiveTrajectories(self.tracker), groups=Groups(self.tracker),
+            speeds=self.speeds, restart_s=self.settings.restart_s,
+            finished=self.tracker.finished_count)
+
+    # ------------------------------------------------------------------ hooks
+    def call_completed(self, state: TrajectoryState, *, ok: bool) -> None:
+        """A call ended: the policy learns, and may move the trajectory during its tool gap."""
+        self.kick()
+        if not ok or state.auto or state.finished_at is not None:
+            return
+        view = trajectory_view(state)
+        self.policy.observe(view, Groups(self.tracker), time.time())
+        if not self.settings.migrate or state.in_flight or state.queued:
+            return
+        routable = [b for b in self.registry if b.routable]
+        if len(routable) < 2:
+            return
+        move = self.policy.on_tool_gap(self.snapshot(routable), view)
+        if move is not None and move.target != state.backend_id and \
+                self.registry.get(move.target) is not None:
+            state.preferred_backend = move.target
+            state.view = None
+            self.migrations += 1
+            if self.on_migrate is not None:
+                self.on_migrate(state, move)
+
+    def trajectory_finished(self, state: TrajectoryState) -> None:
+        self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        self.kick()
+
+    async def _plan(self) -> None:
+        try:
+            change = self.policy.plan(self.snapshot())
+        except Exception:  # a planner bug must not stop the scheduler
+            log.exception("policy %s failed to plan", self.policy.name)
+            return
+        if change is None or self.on_relayout is None:
+            return
+        self.relayouts += 1
+        await self.on_relayout(change)
