@@ -2,6 +2,64 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 bench_app = typer.Typer(no_args_is_help=True)
+
+
+@bench_app.command()
+def sim(
+    workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
+    model: Annotated[str, typer.Option()] = "qwen3-14b",
+    gpu: Annotated[str, typer.Option()] = "H100",
+    gpus: Annotated[int, typer.Option(help="GPUs in the pool")] = 64,
+    policy: Annotated[list[str] | None, typer.Option(help="repeatable; see docs/policies.md")]
+    = None,
+    seed: Annotated[int, typer.Option()] = 1,
+    tp: Annotated[int, typer.Option(help="uniform TP of the baseline policies")] = 1,
+    prompts: Annotated[int | None, typer.Option(help="fewer prompts (quick runs)")] = None,
+    group_size: Annotated[int | None, typer.Option()] = None,
+    cap_per_gpu: Annotated[int, typer.Option(help="gateway concurrency cap per GPU")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """Discrete-event simulation of one rollout batch under each policy."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from bench.report import table
+    from bench.run import Bench, Scenario
+    from gateway.policies.registry import POLICY_NAMES
+
+    names = policy or ["slime", "heddle", "libra", "ours", "oracle"]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown:
+        raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}")
+    sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=170)
+    try:
+        bench = Bench(sc)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    results = []
+    with Progress(console=console, transient=False) as prog:
+        for name in names:
+            task = prog.add_task(name, total=len(bench.specs))
+            results.append(bench.run(name, lambda done, t=task: prog.update(t, completed=done)))
+    console.print(table(sc, results, bench.lower_bound))
+    if json_out is not None:
+        doc = {"command": " ".join(["rollout-gateway", "bench", "sim", *sys.argv[3:]]),
+               "scenario": sc.__dict__ if hasattr(sc, "__dict__") else _fields(sc),
+               "trajectories": len(bench.specs),
+               "results": {r.policy: r.as_dict() for r in results}}
+        json_out.write_text(json.dumps(doc, indent=2))
+
+
+def _fields(sc: object) -> dict[str, object]:
+    return {k: getattr(sc, k) for k in getattr(sc, "__slots__", ())}

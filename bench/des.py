@@ -45,7 +45,7 @@ class SimConfig:
     speeds: dict[int, TPSpeed]
     cap_per_gpu: int = 16
     restart_s: float = 10.8
-    max_fuse_s: float = 0.25
+    max_fuse_s: float = 1.0
     seed: int = 0
 
 

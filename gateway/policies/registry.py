@@ -81,5 +81,5 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return ComposedPolicy("oracle", ProgressivePriority(), PresortedDPPlacer(),
                               JointPlanner(OURS_INITIAL), OraclePredictor(oracle_truth),
                               GainMigrator(locality=True),
-                              label="oracle (upper bound: knows true lengths)")
+                              label="oracle (upper bound)")
     raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")

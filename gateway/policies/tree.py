@@ -69,11 +69,17 @@ class CausalTree:
         The prompt tree wins over the global tree at equal depth (it is more specific).
         """
         states = traj.outcomes[: self.max_depth]
+        marks = self._progress.get(traj.id, [])
         for d in range(len(states), -1, -1):
             for root in (traj.prompt_id, "*"):
                 node = self._nodes.get((root, *states[:d]))
                 if node is not None and len(node.samples) >= self.min_samples:
-                    return node.stats(), d + 1
+                    # a shallower match predates some of this trajectory's progress:
+                    # take off what it generated since (floored; it is still running)
+                    done = traj.generated_tokens - marks[d] if d < len(marks) else 0
+                    st = node.stats()
+                    keep = max(0.25, 1.0 - done / st.mean) if st.mean > 0 else 1.0
+                    return Prediction(st.mean * keep, st.p90 * keep), d + 1
         return None
 
     def predict(self, traj: TrajectoryView, snap: Snapshot) -> Prediction:

@@ -1,0 +1,28 @@
+"""Tables for benchmark results (rich)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from bench.metrics import Result
+from bench.run import Scenario
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(sc: Scenario, results: list[Result], lower_bound: float) -> Table:
+    base = next((r for r in results if r.policy == "slime"), results[0])
+    t = Table(title=f"bench sim: {sc.workload}, {sc.model} on {sc.gpus}x{sc.gpu}, seed "
+                    f"{sc.seed} (lower bound {lower_bound:.0f} s)")
+    for col in ("policy", "makespan s", "x LB", "tok/s", "x slime", "p50 s", "p99 s",
+                "migr", "reconf", "cache hit", "rank corr", "tail recall", "wall s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        t.add_row(r.label, f"{r.makespan_s:.0f}", f"{r.makespan_s / lower_bound:.2f}",
+                  f"{r.throughput_tok_s:.0f}", f"{r.throughput_tok_s / base.throughput_tok_s:.2f}",
+                  f"{r.p50_trajectory_s:.0f}", f"{r.p99_trajectory_s:.0f}", str(r.migrations),
+                  str(r.reconfigurations), f"{r.prefix_cache_hit_rate:.0%}",
+                  _f(r.rank_corr), _f(r.tail_recall), f"{r.wall_s:.1f}")
+    return t

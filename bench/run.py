@@ -1,0 +1,53 @@
+"""Run one policy over one generated batch in the simulator and summarize it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.des import SimConfig, Simulator
+from bench.metrics import Result, lower_bound, summarize
+from bench.speeds import profiles, speeds
+from bench.workloads import TrajectorySpec, generate
+from gateway.policies.registry import get_policy
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    workload: str
+    model: str = "qwen3-14b"
+    gpu: str = "H100"
+    gpus: int = 64
+    seed: int = 1
+    tp: int = 1  # uniform TP of the baselines
+    prompts: int | None = None  # shrink the batch (smoke tests); None = the workload's
+    group_size: int | None = None
+    cap_per_gpu: int = 16
+    tp_penalty: float | None = None
+
+
+class Bench:
+    """One batch, its lower bound, and one run per policy (same batch every time)."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.specs: list[TrajectorySpec] = generate(
+            sc.workload, sc.seed, prompts=sc.prompts, group_size=sc.group_size)
+        max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
+        self.profiles = profiles(sc.model, sc.gpu, sc.tp_penalty, max_tp)
+        self.speeds = speeds(self.profiles)
+        self.lower_bound = lower_bound(self.specs, self.profiles, sc.gpus)
+        totals = {s.id: s.total_output for s in self.specs}
+        self._truth: Callable[[str, int], int] = lambda tid, gen: totals[tid] - gen
+
+    def run(self, name: str, progress: Callable[[int], None] | None = None) -> Result:
+        sc = self.sc
+        truth = self._truth if name == "oracle" else None  # the only door to hidden lengths
+        policy = get_policy(name, tp=sc.tp, seed=sc.seed, oracle_truth=truth)
+        cfg = SimConfig(sc.gpus, self.profiles, self.speeds, cap_per_gpu=sc.cap_per_gpu,
+                        seed=sc.seed)
+        started = time.perf_counter()
+        sim = Simulator(self.specs, policy, cfg, progress)
+        makespan = sim.run()
+        return summarize(sim, makespan, self.lower_bound, time.perf_counter() - started)
