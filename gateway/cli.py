@@ -5,12 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import time
 from pathlib import Path
-from typing import Annotated
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from gateway.config import Settings
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 app = typer.Typer(help="Trajectory-aware gateway for agentic RL rollouts.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -49,8 +56,40 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
-                access_log=False, timeout_graceful_shutdown=30)
+    fastapi_app = create_app(settings)
+    config = uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level,
+                            access_log=False,
+                            timeout_graceful_shutdown=int(settings.server.shutdown_grace_s))
+    _server(config, fastapi_app, settings.server.shutdown_delay_s).run()
+
+
+def _server(config: uvicorn.Config, fastapi_app: FastAPI, delay_s: float) -> uvicorn.Server:
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        """SIGTERM starts a two-step stop: ``/health`` answers 503 at once while calls are
+        still served for ``delay_s`` (load balancers take the gateway out), then uvicorn's
+        graceful shutdown stops accepting and waits for calls in flight; the lifespan then
+        flushes the trace writer. SIGINT (and a second SIGTERM) skip the delay."""
+
+        exit_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            rt = getattr(fastapi_app.state, "runtime", None)
+            if rt is not None:
+                rt.ready = False
+            if sig == signal.SIGTERM and self.exit_at is None and delay_s > 0:
+                self._captured_signals.append(sig)
+                self.exit_at = time.monotonic() + delay_s
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.exit_at is not None and time.monotonic() >= self.exit_at:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return GatewayServer(config)
 
 
 @app.command()

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class GatewayError(Exception):
@@ -182,6 +183,39 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
         status_code=400,
         media_type="application/json",
     )
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a declared ``Content-Length`` over ``limit`` before any of
+    the body is read, and :class:`PayloadTooLarge` from ``receive`` once a body without
+    one grows past it, so no route buffers an unbounded body."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            too_large = PayloadTooLarge(f"request body over {self.limit} bytes")
+            await error_response(request, too_large)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise PayloadTooLarge(f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

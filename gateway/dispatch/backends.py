@@ -41,10 +41,25 @@ class Backend:
     last_error: str | None = None
     source: str = "static"
     gpus: tuple[int, ...] = ()
+    call_failures: int = 0  # consecutive failed calls (the circuit breaker's count)
+    breaker_tripped: bool = False
+    breaker_open_until: float = 0.0  # time.monotonic()
+    breaker_trips: int = 0
+
+    @property
+    def breaker_state(self) -> str:
+        """``closed``; ``open`` (cooling down); ``half_open`` (one probe call may pass)."""
+        if not self.breaker_tripped:
+            return "closed"
+        return "open" if time.monotonic() < self.breaker_open_until else "half_open"
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.state is InstanceState.READY
+        if not (self.healthy and self.state is InstanceState.READY):
+            return False
+        breaker = self.breaker_state
+        # half-open: a single probe, i.e. only while nothing else is in flight there
+        return breaker == "closed" or (breaker == "half_open" and self.in_flight == 0)
 
 
 def parse_backend_spec(spec: str, index: int) -> Backend:
@@ -99,6 +114,39 @@ class BackendRegistry:
             for b in self._backends.values()
             if b.routable and b.id not in skip and (not b.models or model in b.models)
         ]
+
+
+class CircuitBreaker:
+    """Passive health from real calls: ``breaker_failures`` consecutive failures open a
+    backend's breaker for ``breaker_cooldown_s``; then one probe call is let through
+    (half-open). Its success closes the breaker, its failure opens it again.
+
+    This complements :class:`HealthChecker`: a backend can answer ``/health`` while every
+    completion fails (5xx) or hangs, which only real calls reveal.
+    """
+
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self._settings = settings
+
+    def success(self, backend: Backend) -> None:
+        backend.call_failures = 0
+        if backend.breaker_tripped:
+            log.info("backend %s (%s): probe call succeeded; breaker closed",
+                     backend.id, backend.url)
+            backend.breaker_tripped = False
+
+    def failure(self, backend: Backend, reason: str) -> None:
+        backend.call_failures += 1
+        backend.last_error = reason[:300]
+        probe_failed = backend.breaker_tripped and backend.breaker_state == "half_open"
+        if probe_failed or (not backend.breaker_tripped
+                            and backend.call_failures >= self._settings.breaker_failures):
+            backend.breaker_tripped = True
+            backend.breaker_open_until = time.monotonic() + self._settings.breaker_cooldown_s
+            backend.breaker_trips += 1
+            log.warning("backend %s (%s): breaker open for %gs after %d failed calls (%s)",
+                        backend.id, backend.url, self._settings.breaker_cooldown_s,
+                        backend.call_failures, backend.last_error)
 
 
 class HealthChecker:

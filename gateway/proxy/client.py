@@ -87,20 +87,29 @@ async def open_upstream(
     body: bytes,
     headers: Mapping[str, str],
     settings: UpstreamSettings,
+    deadline: float | None = None,
 ) -> UpstreamResponse:
-    """POST ``body`` and wait for the response headers (the first-byte limit)."""
-    deadline = time.monotonic() + settings.total_timeout_s
+    """POST ``body`` and wait for the response headers (the first-byte limit).
+
+    ``deadline`` (``time.monotonic()``) bounds the whole call, retries included; without
+    it the call gets ``total_timeout_s`` from now.
+    """
+    if deadline is None:
+        deadline = time.monotonic() + settings.total_timeout_s
+    wait = min(settings.first_byte_timeout_s, deadline - time.monotonic())
+    if wait <= 0:
+        raise UpstreamTimeout("upstream exceeded the total time limit")
     try:
-        async with asyncio.timeout(settings.first_byte_timeout_s):
+        async with asyncio.timeout(wait):
             resp = await session.post(url, data=body, headers=headers)
     except aiohttp.ConnectionTimeoutError as exc:
         raise UpstreamConnectError(f"cannot connect to upstream: {exc}") from exc
     except TimeoutError as exc:
-        raise UpstreamTimeout(
-            f"no response from upstream within {settings.first_byte_timeout_s:g}s"
-        ) from exc
+        raise UpstreamTimeout(f"no response from upstream within {wait:g}s") from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamConnectError(f"cannot connect to upstream: {exc}") from exc
+    except aiohttp.ClientConnectionError as exc:
+        raise UpstreamBroken(f"upstream closed the connection before answering: {exc}") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"upstream request failed: {exc}") from exc
     return UpstreamResponse(resp, settings, deadline)
@@ -108,3 +117,8 @@ async def open_upstream(
 
 class UpstreamConnectError(UpstreamError):
     """The backend could not be reached at all (safe to retry elsewhere)."""
+
+
+class UpstreamBroken(UpstreamError):
+    """The backend dropped the connection before its response headers (it died or
+    restarted while the call ran); nothing reached the client, so retrying is safe."""
