@@ -40,8 +40,11 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
     async def chat(request: Request) -> Response:
         body = orjson.loads(await request.body())
         seen.bodies.append(body)
-        if script.mode == "hang":
-            await asyncio.sleep(3600)
+        if script.mode == "hang":  # never answers; notices the caller leaving, as vLLM does
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            seen.closed_early += 1
+            return Response(status_code=499)
         if script.mode == "error500":
             return JSONResponse({"error": {"message": "boom", "type": "InternalServerError",
                                            "param": None, "code": 500}}, status_code=500)

@@ -13,6 +13,7 @@ from gateway.app import create_app
 from gateway.config import Settings
 from gateway.runtime import Runtime
 from tests.reliability.procs import Child, sim_backend
+from tests.scripted_upstream import Script, Seen, make_upstream
 from tests.servers import LoopThread, app_in_thread
 
 MODEL = "qwen3-14b"
@@ -53,3 +54,17 @@ def sim_children() -> Iterator[Callable[..., Child]]:
     yield start
     for child in started:
         child.stop()
+
+
+@pytest.fixture
+def scripted(loop_thread: LoopThread) -> Iterator[Callable[[Script], tuple[str, Seen]]]:
+    """Scriptable vLLM-shaped upstreams (hang, 5xx, slow) on real sockets."""
+    stack = contextlib.ExitStack()
+
+    def start(script: Script) -> tuple[str, Seen]:
+        seen = Seen()
+        url = stack.enter_context(app_in_thread(loop_thread, lambda: make_upstream(script, seen)))
+        return url, seen
+
+    with stack:
+        yield start
