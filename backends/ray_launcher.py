@@ -23,11 +23,12 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.base import InstanceSpec, LaunchedInstance, LaunchError, Launcher
+from backends.base import InstanceSpec, LaunchedInstance, Launcher, LaunchError
 
 log = logging.getLogger(__name__)
 ALIVE_TIMEOUT_S = 10.0
@@ -42,9 +43,10 @@ class ServerActor:
         self.instance: LaunchedInstance | None = None
 
     async def start(self, spec: InstanceSpec) -> str:
-        import ray
+        from ray.util import get_node_ip_address
 
-        ip = ray.util.get_node_ip_address()
+        node_ip: Callable[[], str] = get_node_ip_address  # untyped in Ray
+        ip = node_ip()
         local = dataclasses.replace(spec, gpus=(), node="local")  # Ray already placed it
         if self.server == "sim":
             from backends.sim_launcher import SimLauncher

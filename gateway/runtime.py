@@ -20,6 +20,7 @@ from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.jobs import JobBook
+from gateway.dispatch.layout import LayoutError
 from gateway.dispatch.migrate import prewarm
 from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.scheduler import Scheduler
@@ -118,8 +119,15 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
         task.add_done_callback(tasks.discard)
 
     async def relayout(change: Relayout) -> None:
+        outcome = "no managed pool to apply it"
+        if rt.pool is not None:
+            try:
+                job = rt.pool.relayout(change.retire, change.launch, change.reason)
+                outcome = f"applying as job {job.id}"
+            except LayoutError as exc:
+                outcome = f"not applied: {exc}"
         rt.events.emit("relayout", f"policy proposes retiring {list(change.retire)} for TP "
-                       f"{list(change.launch)} ({change.reason}); no managed pool to apply it",
+                       f"{list(change.launch)} ({change.reason}); {outcome}",
                        retire=list(change.retire), launch=list(change.launch))
 
     scheduler.kv_usage = kv

@@ -125,6 +125,23 @@ class PoolManager:
         target = [s for s in self.planned if s.id != instance_id]
         return self._submit("remove-instance", {"id": instance_id}, target)
 
+    def relayout(self, retire: Sequence[str], launch: Sequence[int], reason: str = "") -> Job:
+        """A resource policy's decision (``gateway.policies.base.Relayout``): drain and
+        stop ``retire``, start instances of the TP degrees ``launch`` on freed GPUs.
+        Refused while another reconfiguration is pending, so proposals do not pile up."""
+        if self.static:
+            raise LayoutError("a static pool cannot be reconfigured")
+        if self.rt.jobs.running:
+            raise LayoutError("a reconfiguration is already in progress")
+        unknown = set(retire) - {s.id for s in self.planned}
+        if unknown:
+            raise LayoutError(f"no instances {sorted(unknown)} to retire")
+        keep = [s for s in self.planned if s.id not in retire]
+        requests = [*map(_as_request, keep), *(InstanceRequest(tp=tp) for tp in launch)]
+        target = place(requests, self.active, self.spec.model, keep)
+        return self._submit("relayout", {"retire": list(retire), "launch": list(launch),
+                                         "reason": reason}, target)
+
     def _select(self, gpus: GpuSelection) -> list[Slot]:
         if isinstance(gpus, int):
             return select_gpus(self.inventory, self.planned, gpus)

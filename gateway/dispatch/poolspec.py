@@ -73,6 +73,7 @@ class SimOptions(_Strict):
     gpu: str = "H100"
     speed: float = Field(1.0, gt=0)
     seed: int = 0
+    startup_s: float = Field(0.0, ge=0, description="simulated start-up seconds (/ speed)")
     options: dict[str, Any] = Field({}, description="other SimServerConfig fields")
 
 
@@ -208,7 +209,7 @@ def build_launcher(spec: PoolSpec) -> Launcher:
         from backends.sim_launcher import SimLauncher
 
         return SimLauncher(profile=ls.profile, gpu=ls.gpu, speed=ls.speed, seed=ls.seed,
-                           options=ls.options)
+                           options=ls.options, startup_s=ls.startup_s)
     if isinstance(ls, VLLMLauncherSpec):
         return vllm_launcher(ls)
     if isinstance(ls, RayLauncherSpec):

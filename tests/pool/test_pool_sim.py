@@ -169,3 +169,24 @@ async def _until(cond: Any, timeout_s: float = 10) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+async def test_policy_relayout_merges_instances_and_refuses_while_busy(
+        pool_gateway: PoolGateway) -> None:
+    with pool_gateway(sim_spec()) as gw:
+        async with client(gw) as c:
+            await ready_pool(c)
+            pool = gw.rt.pool
+            assert pool is not None
+
+            async def propose() -> str:  # on the gateway's loop, as the scheduler does
+                job = pool.relayout(["tp1-g2", "tp1-g3"], [2], "tail")
+                with pytest.raises(ValueError, match="already in progress"):
+                    pool.relayout(["tp1-g0"], [1])
+                return job.id
+
+            done = await wait_job(c, gw.loop.run(propose()), 30)
+    assert done["status"] == "succeeded"
+    assert done["plan"] == {"keep": ["tp1-g0", "tp1-g1"], "stop": ["tp1-g2", "tp1-g3"],
+                            "start": ["tp2-g2-3"]}
+    assert done["request"]["reason"] == "tail"

@@ -1,0 +1,102 @@
+"""Pure layout arithmetic and pool-spec validation (no servers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.base import InstanceSpec
+from gateway.dispatch.layout import InstanceRequest, LayoutError, diff, place, resize, select_gpus
+from gateway.dispatch.poolspec import PoolSpecError, load_pool_spec, parse_pool_spec
+
+EIGHT = [("local", g) for g in range(8)]
+
+
+def spec(tp: int, *gpus: int, node: str = "local") -> InstanceSpec:
+    name = f"tp{tp}-g" + "-".join(map(str, gpus))
+    return InstanceSpec(id=name, model="m", tp=tp, gpus=gpus, node=node)
+
+
+def test_place_fills_gpus_in_order_and_names_by_placement() -> None:
+    specs = place([InstanceRequest(tp=1)] * 4 + [InstanceRequest(tp=4)], EIGHT, "m")
+    assert [s.id for s in specs] == ["tp1-g0", "tp1-g1", "tp1-g2", "tp1-g3", "tp4-g4-5-6-7"]
+
+
+def test_place_reuses_running_placements_so_they_keep_serving() -> None:
+    current = [spec(2, 4, 5)]
+    specs = place([InstanceRequest(tp=2)], EIGHT, "m", current)
+    assert specs == current
+
+
+def test_explicit_gpus_win_and_are_checked() -> None:
+    specs = place([InstanceRequest(tp=1), InstanceRequest(tp=1, gpus=(0,))], EIGHT[:2], "m")
+    assert sorted(s.id for s in specs) == ["tp1-g0", "tp1-g1"]
+    with pytest.raises(LayoutError, match="used twice"):
+        place([InstanceRequest(tp=1, gpus=(0,))] * 2, EIGHT, "m")
+
+
+def test_multi_node_keeps_tp_within_one_node() -> None:
+    two_nodes = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    specs = place([InstanceRequest(tp=1), InstanceRequest(tp=2)], two_nodes, "m")
+    assert [(s.node, s.gpus, s.id) for s in specs] == [("a", (0,), "a-tp1-g0"),
+                                                       ("b", (0, 1), "b-tp2-g0-1")]
+    with pytest.raises(LayoutError, match="no node has 4 free GPUs"):
+        place([InstanceRequest(tp=4)], two_nodes, "m")
+
+
+def test_diff_keeps_unchanged_placements() -> None:
+    plan = diff([spec(1, 0), spec(1, 1), spec(1, 2)], [spec(1, 0), spec(2, 1, 2)])
+    assert plan.describe() == {"keep": ["tp1-g0"], "stop": ["tp1-g1", "tp1-g2"],
+                               "start": ["tp2-g1-2"]}
+
+
+def test_select_gpus_keeps_whole_instances_first() -> None:
+    current = [spec(1, 0), spec(1, 1), spec(1, 2), spec(1, 3), spec(4, 4, 5, 6, 7)]
+    assert select_gpus(EIGHT, current, 4) == EIGHT[:4]
+    assert select_gpus(EIGHT, [spec(4, 4, 5, 6, 7), spec(1, 0)], 5) == [EIGHT[0], *EIGHT[4:]]
+    with pytest.raises(LayoutError):
+        select_gpus(EIGHT, current, 9)
+
+
+def test_resize_fills_freed_gpus_with_the_default_tp() -> None:
+    reqs = resize([spec(1, 0)], EIGHT[:6], default_tp=2)
+    assert [(r.tp, r.gpus) for r in reqs] == [(1, (0,)), (2, (1, 2)), (2, (3, 4)), (1, (5,))]
+
+
+def _spec(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "inventory": {"gpus": 4}, "launcher": {"kind": "sim"}, **kw}
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (_spec(layout=[{"tp": 8}]), "no node has 8 free GPUs"),
+    (_spec(launcher={"kind": "k8s"}), "launcher"),
+    (_spec(inventory={"gpus": 2, "nodes": [{"gpus": 2}]}), "either 'gpus' or 'nodes'"),
+    (_spec(layout=[{"tp": 1, "count": 2, "gpus": [0]}]), "'count' > 1"),
+    (_spec(inventory={}), "inventory declares no GPUs"),
+    (_spec(surprise=1), "surprise"),
+    ({"model": "m", "launcher": {"kind": "static", "backends": []}}, "backends"),
+])
+def test_invalid_specs_say_what_is_wrong(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(PoolSpecError, match="is invalid") as err:
+        parse_pool_spec(data)
+    assert message in str(err.value)
+
+
+def test_spec_files_yaml_json_and_errors(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "model: m\ninventory: {nodes: [{name: n1, gpus: [2, 3]}]}\nlauncher: {kind: sim}\n"
+        "layout:\n  - {tp: 2}\n")
+    spec_ = load_pool_spec(tmp_path / "p.yaml")
+    assert spec_.inventory.slots() == [("n1", 2), ("n1", 3)]
+    (tmp_path / "p.json").write_text('{"model": "m", "launcher": {"kind": "sim"}, "inventory"')
+    with pytest.raises(PoolSpecError, match="does not parse"):
+        load_pool_spec(tmp_path / "p.json")
+    with pytest.raises(PoolSpecError, match="No such file"):
+        load_pool_spec(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[2].glob("examples/pool*.yaml")))
+def test_example_specs_are_valid(path: Path) -> None:
+    load_pool_spec(path)
