@@ -52,7 +52,11 @@ def serve(
     })
     try:
         settings.check_safe_to_serve()
-    except ValueError as exc:
+        if settings.pool is not None:  # a bad spec fails here, with the reason, not at start
+            from gateway.dispatch.poolspec import load_pool_spec
+
+            load_pool_spec(settings.pool)
+    except ValueError as exc:  # PoolSpecError is one
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
