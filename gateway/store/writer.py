@@ -245,6 +245,10 @@ class TraceWriter:
             if await self._try_write(records):
                 await asyncio.to_thread(spool.commit, position)
                 backoff = self._settings.retry_backoff_s
+                if self._queue.qsize() * 2 >= self._queue.maxsize:
+                    # calls keep coming while the backlog replays: queue them behind it
+                    # (order kept) rather than let the memory queue overflow
+                    await self._spill(self._take_queued())
                 continue
             await self._spill(self._take_queued())
             await self._spill_while_waiting(backoff)
