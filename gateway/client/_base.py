@@ -51,11 +51,11 @@ def new_id(prefix: str = "traj") -> str:
 
 def openai_base_url(gateway_url: str, trajectory_id: str, group_id: str | None = None) -> str:
     """The ``OPENAI_BASE_URL`` that tags every call of a harness with its trajectory."""
-    root = gateway_url.rstrip("/")
-    traj = quote(check_id(trajectory_id), safe="")
+    # validated ids only hold characters that are literal in a URL path
+    root, traj = gateway_url.rstrip("/"), check_id(trajectory_id)
     if group_id is None:
         return f"{root}/t/{traj}/v1"
-    return f"{root}/g/{quote(check_id(group_id, 'group_id'), safe='')}/t/{traj}/v1"
+    return f"{root}/g/{check_id(group_id, 'group_id')}/t/{traj}/v1"
 
 
 def session_headers(trajectory_id: str, group_id: str | None = None) -> dict[str, str]:
@@ -77,7 +77,7 @@ def _dict(body: Any) -> dict[str, Any]:
 
 
 def _path_id(value: str, what: str = "trajectory_id") -> str:
-    return quote(check_id(value, what), safe="")
+    return check_id(value, what)
 
 
 class Endpoints:

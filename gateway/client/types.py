@@ -55,11 +55,15 @@ class TrajectoryInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrajectoryInfo:
+        """From a list row, a finish answer, or ``GET /trajectories/{id}`` (calls listed)."""
+        calls, tokens = d.get("calls") or 0, d.get("completion_tokens") or 0
+        if isinstance(calls, list):
+            tokens = sum(int((c.get("usage") or {}).get("completion_tokens") or 0)
+                         for c in calls)
+            calls = len(calls)
         return cls(id=d["id"], group_id=d.get("group_id"), reward=d.get("reward"),
                    finished_at=_dt(d.get("finished_at")), created_at=_dt(d.get("created_at")),
-                   calls=int(d.get("calls") or 0),
-                   completion_tokens=int(d.get("completion_tokens") or 0),
-                   live=d.get("live"))
+                   calls=int(calls), completion_tokens=int(tokens), live=d.get("live"))
 
 
 @dataclass(frozen=True, slots=True)

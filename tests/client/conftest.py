@@ -50,8 +50,9 @@ def sim_urls(loop_thread: LoopThread) -> Iterator[list[str]]:
 def gateway(loop_thread: LoopThread, sim_urls: list[str]) -> GatewayFactory:
     """``gateway(db_url, **settings)``: a context manager serving the gateway; yields its URL."""
 
-    def start(db_url: str, **kw: Any) -> AbstractContextManager[str]:
-        settings = make_settings(db_url, sim_urls, **kw)
+    def start(db_url: str, *, backends: list[str] | None = None,
+              **kw: Any) -> AbstractContextManager[str]:
+        settings = make_settings(db_url, sim_urls if backends is None else backends, **kw)
         return app_in_thread(loop_thread, lambda: create_app(settings))
 
     return start
