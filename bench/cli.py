@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import Progress, TaskID
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -29,7 +31,6 @@ def sim(
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
     from rich.console import Console
-    from rich.progress import Progress
 
     from bench.report import table
     from bench.run import Bench, Scenario
@@ -51,7 +52,7 @@ def sim(
     with Progress(console=console, transient=False) as prog:
         for name in names:
             task = prog.add_task(name, total=len(bench.specs))
-            results.append(bench.run(name, lambda done, t=task: prog.update(t, completed=done)))
+            results.append(bench.run(name, partial(_advance, prog, task)))
     console.print(table(sc, results, bench.lower_bound))
     if json_out is not None:
         doc = {"command": " ".join(["rollout-gateway", "bench", "sim", *sys.argv[3:]]),
@@ -59,6 +60,10 @@ def sim(
                "trajectories": len(bench.specs),
                "results": {r.policy: r.as_dict() for r in results}}
         json_out.write_text(json.dumps(doc, indent=2))
+
+
+def _advance(prog: Progress, task: TaskID, done: int) -> None:
+    prog.update(task, completed=done)
 
 
 def _fields(sc: object) -> dict[str, object]:

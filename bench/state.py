@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from backends.sim.engine import EngineCore
 from backends.sim.kv_cache import ROOT_HASH, chain_hash
-from gateway.policies.base import InstanceState, InstanceView, Phase, TrajectoryView
 from bench.workloads import TrajectorySpec
+from gateway.policies.base import InstanceState, InstanceView, Phase, TrajectoryView
 
 #: Filler token values (small ints: shared objects, cheap lists); a prompt's header
 #: block and a trajectory's first output token make every stream distinct.

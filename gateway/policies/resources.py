@@ -144,7 +144,8 @@ class JointPlanner:
     placer uses, so placement and layout agree; a move is applied only if it saves more
     than ``min_gain`` of the predicted makespan *and* more than the restart cost. In the
     tail (few trajectories) the DP favours high TP on its own: this is the end-of-batch
-    GPU concentration, with no special case.
+    GPU concentration; the explicit straggler rule of :class:`TailMergePlanner` runs
+    first because the DP scores token time only and under-values a lone straggler.
     """
 
     def __init__(self, initial: Mapping[int, float], plan_interval_s: float = 5.0,
@@ -152,6 +153,7 @@ class JointPlanner:
         self.initial = dict(initial)  # tp -> fraction of GPUs
         self.plan_interval_s = plan_interval_s
         self.min_gain = min_gain
+        self._tail = TailMergePlanner(plan_interval_s=plan_interval_s)
 
     def initial_layout(self, gpus: int) -> tuple[int, ...]:
         return mixed_layout(gpus, self.initial)
@@ -159,6 +161,9 @@ class JointPlanner:
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
         if not preds:
             return None
+        tail = self._tail.plan(snap, preds)  # the straggler rule first (end of batch)
+        if tail is not None:
+            return tail
         lengths = sorted((p.mean for p in preds.values()), reverse=True)
         current = layout_of(snap)
         base = layout_makespan(lengths, current, snap.speeds)
