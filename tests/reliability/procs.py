@@ -24,10 +24,13 @@ class Child:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        out = log.open("wb") if log else subprocess.DEVNULL
+        out = log.open("wb") if log else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", *args], stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "gateway", *args],
+            stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, start_new_session=True)
+        if out is not None:
+            out.close()  # the child has its own descriptor
 
     def wait_ready(self, path: str = "/health", timeout_s: float = 30) -> None:
         deadline = time.monotonic() + timeout_s
