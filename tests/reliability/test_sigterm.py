@@ -52,7 +52,7 @@ async def _stored(db: str) -> dict[str, str]:
     try:
         async with make_sessionmaker(engine)() as s:
             rows = (await s.execute(select(Call.trajectory_id, Call.status))).all()
-            return {str(t): str(st) for t, st in rows.__iter__()}
+            return {str(row[0]): str(row[1]) for row in rows}
     finally:
         await engine.dispose()
 
