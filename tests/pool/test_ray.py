@@ -44,7 +44,7 @@ async def test_actors_come_up_and_resize_drains_without_failures(
             gpus_left = ray_cluster.available_resources().get("GPU", 0)
             stop, tally = asyncio.Event(), Tally()
             tasks = [asyncio.create_task(trajectory(
-                c, f"r{i}", MODEL, stop, tally, max_tokens=60,
+                c, f"r{i}", MODEL, stop, tally, max_tokens=400,
                 extra={"ignore_eos": True})) for i in range(10)]
             await asyncio.sleep(1.5)
             on_tp4 = next(b["in_flight"] for b in (await c.get(
@@ -65,6 +65,8 @@ async def test_actors_come_up_and_resize_drains_without_failures(
     assert resize["status"] == "succeeded", resize
     assert resize["plan"]["stop"] == ["tp4-g4-5-6-7"] and resize["plan"]["start"] == []
     assert on_tp4 > 0  # calls were running on the instance that was removed
+    drain = next(p for p in resize["phases"] if p["name"] == "drain")
+    assert drain["in_flight"]["tp4-g4-5-6-7"] > 0 and "forced" not in drain
     assert tally.failed == []
     assert [i["id"] for i in after["instances"]] == [f"tp1-g{g}" for g in range(4)]
     assert gpus_freed == 4
