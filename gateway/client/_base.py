@@ -145,6 +145,14 @@ class Endpoints:
         return Request("PUT", "/admin/pool", lambda b: str(_dict(b)["job"]), json=body)
 
     @staticmethod
+    def policy() -> Request[dict[str, Any]]:
+        return Request("GET", "/admin/policy", _dict)
+
+    @staticmethod
+    def set_policy(name: str) -> Request[dict[str, Any]]:
+        return Request("PUT", "/admin/policy", _dict, json={"policy": name})
+
+    @staticmethod
     def job(job_id: str) -> Request[JobInfo]:
         return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", JobInfo.from_json)
 

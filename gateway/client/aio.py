@@ -189,6 +189,12 @@ class AsyncRolloutClient:
         job_id = await self._send(Endpoints.change_pool(gpus=gpus, layout=layout, tp=tp))
         return await self.wait_job(job_id, timeout_s=timeout_s) if wait else await self.job(job_id)
 
+    async def policy(self) -> dict[str, Any]:
+        return await self._send(Endpoints.policy())
+
+    async def set_policy(self, name: str) -> dict[str, Any]:
+        return await self._send(Endpoints.set_policy(name))
+
     async def job(self, job_id: str) -> JobInfo:
         return await self._send(Endpoints.job(job_id))
 

@@ -195,6 +195,14 @@ class RolloutClient:
         job_id = self._send(Endpoints.change_pool(gpus=gpus, layout=layout, tp=tp))
         return self.wait_job(job_id, timeout_s=timeout_s) if wait else self.job(job_id)
 
+    def policy(self) -> dict[str, Any]:
+        """``GET /admin/policy``: the active scheduling policy and the ones available."""
+        return self._send(Endpoints.policy())
+
+    def set_policy(self, name: str) -> dict[str, Any]:
+        """Switch the scheduling policy at run time (queued calls are rescheduled)."""
+        return self._send(Endpoints.set_policy(name))
+
     def job(self, job_id: str) -> JobInfo:
         return self._send(Endpoints.job(job_id))
 

@@ -169,6 +169,12 @@ def test_gateway_errors_become_typed_exceptions(gateway: GatewayFactory,
             with pytest.raises(BadRequestError, match="version"):
                 admin.set_weight_version("")
             assert admin.pool()["managed"] is False
+            policy = admin.policy()
+            other = next(p for p in policy["available"] if p != policy["policy"])
+            assert admin.set_policy(other)["previous"] == policy["policy"]
+            assert admin.policy()["policy"] == other
+            with pytest.raises(BadRequestError, match="unknown policy 'nope'"):
+                admin.set_policy("nope")
             assert [(b["id"], b["healthy"]) for b in admin.backends()] == [("b0", True),
                                                                             ("b1", True)]
     with RolloutClient(f"http://127.0.0.1:{free_port()}", timeout_s=2) as down, \
