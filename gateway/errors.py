@@ -165,10 +165,20 @@ def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
     )
 
 
+def _json_safe(error: Any) -> Any:
+    """A validation error as JSON can carry it: its echoed ``input`` may hold what JSON
+    parsers accept but orjson cannot write back (integers past 64 bits)."""
+    try:
+        orjson.dumps(error, default=str)
+    except TypeError:
+        return {**error, "input": repr(error.get("input"))[:1000]}
+    return error
+
+
 def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     if not _is_openai_path(request):
         return Response(
-            orjson.dumps({"detail": exc.errors()}, default=str),
+            orjson.dumps({"detail": [_json_safe(e) for e in exc.errors()]}, default=str),
             status_code=422,
             media_type="application/json",
         )
