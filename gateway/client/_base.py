@@ -187,7 +187,7 @@ class ClientBase:
         """The OpenAI base URL for one trajectory: ``{gateway}/g/{group}/t/{id}/v1``."""
         return openai_base_url(self.base_url, trajectory_id, group_id)
 
-    def _request_kwargs(self, req: Request[Any]) -> dict[str, Any]:
+    def request_kwargs(self, req: Request[Any]) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": req.params, "json": req.json,
                               "headers": self._headers()}
         if req.timeout is not None:

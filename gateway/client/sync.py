@@ -65,7 +65,7 @@ class RolloutClient:
     def _send(self, req: Request[T]) -> T:
         try:
             response = self._http.request(req.method, req.path,
-                                          **self._cfg._request_kwargs(req))
+                                          **self._cfg.request_kwargs(req))
         except httpx.TransportError as exc:
             raise connection_error(req, self.base_url, exc) from exc
         return parse(req, response)
