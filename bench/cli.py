@@ -68,3 +68,18 @@ def _advance(prog: Progress, task: TaskID, done: int) -> None:
 
 def _fields(sc: object) -> dict[str, object]:
     return {k: getattr(sc, k) for k in getattr(sc, "__slots__", ())}
+
+
+@bench_app.command("soak")
+def soak(
+    minutes: Annotated[float, typer.Option(help="length of the steady load")] = 10.0,
+    concurrency: Annotated[int, typer.Option(help="trajectories in flight at once")] = 200,
+    instances: Annotated[int, typer.Option(help="simulated vLLM servers")] = 4,
+    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 20.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """Soak: a gateway process under steady agentic load; memory, tasks, fds, counters."""
+    from bench.soak import soak_command
+
+    soak_command(minutes=minutes, concurrency=concurrency, instances=instances, speed=speed,
+                 json_out=json_out)
