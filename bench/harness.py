@@ -49,6 +49,9 @@ class HarnessConfig:
     finish: bool = True
     seed: int = 0
     request_timeout_s: float = 600.0
+    #: wait the workload's reward-computation time before finishing (real rollouts do;
+    #: ``bench live`` turns it off to measure what ``bench sim`` measures)
+    reward_latency: bool = True
 
 
 @dataclass(slots=True)
@@ -153,7 +156,8 @@ class Agent:
                 if turn.obs_tokens or turn.tool_s:
                     await asyncio.sleep(turn.tool_s / speed)
                     self.messages.append(self._observe(turn))
-            await asyncio.sleep(spec.reward_s / speed)
+            if self.cfg.reward_latency:
+                await asyncio.sleep(spec.reward_s / speed)
         except (openai.APIError, httpx2.HTTPError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
         result.end = time.monotonic()

@@ -1,0 +1,107 @@
+"""``rollout-gateway bench live``: the command, its table, and its report files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bench.cli import bench_app
+from bench.live import LivePass, LiveScenario, as_json, run_live
+from bench.plots import completion_cdf, gantt, throughput_bars
+
+LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra", "ours")
+
+
+def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
+    t = Table(title=f"bench live: {sc.workload}, {sc.gpus} x {sc.model} on {sc.gpu} "
+              f"(simulated, {sc.speed:g}x), lower bound {lb:.0f} s")
+    cols = ("policy", "layout", "makespan s", "tok/s", "p50 s", "p99 s", "x LB",
+            "queue/turn s", "cache hit", "GPU idle", "migr.", "sim makespan", "live vs sim")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("policy", "layout") else "right")
+    for p in passes:
+        t.add_row(p.label, "+".join(map(str, p.layout)), f"{p.makespan_s:.0f}",
+                  f"{p.throughput_tok_s:,.0f}", f"{p.p50_trajectory_s:.0f}",
+                  f"{p.p99_trajectory_s:.0f}", f"{p.makespan_s / lb:.2f}",
+                  f"{p.queue_per_turn_mean_s:.2f}", f"{p.prefix_cache_hit_rate:.0%}",
+                  f"{p.gpu_idle_fraction:.0%}", str(p.migrations), f"{p.sim_makespan_s:.0f}",
+                  f"{p.live_vs_sim_diff:+.1%}")
+    return t
+
+
+def write_report(out: Path, command: str, sc: LiveScenario, doc: dict[str, object],
+                 passes: list[LivePass]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "live.json").write_text(json.dumps({"command": command, **doc}, indent=2))
+    throughput_bars(out / "throughput.png", {p.label: p.throughput_tok_s for p in passes},
+                    f"bench live: {sc.workload} throughput")
+    completion_cdf(out / "cdf.png", {p.label: [r["end"] for r in p.trajectories]
+                                     for p in passes}, "trajectory completion")
+    for p in passes:
+        gantt(out / f"gantt-{p.policy}.png", p.trajectories, f"slowest trajectories: {p.label}")
+    lines = [f"Command: `{command}`", "",
+             f"Machine: {platform.machine()}, {platform.system()} {platform.release()}, "
+             f"Python {platform.python_version()}", "",
+             "| policy | layout | makespan s | tok/s | p50 s | p99 s | x lower bound | "
+             "queue/turn s | prefix hit | GPU idle | migrations | sim makespan s | "
+             "live vs sim |", "|" + "---|" * 13]
+    lb = float(doc["lower_bound_makespan_s"])  # type: ignore[arg-type]
+    for p in passes:
+        lines.append(
+            f"| {p.label} | {'+'.join(map(str, p.layout))} | {p.makespan_s:.0f} | "
+            f"{p.throughput_tok_s:,.0f} | {p.p50_trajectory_s:.0f} | {p.p99_trajectory_s:.0f} "
+            f"| {p.makespan_s / lb:.2f} | {p.queue_per_turn_mean_s:.2f} | "
+            f"{p.prefix_cache_hit_rate:.0%} | {p.gpu_idle_fraction:.0%} | {p.migrations} | "
+            f"{p.sim_makespan_s:.0f} | {p.live_vs_sim_diff:+.1%} |")
+    lines += ["", "![throughput](throughput.png) ![completion CDF](cdf.png)", ""]
+    lines += [f"![gantt {p.policy}](gantt-{p.policy}.png)" for p in passes]
+    (out / "live.md").write_text("\n".join(lines) + "\n")
+    return out / "live.md"
+
+
+@bench_app.command()
+def live(
+    workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
+    model: Annotated[str, typer.Option()] = "qwen3-14b",
+    gpu: Annotated[str, typer.Option()] = "H100",
+    gpus: Annotated[int, typer.Option(help="simulated GPUs in the pool")] = 8,
+    policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
+    speed: Annotated[float, typer.Option(help="time compression of the simulated pool")] = 10,
+    seed: Annotated[int, typer.Option()] = 1,
+    prompts: Annotated[int, typer.Option(help="GRPO groups in the batch")] = 8,
+    group_size: Annotated[int, typer.Option()] = 8,
+    cap_per_gpu: Annotated[int, typer.Option()] = 16,
+    out: Annotated[Path, typer.Option(help="report directory")] = Path("artifacts/bench/live"),
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Rollouts through the real gateway and harness on a simulated pool, per policy."""
+    names = policy or ["slime", "ours"]
+    bad = [n for n in names if n not in LIVE_POLICIES]
+    if bad:
+        raise typer.BadParameter(f"{bad} cannot run live (the oracle needs hidden lengths); "
+                                 f"choose from {', '.join(LIVE_POLICIES)}")
+    sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu)
+    console = Console(width=None if Console().is_terminal else 180)
+    console.print(f"bench live: {prompts * group_size} '{workload}' trajectories per pass, "
+                  f"policies {names}, {speed:g}x time compression")
+
+    def done(p: LivePass, wall: float) -> None:
+        console.print(f"  {p.label}: makespan {p.makespan_s:.0f} s, {p.throughput_tok_s:,.0f} "
+                      f"tok/s, simulator {p.sim_makespan_s:.0f} s ({wall:.0f} s wall)")
+
+    specs, lb, passes = asyncio.run(run_live(sc, names, done))
+    console.print(_table(sc, lb, passes))
+    doc = as_json(sc, specs, lb, passes)
+    command = " ".join(["rollout-gateway", "bench", "live", *sys.argv[3:]])
+    report = write_report(out, command, sc, doc, passes)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"command": command, **doc}, indent=2))
+    console.print(f"report: {report}")

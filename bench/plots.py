@@ -1,0 +1,68 @@
+"""PNG plots for benchmark reports (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+COLORS = {"llm": "#3b6fe0", "queue": "#f0a020", "tool": "#20a88a"}
+
+
+def throughput_bars(out: Path, values: Mapping[str, float], title: str,
+                    ylabel: str = "output tokens / s") -> Path:
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    names = list(values)
+    ax.bar(names, [values[n] for n in names], color="#3b6fe0")
+    for i, n in enumerate(names):
+        ax.text(i, values[n], f"{values[n]:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def completion_cdf(out: Path, durations: Mapping[str, Sequence[float]], title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for name, ds in durations.items():
+        xs = sorted(ds)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=name)
+    ax.set_xlabel("trajectory finished at (s)")
+    ax.set_ylabel("fraction of batch done")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 12) -> Path:
+    """``rows``: {"id", "start", "end", "llm": [(s, e)], "queue": [(s, e)]} in seconds;
+    tool time is what lies between LLM segments."""
+    slow = sorted(rows, key=lambda r: r["end"] - r["start"], reverse=True)[:top]
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(slow) + 1.2), dpi=110)
+    for y, r in enumerate(reversed(slow)):
+        ax.barh(y, r["end"] - r["start"], left=r["start"], color=COLORS["tool"], height=0.6)
+        for kind in ("queue", "llm"):
+            for s, e in r.get(kind, ()):
+                ax.barh(y, e - s, left=s, color=COLORS[kind], height=0.6)
+    ax.set_yticks(range(len(slow)), [r["id"] for r in reversed(slow)], fontsize=7)
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, ["LLM", "queued", "tool / other"], fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
