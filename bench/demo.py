@@ -102,7 +102,7 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
     console = console or Console()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-gateway-demo-"))
     db_url = opts.database_url or f"sqlite+aiosqlite:///{workdir / 'traces.db'}"
-    port = opts.port if port_is_free("127.0.0.1", opts.port) else free_port()
+    port = opts.port if opts.port and port_is_free("127.0.0.1", opts.port) else free_port()
     specs = generate(opts.workload, opts.seed, prompts=opts.prompts, group_size=opts.group_size,
                      max_context=opts.max_context)
     console.print(f"[bold]rollout-gateway demo[/]: {len(specs)} '{opts.workload}' trajectories, "
