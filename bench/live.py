@@ -178,7 +178,7 @@ async def run_pass(name: str, sc: LiveScenario, specs: list[TrajectorySpec],
             dispatch=DispatchSettings(cap_per_gpu=sc.cap_per_gpu,
                                       speed_profile=f"{sc.model}/{sc.gpu}",
                                       tick_s=max(0.05, 0.5 / sc.speed)),
-            traces={"spool_path": workdir / f"{name}.spool"})  # type: ignore[arg-type]
+            traces={"spool_path": workdir / f"{name}.spool"})
         urls = [b.split("#")[0] for b in backends]
         async with serve_gateway(settings) as gw:
             samples: list[tuple[int, int]] = []
@@ -214,7 +214,7 @@ def simulate(name: str, sc: LiveScenario, specs: list[TrajectorySpec]) -> float:
     profs = profiles(sc.model, sc.gpu, None, max(t for t in (1, 2, 4, 8) if t <= sc.gpus))
     policy = FixedLayout(get_policy(name, seed=sc.seed))
     cfg = SimConfig(sc.gpus, profs, speeds(profs), cap_per_gpu=sc.cap_per_gpu, seed=sc.seed)
-    return Simulator(specs, policy, cfg).run()  # type: ignore[arg-type]
+    return Simulator(specs, policy, cfg).run()
 
 
 async def run_live(sc: LiveScenario, names: Sequence[str],

@@ -9,7 +9,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
+from matplotlib.patches import Rectangle  # noqa: E402
 
 COLORS = {"llm": "#3b6fe0", "queue": "#f0a020", "tool": "#20a88a"}
 
@@ -60,7 +61,7 @@ def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 1
     ax.set_yticks(range(len(slow)), [r["id"] for r in reversed(slow)], fontsize=7)
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     ax.legend(handles, ["LLM", "queued", "tool / other"], fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out)
