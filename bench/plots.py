@@ -9,8 +9,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
-from matplotlib.patches import Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
 
 COLORS = {"llm": "#3b6fe0", "queue": "#f0a020", "tool": "#20a88a"}
 
