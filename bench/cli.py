@@ -83,3 +83,7 @@ def soak(
 
     soak_command(minutes=minutes, concurrency=concurrency, instances=instances, speed=speed,
                  json_out=json_out)
+
+
+# Benchmarks defined in their own modules register themselves on bench_app.
+from bench import perf_cli as _perf_cli  # noqa: E402,F401

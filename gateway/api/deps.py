@@ -42,8 +42,11 @@ def require_admin(request: Request) -> None:
         raise Unauthorized("admin endpoints need 'Authorization: Bearer <admin token>'")
 
 
-def require_api_key(request: Request) -> None:
-    """When API keys are configured, every /v1 call must present one of them."""
+async def require_api_key(request: Request) -> None:
+    """When API keys are configured, every /v1 call must present one of them.
+
+    ``async`` although it never awaits: FastAPI runs a plain ``def`` dependency in its
+    thread pool, a thread hop on every proxied call."""
     keys = get_rt(request).settings.api_keys
     if not keys:
         return

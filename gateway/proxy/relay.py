@@ -103,24 +103,31 @@ def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def _watch_disconnect(receive: Receive, handler: asyncio.Task[Any]) -> None:
+    """Cancel ``handler`` when the client disconnects (the body is already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    handler.cancel(_CLIENT_LEFT)
+
+
+_CLIENT_LEFT = "client disconnected"
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``; cancel it (closing its upstream call) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    """Run ``work`` in this task; cancel it (closing its upstream call) if the client
+    goes away first. One watcher task per call, not a second task for the work."""
+    handler = asyncio.current_task()
+    assert handler is not None
+    watcher = asyncio.ensure_future(_watch_disconnect(request.receive, handler))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():
+            raise  # cancelled from outside (server shutdown): not ours to swallow
+        handler.uncancel()
+        return Response(status_code=499)
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
 
 
 class RelayStream(StreamingResponse):

@@ -23,8 +23,9 @@ from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import insert
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -53,17 +54,54 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
     return row
 
 
+_JSON_COLUMNS = frozenset({"extra_choices", "request_messages"})
+_TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
+                "ON CONFLICT (id) DO NOTHING")
+
+
+def _copy_value(column: str, value: Any) -> Any:
+    if column in _JSON_COLUMNS and value is not None:
+        return orjson.dumps(value).decode()
+    return value
+
+
+async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> None:
+    """Postgres: a pipelined upsert for the trajectories, ``COPY`` for the calls.
+
+    Several times cheaper per row than an ORM ``executemany``: the writer shares the
+    gateway's event loop (and core) with the request path. Driver errors are re-raised
+    as SQLAlchemy's, so the caller's rejected-batch handling is the same on both paths.
+    """
+    import asyncpg
+
+    conn: Any = (await (await session.connection()).get_raw_connection()).driver_connection
+    trajectories: dict[str, tuple[str, str | None, datetime]] = {}
+    for rec in records:
+        trajectories.setdefault(rec.trajectory_id,
+                                (rec.trajectory_id, rec.group_id, _ts(rec.started_at)))
+    rows = [tuple(_copy_value(k, v) for k, v in call_row(r).items()) for r in records]
+    try:
+        await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
+        await conn.copy_records_to_table("calls", records=rows, columns=_CALL_COLUMNS)
+    except asyncpg.IntegrityConstraintViolationError as exc:
+        raise IntegrityError("COPY calls", None, exc) from exc
+    except asyncpg.DataError as exc:
+        raise DataError("COPY calls", None, exc) from exc
+
+
 async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> None:
     """Insert one batch: the trajectories it touches (if new), then its calls."""
     dialect = session.get_bind().dialect.name
-    ins = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    if dialect == "postgresql":
+        await _copy_batch(session, records)
+        return
     trajectories: dict[str, dict[str, Any]] = {}
     for rec in records:
         trajectories.setdefault(
             rec.trajectory_id,
             {"id": rec.trajectory_id, "group_id": rec.group_id, "created_at": _ts(rec.started_at)},
         )
-    stmt = ins(Trajectory).on_conflict_do_nothing(index_elements=["id"])
+    stmt = sqlite.insert(Trajectory).on_conflict_do_nothing(index_elements=["id"])
     await session.execute(stmt, list(trajectories.values()))
     await session.execute(insert(Call), [call_row(r) for r in records])
 

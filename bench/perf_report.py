@@ -1,0 +1,138 @@
+"""Reports of ``bench overhead`` and ``bench store``: markdown and PNG plots, both made
+from the run's JSON (never typed in), and their sections of ``BENCHMARKS.md``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _met(t: dict[str, Any]) -> str:
+    return "**met**" if t["met"] else "**missed**"
+
+
+# ---------------------------------------------------------------- overhead
+def overhead_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
+    s, m = doc["summary"], doc["machine"]
+    lines = [
+        "Command (one run, all targets side by side):", "", "```", doc["command"], "```", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; load average at "
+        f"start {', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])}. Placement: server "
+        f"under test on CPU {doc['placement']['server_cpus']}, upstream + load generator on "
+        f"CPU {doc['placement']['side_cpus']}, Postgres unpinned. Wall time "
+        f"{doc['wall_s']:.0f} s.", "",
+        "| target | max sustained rate (req/s) | closed-loop saturation (req/s) | "
+        "server CPU per call at 250 req/s (ms) |", "|---|---|---|---|"]
+    for name, res in doc["results"].items():
+        step = res["fixed"].get("250", {})
+        lines.append(f"| {name} | {s['max_rate_rps'][name]:.0f} | "
+                     f"{s['saturation_rps'][name]:.0f} | "
+                     f"{_f(step.get('server_cpu_ms_per_call'), '{:.3f}')} |")
+    lines += ["", "Latency by offered rate (ms; streamed and non-streamed calls alternate; "
+              "added = target - direct):", "",
+              "| target | rate | p50 | p99 | added p50 | added p99 | added p50 stream | "
+              "added p99 stream | errors |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += _latency_rows(doc)
+    lines += ["", "Targets:", "", "| target | value | status |", "|---|---|---|"]
+    t = s["targets"]
+    lines += [
+        f"| p50 added latency at 500 req/s <= 1 ms | "
+        f"{_f(t['p50_added_at_500_le_1ms']['value'], '{:.3f} ms')} | "
+        f"{_met(t['p50_added_at_500_le_1ms'])} |",
+        f"| p99 added latency at 500 req/s <= 5 ms | "
+        f"{_f(t['p99_added_at_500_le_5ms']['value'], '{:.3f} ms')} | "
+        f"{_met(t['p99_added_at_500_le_5ms'])} |",
+        f"| max rate >= 3x LiteLLM's, same core | "
+        f"{_f(t['max_rate_ge_3x_litellm']['value'], '{:.1f}x')} | "
+        f"{_met(t['max_rate_ge_3x_litellm'])} |", ""]
+    lines += [f"![{k}]({v})" for k, v in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _latency_rows(doc: dict[str, Any]) -> list[str]:
+    rows = []
+    added = doc["summary"].get("added_latency_ms", {})
+    for name, res in doc["results"].items():
+        for rate, step in res["fixed"].items():
+            if "skipped" in step:
+                rows.append(f"| {name} | {rate} | - | - | - | - | - | - | {step['skipped']} |")
+                continue
+            a = (added.get(name) or {}).get(rate) or {}
+            rows.append(
+                f"| {name} | {rate} | {_f(step['all']['p50_ms'])} | {_f(step['all']['p99_ms'])}"
+                f" | {_f(_dig(a, 'all', 'p50_ms'))} | {_f(_dig(a, 'all', 'p99_ms'))} | "
+                f"{_f(_dig(a, 'stream', 'p50_ms'))} | {_f(_dig(a, 'stream', 'p99_ms'))} | "
+                f"{step['errors']} |")
+    return rows
+
+
+def _dig(d: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)  # type: ignore[assignment]
+    return d
+
+
+def overhead_plots(doc: dict[str, Any], out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, res in doc["results"].items():
+        pts = [(float(r), s) for r, s in res["fixed"].items() if "skipped" not in s]
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        axes[0].plot(xs, [p[1]["all"]["p50_ms"] for p in pts], "o-", label=name)
+        axes[1].plot(xs, [p[1]["all"]["p99_ms"] for p in pts], "o-", label=name)
+    for ax, title in zip(axes, ("p50 latency", "p99 latency"), strict=True):
+        ax.set(title=title, xlabel="offered rate (req/s)", ylabel="ms", yscale="log")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = {"latency by rate": "overhead-latency.png"}
+    fig.savefig(out / paths["latency by rate"], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(doc["summary"]["max_rate_rps"])
+    ax.bar(names, [doc["summary"]["max_rate_rps"][n] for n in names])
+    ax.set(title="max sustained request rate (one core)", ylabel="req/s")
+    fig.tight_layout()
+    paths["max rate"] = "overhead-max-rate.png"
+    fig.savefig(out / paths["max rate"], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------- BENCHMARKS.md
+def write_section(benchmarks: Path, heading: str, body: str) -> None:
+    """Replace (or append) the ``## heading`` section of ``benchmarks``; other sections
+    are left exactly as they are."""
+    text = benchmarks.read_text() if benchmarks.exists() else "# Benchmarks\n"
+    section = f"## {heading}\n\n{body.rstrip()}\n"
+    pattern = re.compile(rf"^## {re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    benchmarks.write_text(text)
+
+
+def record(benchmarks: Path, heading: str, intro: str, markdown: str, out: Path,
+           plots: dict[str, str], assets: Path) -> None:
+    """Copy the run's plots next to ``BENCHMARKS.md`` and write its section."""
+    assets.mkdir(parents=True, exist_ok=True)
+    rel = assets.relative_to(benchmarks.parent)
+    for name in plots.values():
+        shutil.copy(out / name, assets / name)
+        markdown = markdown.replace(f"]({name})", f"]({rel}/{name})")
+    write_section(benchmarks, heading, intro.rstrip() + "\n\n" + markdown)
