@@ -103,23 +103,29 @@ class Target:
         return res
 
 
-def max_rate_search(t: Target, opts: OverheadOptions, say: Progress) -> dict[str, Any]:
-    """Closed-loop saturation first; then open-loop steps from 60% of it, x1.15 a step,
-    until a step is not sustained. The last sustained rate is the maximum rate."""
+def max_rate_search(t: Target, opts: OverheadOptions, say: Progress,
+                    max_steps: int = 7) -> dict[str, Any]:
+    """Closed-loop saturation first; then open-loop steps bisecting (geometrically)
+    between the highest sustained and the lowest unsustained rate, starting at 60% of
+    saturation, until they are within 10%. The highest sustained rate is the maximum."""
     sat = t.step(opts, duration=opts.search_step_s)
-    rate = max(10.0, round(sat["achieved_rps"] * 0.6, -1))
+    lo, hi = 0.0, max(20.0, sat["achieved_rps"] * 1.3)
+    rate = max(10.0, sat["achieved_rps"] * 0.6)
     steps: list[dict[str, Any]] = []
-    best = 0.0
-    for _ in range(10):
+    for _ in range(max_steps):
+        rate = round(rate, -1) if rate >= 100 else round(rate)
         say(f"{t.name}: max-rate search, {rate:.0f} req/s")
         step = t.step(opts, rate=rate, duration=opts.search_step_s)
         step["sustained"] = sustained(step)
         steps.append(step)
-        if not step["sustained"]:
+        if step["sustained"]:
+            lo = rate
+        else:
+            hi = rate
+        if lo and hi / lo < 1.1:
             break
-        best = rate
-        rate = round(rate * 1.15, -1)
-    return {"saturation": sat, "steps": steps, "max_rate_rps": best}
+        rate = (lo * hi) ** 0.5 if lo else rate / 2
+    return {"saturation": sat, "steps": steps, "max_rate_rps": lo}
 
 
 def measure(t: Target, opts: OverheadOptions, say: Progress) -> dict[str, Any]:

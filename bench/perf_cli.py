@@ -109,3 +109,39 @@ def overhead(
             OVERHEAD_INTRO)
     console.print_json(json.dumps(doc["summary"]))
     console.print(f"report: {out}/overhead.md")
+
+
+@bench_app.command()
+def store(
+    writer_trajectories: Annotated[int, typer.Option(help="trajectories for the writer "
+                                                          "measurement")] = 400,
+    trajectories: Annotated[int, typer.Option(help="end-to-end trajectories")] = 32,
+    turns: Annotated[int, typer.Option(help="turns per trajectory")] = 20,
+    concurrency: Annotated[int, typer.Option(help="end-to-end trajectories at once")] = 32,
+    linear_turns: Annotated[list[int] | None, typer.Option(
+        help="lengths of the linearity trajectories (repeatable)")] = None,
+    server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the gateway")] = "0",
+    side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + harness")] = "1",
+    pg_admin: Annotated[str, typer.Option(help="Postgres DSN to create the run's DBs")]
+    = "postgresql://postgres@127.0.0.1:5432/postgres",
+    out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/store"),
+    record_to: Annotated[Path | None, typer.Option(
+        "--record", help="write this run's section into this BENCHMARKS.md")] = None,
+) -> None:
+    """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
+    from bench.perf_report import store_markdown, store_plots
+    from bench.store_bench import StoreOptions, run_store
+
+    opts = StoreOptions(writer_trajectories=writer_trajectories,
+                        e2e_trajectories=trajectories, turns=turns, concurrency=concurrency,
+                        server_cpus=server_cpus or None, side_cpus=side_cpus or None,
+                        pg_admin=pg_admin, out=out)
+    if linear_turns:
+        opts.linear_turns = list(linear_turns)
+    console = Console()
+    prog, say = _progress(console)
+    with prog:
+        doc = run_store(opts, say, _command("store"))
+    _finish(doc, out, "store", store_markdown, store_plots, record_to, STORE_INTRO)
+    console.print_json(json.dumps(doc["targets"]))
+    console.print(f"report: {out}/store.md")

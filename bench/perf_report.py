@@ -136,3 +136,72 @@ def record(benchmarks: Path, heading: str, intro: str, markdown: str, out: Path,
         shutil.copy(out / name, assets / name)
         markdown = markdown.replace(f"]({name})", f"]({rel}/{name})")
     write_section(benchmarks, heading, intro.rstrip() + "\n\n" + markdown)
+
+
+# ---------------------------------------------------------------- store
+def store_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
+    m, w, e, lin = doc["machine"], doc["writer"], doc["end_to_end"], doc["linearity"]
+    lines = [
+        "Command:", "", "```", doc["command"], "```", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; load average at "
+        f"start {', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])}. Gateway on CPU "
+        f"{doc['placement']['server_cpus']}, upstream + harness on CPU "
+        f"{doc['placement']['side_cpus']}, Postgres unpinned. Wall time {doc['wall_s']:.0f} s."
+        f" Shape: system {doc['shape']['system_tokens']} + task {doc['shape']['task_tokens']}"
+        f" tokens, {doc['shape']['turns']} turns of {doc['shape']['completion_tokens']} "
+        f"completion tokens and {doc['shape']['observation_tokens']} observation tokens.", "",
+        "| measurement | calls | tokens | seconds | calls/s | tokens/s | bytes | bytes/token |",
+        "|---|---|---|---|---|---|---|---|"]
+    for name, r in (("writer (TraceWriter direct)", w), ("end-to-end (through the gateway)", e)):
+        lines.append(f"| {name} | {r['calls']} | {r['tokens']} | {r['elapsed_s']:.2f} | "
+                     f"{r['calls_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['calls_bytes'] + r['trajectories_bytes']} | "
+                     f"{_f(r['bytes_per_token'])} |")
+    lines += ["", "Per-trajectory storage (through the gateway, one trajectory each):", "",
+              "| turns | calls | tokens stored | bytes (rows, TOAST incl.) | bytes/token | "
+              "tokens if full prompts were stored |", "|---|---|---|---|---|---|"]
+    for r in lin["trajectories"]:
+        lines.append(f"| {r['turns']} | {r['calls']} | {r['tokens']} | {r['bytes']} | "
+                     f"{r['bytes'] / r['tokens']:.2f} | {r['full_prompt_tokens']} |")
+    lines += ["", f"Fitted exponent, bytes vs tokens: **{lin['exponent_bytes_vs_tokens']:.3f}**"
+              f" (bytes vs turns: {lin['exponent_bytes_vs_turns']:.3f}; storing full prompts "
+              f"would give {lin['exponent_full_prompts_vs_tokens']:.3f} vs tokens).", "",
+              "Targets:", "", "| target | value | status |", "|---|---|---|"]
+    names = {"writer_tokens_per_s_ge_200k": "writer >= 200k tokens/s",
+             "end_to_end_tokens_per_s_ge_200k": "end-to-end >= 200k tokens/s",
+             "bytes_per_token_le_8": "<= 8 bytes/token (end-to-end tables)",
+             "linear_growth": "linear growth (exponent <= 1.1)"}
+    for key, label in names.items():
+        t = doc["targets"][key]
+        lines.append(f"| {label} | {_f(t['value'])} | {_met(t)} |")
+    lines.append("")
+    lines += [f"![{k}]({v})" for k, v in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def store_plots(doc: dict[str, Any], out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["linearity"]["trajectories"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    toks = [r["tokens"] for r in rows]
+    axes[0].loglog(toks, [r["bytes"] for r in rows], "o-", label="stored (prefix delta)")
+    axes[0].loglog(toks, [r["full_prompt_tokens"] * 4 for r in rows], "s--",
+                   label="full prompts, 4 B/id (for contrast)")
+    axes[0].set(title=f"bytes per trajectory (exponent "
+                      f"{doc['linearity']['exponent_bytes_vs_tokens']:.2f})",
+                xlabel="tokens in the trajectory", ylabel="bytes")
+    axes[0].legend()
+    axes[0].grid(alpha=0.3, which="both")
+    names = ["writer", "end_to_end"]
+    axes[1].bar(names, [doc[n]["tokens_per_s"] / 1000 for n in names])
+    axes[1].axhline(200, color="red", ls="--", label="target 200k")
+    axes[1].set(title="tokens recorded per second", ylabel="k tokens/s")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "store.png", dpi=110)
+    plt.close(fig)
+    return {"store: growth and rate": "store.png"}
