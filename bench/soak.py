@@ -169,7 +169,11 @@ async def _agent(http: httpx.AsyncClient, url: str, worker: int, stop: asyncio.E
             messages += [{"role": "assistant", "content": "ok " * 20},
                          {"role": "tool", "content": "output " * rng.randint(10, 300)}]
             await asyncio.sleep(rng.uniform(0.1, 3.0) / speed)
-        await http.post(f"{url}/trajectories/{tid}/finish", json={"reward": 1.0})
+        try:
+            await http.post(f"{url}/trajectories/{tid}/finish", json={"reward": 1.0})
+        except httpx.HTTPError as exc:
+            res.calls_failed += 1
+            res.failures.append(f"{tid} finish: {type(exc).__name__}")
         res.trajectories += 1
 
 

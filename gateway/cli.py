@@ -63,6 +63,7 @@ def serve(
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level,
                             access_log=False,
+                            timeout_keep_alive=int(settings.server.keep_alive_s),
                             timeout_graceful_shutdown=int(settings.server.shutdown_grace_s))
     _server(config, fastapi_app, settings.server.shutdown_delay_s).run()
 

@@ -94,6 +94,9 @@ class ServerSettings(BaseModel):
         "load balancers stop sending, then stop accepting")
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="then wait this long for calls in flight to finish")
+    keep_alive_s: float = Field(
+        75.0, gt=0, description="idle client connections are closed after this; longer than "
+        "clients' own pool expiry (httpx/openai: 5 s) so a request never races the close")
 
 
 class Settings(BaseSettings):
