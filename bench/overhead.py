@@ -41,6 +41,7 @@ class OverheadOptions:
     rates: list[float] = field(default_factory=lambda: [100.0, 250.0, 500.0])
     duration_s: float = 15.0
     search_step_s: float = 4.0
+    search_steps: int = 7
     targets: list[str] = field(default_factory=lambda: ["direct", "gateway", "litellm"])
     server_cpus: str | None = "0"
     side_cpus: str | None = "1"
@@ -103,8 +104,7 @@ class Target:
         return res
 
 
-def max_rate_search(t: Target, opts: OverheadOptions, say: Progress,
-                    max_steps: int = 7) -> dict[str, Any]:
+def max_rate_search(t: Target, opts: OverheadOptions, say: Progress) -> dict[str, Any]:
     """Closed-loop saturation first; then open-loop steps bisecting (geometrically)
     between the highest sustained and the lowest unsustained rate, starting at 60% of
     saturation, until they are within 10%. The highest sustained rate is the maximum."""
@@ -112,7 +112,7 @@ def max_rate_search(t: Target, opts: OverheadOptions, say: Progress,
     lo, hi = 0.0, max(20.0, sat["achieved_rps"] * 1.3)
     rate = max(10.0, sat["achieved_rps"] * 0.6)
     steps: list[dict[str, Any]] = []
-    for _ in range(max_steps):
+    for _ in range(opts.search_steps):
         rate = round(rate, -1) if rate >= 100 else round(rate)
         say(f"{t.name}: max-rate search, {rate:.0f} req/s")
         step = t.step(opts, rate=rate, duration=opts.search_step_s)

@@ -77,6 +77,7 @@ def overhead(
                                                           "(repeatable)")] = None,
     duration: Annotated[float, typer.Option(help="seconds per fixed rate")] = 15.0,
     search_step: Annotated[float, typer.Option(help="seconds per max-rate step")] = 4.0,
+    search_steps: Annotated[int, typer.Option(help="max-rate search steps at most")] = 7,
     target: Annotated[list[str] | None, typer.Option(
         help="direct | gateway | litellm (repeatable; default all three)")] = None,
     server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the server under test "
@@ -94,6 +95,7 @@ def overhead(
     from bench.perf_report import overhead_markdown, overhead_plots
 
     opts = OverheadOptions(out=out, duration_s=duration, search_step_s=search_step,
+                           search_steps=search_steps,
                            server_cpus=server_cpus or None, side_cpus=side_cpus or None,
                            pg_admin=pg_admin)
     if rate:
