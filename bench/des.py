@@ -86,6 +86,7 @@ class Simulator:
         self._seq = itertools.count()
         self._ids = itertools.count()
         self._snap: Snapshot | None = None
+        self._dirty = True
         self.bs = next(iter(cfg.profiles.values())).block_size
 
     # ------------------------------------------------------------------ setup
@@ -129,10 +130,12 @@ class Simulator:
             self._ready(payload)
         elif kind == PLAN:
             self._plan()
+            self._dirty = True
         else:
             assert isinstance(payload, tuple)
             for tp in payload:
                 self._start_instance(tp)
+            self._dirty = True
         self._schedule()
 
     # ------------------------------------------------------------------ snapshot
@@ -147,6 +150,7 @@ class Simulator:
     def _changed(self, tr: Traj) -> None:
         tr.touch()
         self._snap = None
+        self._dirty = True
 
     # ------------------------------------------------------------------ trajectories
     def _ready(self, tr: Traj) -> None:
@@ -174,8 +178,13 @@ class Simulator:
             self.stats.early[tr.spec.id] = tr.generated + pred.mean
 
     def _schedule(self) -> None:
-        if not self.pending:
+        # A pass that changed nothing is not repeated until something it reads changes
+        # (a call arrives or ends, a trajectory moves, the layout changes): engine steps
+        # alone do not free gateway slots, and re-sorting a long queue per step made
+        # large batches quadratic.
+        if not self.pending or not self._dirty:
             return
+        self._dirty = False
         snap = self.snapshot()
         if not any(i.free_slots for i in snap.instances):
             return
@@ -312,6 +321,7 @@ class Simulator:
         left.discard(inst.id)
         del self.instances[inst.id]
         self._snap = None
+        self._dirty = True
         if not left:
             del self.relayouts[inst.relayout]
             self._push(self.now + self.cfg.restart_s, UP, change.launch)

@@ -128,12 +128,16 @@ class Tracker:
     """All live trajectories, least recently active evicted beyond ``capacity``.
 
     ``live`` holds the trajectories a policy should consider: seen, not finished, and not
-    a one-call untagged trajectory whose call is over.
+    a one-call untagged trajectory whose call is over. Retired trajectories (finished, or
+    untagged and done) are kept for the status page, the ``retain_retired`` most recent
+    only, so a gateway serving for days holds memory for its live batch, not its history.
     """
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 100_000, retain_retired: int = 2_000) -> None:
         self._states: OrderedDict[str, TrajectoryState] = OrderedDict()
         self._capacity = capacity
+        self._retain = retain_retired
+        self._retired: OrderedDict[str, None] = OrderedDict()
         self.live: dict[str, TrajectoryState] = {}
         self.groups: dict[str, GroupState] = {}
         self.finished_count = 0
@@ -176,14 +180,28 @@ class Tracker:
             )
             if victim is None:
                 return
-            gone = self._states.pop(victim)
-            self.live.pop(victim, None)
-            group = self.groups.get(gone.group_id) if gone.group_id else None
-            if group is not None and victim in group.members:
-                group.members.remove(victim)
-                group.view = None
-                if not group.members:
-                    del self.groups[gone.group_id]  # type: ignore[arg-type]
+            self._forget(victim)
+
+    def _retire(self, state: TrajectoryState) -> None:
+        self.live.pop(state.id, None)
+        self._retired[state.id] = None
+        self._retired.move_to_end(state.id)
+        while len(self._retired) > self._retain:
+            victim, _ = self._retired.popitem(last=False)
+            old = self._states.get(victim)
+            if old is not None and not old.in_flight and not old.queued:
+                self._forget(victim)
+
+    def _forget(self, victim: str) -> None:
+        gone = self._states.pop(victim)
+        self.live.pop(victim, None)
+        self._retired.pop(victim, None)
+        group = self.groups.get(gone.group_id) if gone.group_id else None
+        if group is not None and victim in group.members:
+            group.members.remove(victim)
+            group.view = None
+            if not group.members:
+                del self.groups[gone.group_id]  # type: ignore[arg-type]
 
     def call_arrived(
         self, state: TrajectoryState, outcomes: list[ToolOutcome], now: float
@@ -233,7 +251,7 @@ class Tracker:
         state.add_segment(1, now - llm_s, now)
         state.view = None
         if state.auto and not state.in_flight and not state.queued:
-            self.live.pop(state.id, None)
+            self._retire(state)
         if not ok:
             state.calls_failed += 1
             return None
@@ -259,7 +277,8 @@ class Tracker:
         state.reward = reward
         state.sequence = array("i")
         state.view = None
-        self.live.pop(trajectory_id, None)
+        state.outcomes = []
+        self._retire(state)
         self.finished_count += 1
         group = self.groups.get(state.group_id) if state.group_id else None
         if group is not None:

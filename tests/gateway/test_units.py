@@ -109,3 +109,19 @@ def test_capture_keeps_fields_the_client_asked_for():
         {"logprob": -0.1}]}, "message": {"content": "x"}}], "prompt_token_ids": [1]}
     assert cap.feed(payload, stream=False) is False
     assert payload["prompt_token_ids"] == [1] and payload["choices"][0]["token_ids"] == [3]
+
+
+def test_tracker_keeps_only_recent_retired_trajectories():
+    from gateway.trajectories.tracker import Tracker
+
+    tracker = Tracker(retain_retired=3)
+    for i in range(10):
+        st = tracker.touch(f"t{i}", "g", float(i))
+        tracker.call_arrived(st, [], float(i))
+        tracker.call_dispatched(st, "b0", 0.0)
+        tracker.call_finished(st, now=i + 0.5, llm_s=0.5, prompt=[1, 2], completion=[3], ok=True)
+        tracker.finish(f"t{i}", 1.0, i + 1.0)
+    assert len(tracker) == 3 and tracker.get("t9") is not None and tracker.get("t0") is None
+    assert tracker.finished_count == 10 and not tracker.live
+    assert tracker.groups["g"].finished_lengths == [1] * 10
+    assert tracker.groups["g"].members == ["t7", "t8", "t9"]
