@@ -21,7 +21,7 @@ import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from bench.metrics import lower_bound
 from bench.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, generate
 from gateway.config import DispatchSettings, ServerSettings, Settings
+from gateway.dispatch.scrape import EngineSample, parse_vllm_metrics
 from gateway.policies.base import Policy, Relayout, Snapshot
 from gateway.policies.registry import get_policy
 
@@ -110,27 +111,39 @@ async def pool_for(layout: Sequence[int], sc: LiveScenario) -> AsyncIterator[lis
         yield specs
 
 
+async def _engines(http: httpx.AsyncClient, urls: list[str]) -> list[EngineSample]:
+    """vLLM's own gauges and counters from each backend's ``/metrics`` (sim or real)."""
+    out = []
+    for u in urls:
+        try:
+            out.append(parse_vllm_metrics((await http.get(f"{u}/metrics")).text))
+        except httpx.HTTPError:
+            out.append(EngineSample())
+    return out
+
+
 async def _sample_engines(http: httpx.AsyncClient, urls: list[str],
                           samples: list[tuple[int, int]], stop: asyncio.Event) -> None:
     """(idle instances, instances) every 0.2 s of real time, for the idle fraction."""
     while not stop.is_set():
-        idle = 0
-        for u in urls:
-            with contextlib.suppress(httpx.HTTPError):
-                st = (await http.get(f"{u}/sim/stats")).json()
-                idle += st["running"] == 0 and st["waiting"] == 0
-        samples.append((idle, len(urls)))
+        engines = await _engines(http, urls)
+        samples.append((sum(1 for e in engines if not e.running and not e.waiting),
+                        len(engines)))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
 
 
 async def _engine_totals(http: httpx.AsyncClient, urls: list[str]) -> tuple[float, float]:
-    hits = queries = lag = 0.0
+    """Prefix-cache hit rate over the pass, and the simulated pool's worst clock lag."""
+    engines = await _engines(http, urls)
+    hits = sum(e.prefix_hits or 0.0 for e in engines)
+    queries = sum(e.prefix_queries or 0.0 for e in engines)
+    lag = 0.0
     for u in urls:
-        st = (await http.get(f"{u}/sim/stats")).json()
-        hits += st.get("prefix_cache_hits", 0)
-        queries += st.get("prefix_cache_queries", 0)
-        lag = max(lag, st.get("lag_s", 0.0))
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            resp = await http.get(f"{u}/sim/stats")
+            if resp.status_code == 200:
+                lag = max(lag, float(resp.json()["lag_s"]))
     return (hits / queries if queries else 0.0), lag
 
 
@@ -166,11 +179,16 @@ def _pctl(values: Sequence[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
+PoolFactory = Callable[[Sequence[int], LiveScenario],
+                      contextlib.AbstractAsyncContextManager[list[str]]]
+
+
 async def run_pass(name: str, sc: LiveScenario, specs: list[TrajectorySpec],
-                   lb: float, workdir: Path) -> LivePass:
+                   lb: float, workdir: Path, pool: PoolFactory = pool_for) -> LivePass:
+    """One policy over the batch; ``pool(layout, sc)`` yields the backends (``URL#tp=N``)."""
     policy = get_policy(name, seed=sc.seed)
     layout = list(policy.initial_layout(sc.gpus))
-    async with pool_for(layout, sc) as backends, httpx.AsyncClient(timeout=60) as http:
+    async with pool(layout, sc) as backends, httpx.AsyncClient(timeout=60) as http:
         settings = Settings(
             database_url=sc.database_url or f"sqlite+aiosqlite:///{workdir / f'{name}.db'}",
             backends=backends, policy=name,

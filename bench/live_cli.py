@@ -105,3 +105,51 @@ def live(
     if json_out is not None:
         json_out.write_text(json.dumps({"command": command, **doc}, indent=2))
     console.print(f"report: {report}")
+
+
+@bench_app.command("vllm-cpu")
+def vllm_cpu(
+    policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
+    seed: Annotated[int, typer.Option()] = 1,
+    prompts: Annotated[int, typer.Option(help="GRPO groups in the batch")] = 4,
+    group_size: Annotated[int, typer.Option()] = 4,
+    out: Annotated[Path, typer.Option(help="report directory")] = Path(
+        "artifacts/bench/vllm-cpu"),
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """The live benchmark against two real vLLM engines on CPU (tiny model)."""
+    from bench.vllm_cpu import prepare, run_vllm_cpu
+
+    names = policy or ["slime", "ours"]
+    bad = [n for n in names if n not in LIVE_POLICIES]
+    if bad:
+        raise typer.BadParameter(f"{bad} cannot run live; choose from {LIVE_POLICIES}")
+    console = Console(width=None if Console().is_terminal else 180)
+    console.print(f"bench vllm-cpu: {prompts * group_size} trajectories per pass on two real "
+                  f"vLLM CPU engines (tiny model), policies {names}; each pass starts fresh "
+                  "engines (about a minute)")
+
+    def done(p: LivePass) -> None:
+        console.print(f"  {p.label}: makespan {p.makespan_s:.1f} s, "
+                      f"{p.throughput_tok_s:,.0f} tok/s")
+
+    try:
+        python, workdir = prepare()
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    sc, specs, lb, passes = asyncio.run(run_vllm_cpu(
+        names, python, workdir, seed=seed, prompts=prompts, group_size=group_size,
+        on_pass=done))
+    console.print(_table(sc, lb, passes))
+    if len(passes) >= 2:
+        base = passes[0]
+        for p in passes[1:]:
+            console.print(f"{p.label} vs {base.label}: makespan "
+                          f"x{base.makespan_s / p.makespan_s:.2f}, throughput "
+                          f"x{p.throughput_tok_s / base.throughput_tok_s:.2f}")
+    doc = as_json(sc, specs, lb, passes)
+    command = " ".join(["rollout-gateway", "bench", "vllm-cpu", *sys.argv[3:]])
+    report = write_report(out, command, sc, doc, passes)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"command": command, **doc}, indent=2))
+    console.print(f"report: {report}")
