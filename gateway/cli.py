@@ -168,7 +168,8 @@ def demo(
 
 def _add_bench() -> None:
     """``rollout-gateway bench ...`` lives in the ``bench`` package (simulator, harness)."""
-    import bench.live_cli  # noqa: F401  (registers `bench live`)
+    import bench.live_cli
+    import bench.record  # noqa: F401  (registers `bench record`)
     from bench.cli import bench_app
 
     app.add_typer(bench_app, name="bench", help="Benchmarks: simulated and live rollouts.")
