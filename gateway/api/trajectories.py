@@ -71,7 +71,7 @@ async def list_trajectories(
     group_id: str | None = Query(None, max_length=128),
     finished: bool | None = None,
     limit: int = Query(100, ge=1, le=10_000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=2**31 - 1),
     rt: Runtime = Depends(get_rt),
 ) -> dict[str, Any]:
     await rt.writer.drain(DRAIN_TIMEOUT_S)

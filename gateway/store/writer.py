@@ -18,13 +18,13 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import insert
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -57,6 +57,12 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
 _JSON_COLUMNS = frozenset({"extra_choices", "request_messages"})
 _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
                 "ON CONFLICT (id) DO NOTHING")
+#: The idempotent fallback when COPY meets a call already stored: a batch whose commit
+#: reached the database but whose acknowledgement was lost (connection cut mid-commit)
+#: is retried from the spool, and must not be rejected as a duplicate.
+_CALL_INSERT_IGNORE = (
+    f"INSERT INTO calls ({', '.join(_CALL_COLUMNS)}) VALUES "
+    f"({', '.join(f'${i + 1}' for i in range(len(_CALL_COLUMNS)))}) ON CONFLICT (id) DO NOTHING")
 
 
 def _copy_value(column: str, value: Any) -> Any:
@@ -81,8 +87,14 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
                                 (rec.trajectory_id, rec.group_id, _ts(rec.started_at)))
     rows = [tuple(_copy_value(k, v) for k, v in call_row(r).items()) for r in records]
     try:
-        await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
-        await conn.copy_records_to_table("calls", records=rows, columns=_CALL_COLUMNS)
+        async with conn.transaction():  # SQLAlchemy has not begun one on the raw driver
+            await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
+            try:
+                async with conn.transaction():  # a savepoint
+                    await conn.copy_records_to_table("calls", records=rows,
+                                                     columns=_CALL_COLUMNS)
+            except asyncpg.UniqueViolationError:
+                await conn.executemany(_CALL_INSERT_IGNORE, rows)
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise IntegrityError("COPY calls", None, exc) from exc
     except asyncpg.DataError as exc:
@@ -103,7 +115,8 @@ async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
         )
     stmt = sqlite.insert(Trajectory).on_conflict_do_nothing(index_elements=["id"])
     await session.execute(stmt, list(trajectories.values()))
-    await session.execute(insert(Call), [call_row(r) for r in records])
+    calls = sqlite.insert(Call).on_conflict_do_nothing(index_elements=["id"])
+    await session.execute(calls, [call_row(r) for r in records])
 
 
 class TraceWriter:
@@ -120,6 +133,7 @@ class TraceWriter:
         self._task: asyncio.Task[None] | None = None
         self._pending = 0
         self._inflight: list[CallRecord] = []
+        self._overflow: deque[CallRecord] = deque()
         self._idle = asyncio.Event()
         self._idle.set()
         self._high_water = asyncio.Event()
@@ -134,7 +148,7 @@ class TraceWriter:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._overflow)
 
     @property
     def spool_bytes(self) -> int:
@@ -146,12 +160,19 @@ class TraceWriter:
         self._task = asyncio.create_task(self._run(), name="trace-writer")
 
     def submit(self, record: CallRecord) -> bool:
-        """Queue a record without waiting. False (and counted) when the queue is full."""
+        """Queue a record without waiting. False (and counted) when it cannot be kept.
+
+        With a spool, a full queue overflows into a second buffer of the same size that
+        the writer moves to disk at its next chance (it may be waiting on a database
+        that stopped answering mid-write); only when that is full too is a record lost.
+        """
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
-            self.dropped += 1
-            return False
+            if self._spool is None or len(self._overflow) >= self._queue.maxsize:
+                self.dropped += 1
+                return False
+            self._overflow.append(record)
         self._pending += 1
         self._idle.clear()
         if self._queue.qsize() * 2 >= self._queue.maxsize:
@@ -185,9 +206,17 @@ class TraceWriter:
         out = []
         while not self._queue.empty():
             out.append(self._queue.get_nowait())
+        out += self._overflow
+        self._overflow.clear()
         return out
 
+    def _refill(self) -> None:
+        """Move overflowed records into the queue as it frees up (order kept)."""
+        while self._overflow and not self._queue.full():
+            self._queue.put_nowait(self._overflow.popleft())
+
     async def _next_batch(self) -> list[CallRecord]:
+        self._refill()
         batch = [await self._queue.get()]
         deadline = time.monotonic() + self._settings.flush_interval_s
         while len(batch) < self._settings.batch_size:

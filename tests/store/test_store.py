@@ -75,3 +75,27 @@ async def test_writer_counts_drops_when_its_queue_is_full(sqlite_url: str):
         assert results == [True, True, False] and writer.dropped == 1
     finally:
         await engine.dispose()
+
+
+async def test_a_batch_written_twice_is_stored_once(db_url: str):
+    """A retried batch whose first commit did land (ack lost) must not be rejected."""
+    from sqlalchemy import func, select
+
+    from gateway.store.models import Call
+    from gateway.store.writer import write_batch
+
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    tid = f"dup-{uuid.uuid4().hex[:8]}"
+    recs = [_rec(tid, i, 0, [1, 2], [3]) for i in range(3)]
+    try:
+        async with sm() as session, session.begin():
+            await write_batch(session, recs[:2])
+        async with sm() as session, session.begin():
+            await write_batch(session, recs)  # two already stored, one new
+        async with sm() as session:
+            n = await session.scalar(select(func.count()).select_from(Call).where(
+                Call.trajectory_id == tid))
+        assert n == 3
+    finally:
+        await engine.dispose()
