@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -14,7 +15,7 @@ from gateway.errors import NotFound, Unauthorized
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
-from gateway.store.models import Call
+from gateway.store.models import Call, Trajectory
 from gateway.store.samples import build_sample
 from gateway.trajectories.tagging import validate_id
 
@@ -89,12 +90,8 @@ async def list_trajectories(
     return {"object": "list", "data": data, "limit": limit, "offset": offset}
 
 
-@router.get("/{trajectory_id}", summary="One trajectory with its calls' token traces")
-async def get_trajectory(
-    request: Request, trajectory_id: str, include_text: bool = False,
-    rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
-    text = _want_text(request, include_text)
+async def _load(rt: Runtime, trajectory_id: str) -> tuple[Trajectory, Sequence[Call]]:
+    """The stored trajectory and its calls, after the writer flushed what it holds."""
     validate_id(trajectory_id)
     await rt.writer.drain(DRAIN_TIMEOUT_S)
     async with rt.sessionmaker() as session:
@@ -102,6 +99,16 @@ async def get_trajectory(
         if traj is None:
             raise NotFound(f"no trajectory {trajectory_id!r}")
         calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+    return traj, calls
+
+
+@router.get("/{trajectory_id}", summary="One trajectory with its calls' token traces")
+async def get_trajectory(
+    request: Request, trajectory_id: str, include_text: bool = False,
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
+    text = _want_text(request, include_text)
+    traj, calls = await _load(rt, trajectory_id)
     return {
         "id": traj.id, "group_id": traj.group_id, "created_at": traj.created_at.isoformat(),
         "finished_at": traj.finished_at.isoformat() if traj.finished_at else None,
@@ -133,11 +140,5 @@ async def finish(
 
 @router.get("/{trajectory_id}/sample", summary="The trajectory as one training sample")
 async def sample(trajectory_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    validate_id(trajectory_id)
-    await rt.writer.drain(DRAIN_TIMEOUT_S)
-    async with rt.sessionmaker() as session:
-        traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
-        if traj is None:
-            raise NotFound(f"no trajectory {trajectory_id!r}")
-        calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+    traj, calls = await _load(rt, trajectory_id)
     return dataclasses.asdict(build_sample(traj, calls))
