@@ -74,3 +74,18 @@ def app_in_thread(
         yield f"http://127.0.0.1:{port}"
     finally:
         loop.run(stop_app(server, task))
+
+
+def two_sim_servers(loop: LoopThread) -> Iterator[list[str]]:
+    """Two simulated vLLM servers (qwen3-14b on H100, 50x time, short answers) for a
+    module-scoped fixture to ``yield from``; their base URLs."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    configs = [SimServerConfig(model="qwen3-14b", gpu="H100", speed=50, seed=i,
+                               scheduling_policy="priority", output_len_median=30)
+               for i in range(2)]
+    cm = start_sim_servers(configs)
+    urls = loop.run(cm.__aenter__())
+    yield urls
+    loop.run(cm.__aexit__(None, None, None))

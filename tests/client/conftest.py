@@ -17,7 +17,7 @@ import pytest
 
 from gateway.app import create_app
 from tests.gateway.conftest import make_settings
-from tests.servers import LoopThread, app_in_thread
+from tests.servers import LoopThread, app_in_thread, two_sim_servers
 
 MODEL = "qwen3-14b"
 ADMIN_TOKEN = "admin-secret"
@@ -34,16 +34,7 @@ def loop_thread() -> Iterator[LoopThread]:
 @pytest.fixture(scope="module")
 def sim_urls(loop_thread: LoopThread) -> Iterator[list[str]]:
     """Two simulated vLLM servers, 50x faster than real time, short answers."""
-    from backends.sim.runner import start_sim_servers
-    from backends.sim.state import SimServerConfig
-
-    configs = [SimServerConfig(model=MODEL, gpu="H100", speed=50, seed=i,
-                               scheduling_policy="priority", output_len_median=30)
-               for i in range(2)]
-    cm = start_sim_servers(configs)
-    urls = loop_thread.run(cm.__aenter__())
-    yield urls
-    loop_thread.run(cm.__aexit__(None, None, None))
+    yield from two_sim_servers(loop_thread)
 
 
 @pytest.fixture

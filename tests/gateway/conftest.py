@@ -8,7 +8,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import Settings, TraceSettings, UpstreamSettings
 from tests.scripted_upstream import Script, Seen, make_upstream
-from tests.servers import LoopThread, app_in_thread
+from tests.servers import LoopThread, app_in_thread, two_sim_servers
 
 GatewayFactory = Callable[..., AbstractContextManager[str]]
 
@@ -44,16 +44,7 @@ def gateway_at(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
 @pytest.fixture(scope="module")
 def sim_pool(loop_thread: LoopThread) -> Iterator[list[str]]:
     """Two simulated vLLM servers (time compressed 50x), tool calls enabled."""
-    from backends.sim.runner import start_sim_servers
-    from backends.sim.state import SimServerConfig
-
-    configs = [SimServerConfig(model="qwen3-14b", gpu="H100", speed=50, seed=i,
-                               scheduling_policy="priority", output_len_median=30)
-               for i in range(2)]
-    cm = start_sim_servers(configs)
-    urls = loop_thread.run(cm.__aenter__())
-    yield urls
-    loop_thread.run(cm.__aexit__(None, None, None))
+    yield from two_sim_servers(loop_thread)
 
 
 @pytest.fixture
