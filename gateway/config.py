@@ -97,6 +97,11 @@ class ServerSettings(BaseModel):
     keep_alive_s: float = Field(
         75.0, gt=0, description="idle client connections are closed after this; longer than "
         "clients' own pool expiry (httpx/openai: 5 s) so a request never races the close")
+    response_store_size: int = Field(
+        10000, ge=0, description="finished /v1/responses conversations kept for "
+        "previous_response_id (oldest dropped first); 0 turns previous_response_id off")
+    response_store_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a finished response can be continued")
 
 
 class Settings(BaseSettings):

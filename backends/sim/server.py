@@ -110,6 +110,15 @@ async def _respond(request: Request, sim: SimState, shape: ResponseShape,
     return _EngineStream(events(), on_close=lambda: sim.abort_all(choices))
 
 
+def _tool_choice(sim: SimState, body: ChatBody) -> Any:
+    """``tool_choice``, or the scripted one for this turn when a tool script is set."""
+    script = sim.config.tool_script
+    if script is None or body.tool_choice == "none" or isinstance(body.tool_choice, dict):
+        return body.tool_choice
+    turn = sum(1 for m in body.messages if isinstance(m, dict) and m.get("role") == "assistant")
+    return "required" if turn < len(script) and script[turn] else "none"
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     sim = _sim(request)
@@ -124,7 +133,7 @@ async def chat_completions(request: Request) -> Response:
     choices = []
     for i in range(body.n):
         rng, seed = sim.rng_for(body.seed, i)
-        call = choose_tool_call(body.tools or [], body.tool_choice, rng, sim.tok,
+        call = choose_tool_call(body.tools or [], _tool_choice(sim, body), rng, sim.tok,
                                 sim.config.tool_call_prob)
         comp = plan_completion(sim.tok, rng, natural_len=sim.draw_length(rng),
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,

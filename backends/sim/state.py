@@ -46,6 +46,10 @@ class SimServerConfig:
     output_len_median: float = 200.0
     output_len_sigma: float = 0.9
     tool_call_prob: float = 0.7
+    #: Scripted tool use for harness tests: on turn N (the number of assistant messages
+    #: in the request) a request with tools calls one iff ``tool_script[N]``; past the
+    #: end of the script it answers with text. None: ``tool_call_prob`` decides.
+    tool_script: tuple[bool, ...] | None = None
     tick_real_s: float = 0.01
     #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
     latency: LatencyProfile | None = None

@@ -13,6 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
+from gateway.proxy.doors.base import Exchange
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.tools import after_last_assistant
@@ -31,6 +32,7 @@ class CallContext:
     started_wall: float
     capture: Capture
     headers: dict[str, str]
+    exchange: Exchange | None = None
     lease: Lease | None = None
     weight_version: str = ""
     dispatched_at: float | None = None

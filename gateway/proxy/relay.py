@@ -45,6 +45,10 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
+from gateway.proxy.doors.base import Door, Exchange
+from gateway.proxy.doors.memory import ResponseStore
+from gateway.proxy.doors.messages import MessagesDoor
+from gateway.proxy.doors.responses import ResponsesDoor
 from gateway.proxy.sse import SSEDecoder, error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
@@ -77,6 +81,21 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"request body over {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object with a model, or a 400 that says what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    return body
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
@@ -160,10 +179,17 @@ class Proxy:
         server = rt.settings.server
         self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
         rt.metrics.add_collector(self.admission.collect)
+        self.responses_store = ResponseStore(server.response_store_size,
+                                             server.response_store_ttl_s)
+        self.doors: dict[str, Door] = {"responses": ResponsesDoor(self.responses_store),
+                                       "messages": MessagesDoor()}
 
     async def handle(
-        self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
+        self, request: Request, endpoint: Endpoint | Door, *, path_traj: str | None,
+        path_group: str | None
     ) -> Response:
+        """Proxy one call; ``endpoint`` is a chat/completions endpoint or a translating
+        door, whose call goes upstream as a chat call all the same."""
         slot = self.admission.enter()
         try:
             response = await self._handle(request, endpoint, slot, path_traj, path_group)
@@ -174,24 +200,35 @@ class Proxy:
             slot.release()
         return response
 
-    async def _handle(self, request: Request, endpoint: Endpoint, slot: Slot,
+    async def _handle(self, request: Request, door: Endpoint | Door, slot: Slot,
                       path_traj: str | None, path_group: str | None) -> Response:
         arrived = time.monotonic()
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
-        body = parse_request(raw, endpoint)
+        exchange: Exchange | None = None
+        if isinstance(door, Endpoint):
+            endpoint = door
+            body = client_body = parse_request(raw, endpoint)
+        else:
+            endpoint = CHAT
+            client_body = parse_object(raw)
         ident = identify(
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
-            body=body, api_keys_enabled=bool(self.rt.settings.api_keys),
+            body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
+        if not isinstance(door, Endpoint):
+            exchange = door.open(client_body, ident.trajectory_id)  # 400s before any record
+            body = exchange.chat_body
         self.rt.dispatcher.check_model(body["model"])
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
         if state.prompt_id is None:
             state.prompt_id = prompt_identity(body)
             state.model = body["model"]
             state.auto = ident.generated
-        outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
+        outcomes = parse_outcomes(
+            body["messages"], failed=exchange.failed_tools if exchange else None
+        ) if endpoint.chat else []
         ctx = CallContext(
-            id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
+            id=uuid.uuid4().hex, endpoint=door.name, state=state, body=body, exchange=exchange,
             seq=self.rt.tracker.call_arrived(state, outcomes, time.time()),
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
@@ -277,6 +314,8 @@ class Proxy:
         status = upstream.status if upstream.status < 500 else 502
         finish_call(self.rt, ctx, error=UpstreamError(f"upstream answered {upstream.status}: "
                                                        f"{data[:300].decode(errors='replace')}"))
+        if ctx.exchange is not None:
+            data = ctx.exchange.error_body(_upstream_error(status, data))
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 
@@ -291,6 +330,8 @@ class Proxy:
             payload = orjson.loads(data)
             if ctx.capture.feed(payload, stream=False):
                 data = orjson.dumps(payload)
+            if ctx.exchange is not None:
+                data = ctx.exchange.whole(payload, ctx.capture)
         except BaseException as exc:
             upstream.close()
             finish_call(self.rt, ctx, error=exc)
@@ -305,7 +346,7 @@ class Proxy:
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
-        decoder = SSEDecoder(ctx.capture)
+        decoder = SSEDecoder(ctx.capture, ctx.exchange)
         error: BaseException | None = None
         try:
             async for chunk in upstream.chunks():
@@ -317,14 +358,33 @@ class Proxy:
             tail = decoder.flush()
             if tail:
                 yield tail
+            if ctx.exchange is not None:
+                yield ctx.exchange.stream_end(ctx.capture)
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:
                 self._broke(ctx.lease.backend, exc)
-            yield error_event(exc)
+            yield error_event(exc) if ctx.exchange is None else ctx.exchange.error_event(exc)
         except BaseException as exc:  # client went away (cancelled) or a bug: record it
             error = exc
             raise
         finally:
             upstream.close()
             finish_call(self.rt, ctx, error=error)
+
+
+def _upstream_error(status: int, data: bytes) -> GatewayError:
+    """An upstream error answer as a gateway error, for a door to put in its own shape."""
+    message = data[:1000].decode(errors="replace")
+    try:
+        parsed = orjson.loads(data)
+        inner = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            message = inner["message"]
+        elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+            message = parsed["message"]
+    except orjson.JSONDecodeError:
+        pass
+    exc = (BadRequest if status < 500 else UpstreamError)(message)
+    exc.status_code = status
+    return exc

@@ -11,13 +11,15 @@ import orjson
 
 from gateway.errors import GatewayError, openai_error_body
 from gateway.proxy.capture import Capture
+from gateway.proxy.doors.base import Exchange
 
 _DONE = b"[DONE]"
 
 
 class SSEDecoder:
-    def __init__(self, capture: Capture) -> None:
+    def __init__(self, capture: Capture, exchange: Exchange | None = None) -> None:
         self._capture = capture
+        self._exchange = exchange
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -37,6 +39,8 @@ class SSEDecoder:
         return self._event(rest) if rest else b""
 
     def _event(self, event: bytes) -> bytes:
+        if self._exchange is not None:
+            return self._translated(event, self._exchange)
         if not event.startswith(b"data:"):
             return event + b"\n\n"
         data = event[5:].strip()
@@ -49,6 +53,20 @@ class SSEDecoder:
         if not isinstance(payload, dict) or not self._capture.feed(payload, stream=True):
             return event + b"\n\n"
         return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def _translated(self, event: bytes, exchange: Exchange) -> bytes:
+        """A chat chunk in the door's own event format (the end comes from stream_end)."""
+        data = event[5:].strip() if event.startswith(b"data:") else b""
+        if not data.startswith(b"{"):
+            return b""
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return b""
+        if not isinstance(payload, dict):
+            return b""
+        self._capture.feed(payload, stream=True)
+        return exchange.stream_event(payload, self._capture)
 
 
 def error_event(exc: GatewayError) -> bytes:

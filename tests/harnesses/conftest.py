@@ -1,0 +1,82 @@
+"""Real client SDKs and agent harnesses against the gateway over scripted simulated servers.
+
+The simulated server's ``tool_script`` makes tool use deterministic (a tool call on the
+first turn, text afterwards), and :func:`check_exact_trace` ties every recorded token to
+what the client saw: each call's completion ids decode to exactly the text and tool call
+the harness received, each prompt is the previous prompt plus completion plus the new
+messages (no mismatch), and the training sample is their concatenation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from backends.sim.chat import output_text, render_tool_call
+from backends.sim.tokenizer import get_tokenizer
+from gateway.app import create_app
+from tests.gateway.conftest import make_settings
+from tests.servers import LoopThread, app_in_thread
+
+MODEL = "qwen3-14b"
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One simulated server that calls a tool on turn 0 and answers in text after, and a
+    gateway (SQLite) in front of it."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    cfg = SimServerConfig(model=MODEL, speed=50, seed=7, output_len_median=20,
+                          tool_script=(True,))
+    cm = start_sim_servers([cfg])
+    urls = loop_thread.run(cm.__aenter__())
+    db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'gw.db'}"
+    with ExitStack() as stack:
+        gw = stack.enter_context(app_in_thread(
+            loop_thread, lambda: create_app(make_settings(db, urls))))
+        yield gw
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+def check_exact_trace(gw: str, traj: str, seen: list[tuple[str, list[tuple[str, str]]]]
+                      ) -> dict:
+    """Assert the trajectory's recorded tokens are exactly what the client saw.
+
+    ``seen``: per call, the text the client received and its tool calls (name, JSON
+    arguments as received)."""
+    tok = get_tokenizer()
+    calls = httpx.get(f"{gw}/trajectories/{traj}").json()["calls"]
+    assert [c["seq"] for c in calls] == list(range(len(seen)))
+    for call, (text, tools) in zip(calls, seen, strict=True):
+        assert call["status"] == "ok" and call["mismatch_pos"] is None
+        expected = text + "".join(render_tool_call(n, a) for n, a in tools)
+        assert output_text(tok, call["completion_ids"]) == expected
+        assert call["completion_ids"][-1] == tok.eos_id
+        assert len(call["completion_logprobs"]) == len(call["completion_ids"])
+        assert all(lp <= 0 for lp in call["completion_logprobs"])
+    for prev, cur in itertools.pairwise(calls):
+        assert cur["prompt_offset"] == prev["prompt_offset"] + len(prev["prompt_delta_ids"]) \
+            + len(prev["completion_ids"])
+    sample = httpx.get(f"{gw}/trajectories/{traj}/sample").json()
+    assert len(sample["token_ids"]) == calls[-1]["prompt_len"] + len(calls[-1]["completion_ids"])
+    for span, call in zip(sample["calls"], calls, strict=True):
+        got = sample["token_ids"][span["completion_start"]:span["completion_end"]]
+        assert got == call["completion_ids"]
+        assert sample["logprobs"][span["completion_start"]:span["completion_end"]] == \
+            call["completion_logprobs"]
+    assert sum(sample["loss_mask"]) == sum(len(c["completion_ids"]) for c in calls)
+    assert sample["mismatches"] == []
+    return sample
