@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.proxy.doors.messages import MessagesDoor
+from gateway.trajectories.tools import parse_outcomes
 from tests.harnesses.conftest import MODEL, check_exact_trace
 
 FN_TOOL = {"type": "function", "name": "bash", "description": "run a shell command",
@@ -113,7 +115,22 @@ def test_messages_tools_and_streaming(gateway, stream):
     check_exact_trace(gateway, traj, [_ant_seen(first), _ant_seen(second)])
     detail = httpx.get(f"{gateway}/trajectories/{traj}").json()
     assert detail["group_id"] == "grp-1"
-    assert "bash:small:failure" in json.dumps(detail)  # is_error counts as a tool failure
+
+
+def test_is_error_tool_result_counts_as_a_failure():
+    """A tool_result with is_error=true is a failure for tool-outcome tracking even when
+    its text looks harmless."""
+    exchange = MessagesDoor().open({"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "bash",
+                                           "input": {"cmd": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1",
+                                      "content": "permission denied", "is_error": True}]},
+    ]}, "t")
+    outcomes = parse_outcomes(exchange.chat_body["messages"], failed=exchange.failed_tools)
+    assert [o.state for o in outcomes] == ["bash:small:failure"]
+    assert [o.state for o in parse_outcomes(exchange.chat_body["messages"])] == \
+        ["bash:small:success"]
 
 
 def test_x_api_key_tags_the_trajectory(gateway):
