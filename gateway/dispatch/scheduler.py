@@ -246,7 +246,10 @@ class Scheduler:
         try:
             dispatches = self.policy.schedule(snap, plain)
         except Exception:
+            faults = self.faults
             dispatches = self._isolate(snap, plain)
+            if self.faults > faults:  # the bad calls are out: the next pass is a batch again
+                asyncio.get_running_loop().call_soon(self.kick)
         for d in dispatches:
             waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
             if waiter is None or backend is None or waiter.future.done():
