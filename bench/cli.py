@@ -32,8 +32,8 @@ def sim(
     """Discrete-event simulation of one rollout batch under each policy."""
     from rich.console import Console
 
-    from bench.report import table
-    from bench.run import Bench, Scenario
+    from bench.reports.sim_table import table
+    from bench.simulator.run import Bench, Scenario
     from gateway.policies.registry import POLICY_NAMES
 
     names = policy or ["slime", "heddle", "libra", "ours", "oracle"]
@@ -79,11 +79,11 @@ def soak(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Soak: a gateway process under steady agentic load; memory, tasks, fds, counters."""
-    from bench.soak import soak_command
+    from bench.runners.soak import soak_command
 
     soak_command(minutes=minutes, concurrency=concurrency, instances=instances, speed=speed,
                  json_out=json_out)
 
 
 # Benchmarks defined in their own modules register themselves on bench_app.
-from bench import perf_cli as _perf_cli  # noqa: E402,F401
+from bench.runners import perf_cli as _perf_cli  # noqa: E402,F401

@@ -158,7 +158,7 @@ def demo(
     seed: Annotated[int, typer.Option()] = 1,
 ) -> None:
     """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
-    from bench.demo import DemoOptions, run_demo
+    from bench.runners.demo import DemoOptions, run_demo
 
     opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
                        instances=instances, speed=speed, seed=seed, port=port, keep=keep)
@@ -168,8 +168,8 @@ def demo(
 
 def _add_bench() -> None:
     """``rollout-gateway bench ...`` lives in the ``bench`` package (simulator, harness)."""
-    import bench.live_cli
-    import bench.record  # noqa: F401  (registers `bench record`)
+    import bench.reports.record  # (registers `bench record`)
+    import bench.runners.live_cli  # noqa: F401  (registers `bench live`, `bench vllm-cpu`)
     from bench.cli import bench_app
 
     app.add_typer(bench_app, name="bench", help="Benchmarks: simulated and live rollouts.")

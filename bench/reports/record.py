@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from bench.cli import bench_app
-from bench.perf_report import write_section
+from bench.reports.perf import write_section
 
 
 def _pct(v: float | None) -> str:

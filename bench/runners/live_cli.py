@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cli import bench_app
-from bench.live import LivePass, LiveScenario, as_json, run_live
-from bench.plots import completion_cdf, gantt, throughput_bars
+from bench.reports.plots import completion_cdf, gantt, throughput_bars
+from bench.runners.live import LivePass, LiveScenario, as_json, run_live
 
 LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra", "ours")
 
@@ -118,7 +118,7 @@ def vllm_cpu(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """The live benchmark against two real vLLM engines on CPU (tiny model)."""
-    from bench.vllm_cpu import prepare, run_vllm_cpu
+    from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
     names = policy or ["slime", "ours"]
     bad = [n for n in names if n not in LIVE_POLICIES]
