@@ -1,4 +1,7 @@
-"""``rollout-gateway bench``: benchmark commands (each module adds its own)."""
+"""``rollout-gateway bench``: every benchmark command, registered on ``bench_app``.
+
+``sim`` and ``soak`` are defined here; the others next to their runner or report.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ from typing import Annotated
 
 import typer
 from rich.progress import Progress, TaskID
+
+from bench.reports import record
+from bench.runners import live_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -85,5 +91,10 @@ def soak(
                  json_out=json_out)
 
 
-# Benchmarks defined in their own modules register themselves on bench_app.
-from bench.runners import perf_cli as _perf_cli  # noqa: E402,F401
+# Benchmarks whose commands live next to their runners or reports; registered here, in one
+# place, so that no runner or report module imports this one.
+bench_app.command("overhead")(perf_cli.overhead)
+bench_app.command("store")(perf_cli.store)
+bench_app.command("live")(live_cli.live)
+bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
+bench_app.command("record")(record.record)

@@ -140,7 +140,7 @@ def sim_backend(
     scheduling_policy: Annotated[str, typer.Option(help="fcfs or priority")] = "priority",
 ) -> None:
     """Run simulated vLLM servers (one process, consecutive ports)."""
-    from backends.sim.server import run_sim_backends
+    from backends.sim.runner import run_sim_backends
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
                      count=count, seed=seed, scheduling_policy=scheduling_policy)
@@ -168,8 +168,6 @@ def demo(
 
 def _add_bench() -> None:
     """``rollout-gateway bench ...`` lives in the ``bench`` package (simulator, harness)."""
-    import bench.reports.record  # (registers `bench record`)
-    import bench.runners.live_cli  # noqa: F401  (registers `bench live`, `bench vllm-cpu`)
     from bench.cli import bench_app
 
     app.add_typer(bench_app, name="bench", help="Benchmarks: simulated and live rollouts.")

@@ -16,7 +16,6 @@ from typing import Annotated, Any
 
 import typer
 
-from bench.cli import bench_app
 from bench.reports.perf import write_section
 
 
@@ -86,7 +85,6 @@ def _copy_plots(src: Path, dest: Path) -> None:
         shutil.copy(png, dest / png.name)
 
 
-@bench_app.command("record")
 def record(
     benchmarks: Annotated[Path, typer.Argument(help="BENCHMARKS.md to update")],
     sim: Annotated[list[Path] | None, typer.Option(help="bench sim --json files")] = None,

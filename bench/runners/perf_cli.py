@@ -1,4 +1,4 @@
-"""``rollout-gateway bench overhead`` and ``bench store`` (registered on ``bench_app``)."""
+"""``rollout-gateway bench overhead`` and ``bench store`` (registered by ``bench.cli``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-from bench.cli import bench_app
 
 OVERHEAD_INTRO = """\
 What the gateway adds to one call, against a direct call and against the LiteLLM proxy,
@@ -82,7 +80,6 @@ def _finish(doc: dict[str, Any], out: Path, name: str, markdown: Callable[..., s
                record_to.parent / "docs" / "benchmarks" / name)
 
 
-@bench_app.command()
 def overhead(
     rate: Annotated[list[float] | None, typer.Option(help="fixed open-loop rate, req/s "
                                                           "(repeatable)")] = None,
@@ -124,7 +121,6 @@ def overhead(
     console.print(f"report: {out}/overhead.md")
 
 
-@bench_app.command()
 def store(
     writer_trajectories: Annotated[int, typer.Option(help="trajectories for the writer "
                                                           "measurement")] = 400,
