@@ -1,10 +1,13 @@
 """``rollout-gateway bench``: every benchmark command, registered on ``bench_app``.
 
-``sim`` and ``soak`` are defined here; the others next to their runner or report.
+``sim`` and ``soak`` are defined here; the others next to their runner or report. ``demo``
+(a top-level command) is here too; ``rollout_gateway.cli`` mounts it and ``bench_app``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
 from functools import partial
@@ -66,6 +69,26 @@ def sim(
                "trajectories": len(bench.specs),
                "results": {r.policy: r.as_dict() for r in results}}
         json_out.write_text(json.dumps(doc, indent=2))
+
+
+def demo(
+    prompts: Annotated[int, typer.Option(help="GRPO groups (prompts) in the batch")] = 8,
+    group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
+    instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1)")] = 8,
+    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 15.0,
+    workload: Annotated[str, typer.Option(help="swe, search, math-code or tau")] = "swe",
+    port: Annotated[int, typer.Option(help="gateway port (a free one if taken)")] = 8000,
+    keep: Annotated[bool, typer.Option("--keep", help="keep serving afterwards")] = False,
+    seed: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
+    from bench.runners.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
+                       instances=instances, speed=speed, seed=seed, port=port, keep=keep)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_demo(opts))
+
 
 
 def _advance(prog: Progress, task: TaskID, done: int) -> None:

@@ -111,7 +111,7 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
 
 
 def _cli() -> typer.Typer:
-    """The bench group as ``rollout-gateway`` mounts it (``gateway.cli.main``)."""
+    """The bench group as ``rollout-gateway`` mounts it (``rollout_gateway.cli``)."""
     root = typer.Typer()
     root.add_typer(bench_app, name="bench")
     return root
