@@ -14,7 +14,7 @@ migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of th
 trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
 are handed to the managed pool, if there is one).
 
-This is the same ``Policy`` object the discrete-event simulator drives (``bench/des.py``).
+This is the same ``Policy`` object the discrete-event simulator drives (``bench/simulator/des.py``).
 """
 
 from __future__ import annotations
