@@ -20,6 +20,7 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports  # import contracts: pyproject.toml [tool.importlinter]
 
 typecheck: venv
 	$(BIN)/mypy rollout_gateway gateway backends
