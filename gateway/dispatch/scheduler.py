@@ -255,14 +255,14 @@ class Scheduler:
                 self._resolve(waiter, backend, d.priority)
 
     def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
-        """The policy raised on the batch: schedule call by call, failing only the calls
-        it raises on (each logged once, with its context), so one bad entry never stops
-        the queue. Survivors are placed this pass in their arrival order."""
-        out: list[Dispatch] = []
-        taken: dict[str, int] = {}
+        """The policy raised on the batch: find the calls it raises on alone and fail only
+        those (each logged once, with its context, and counted), then schedule the rest
+        as one batch this same pass, so one bad entry never stops the queue."""
+        survivors: list[PendingCall] = []
+        singles: list[Dispatch] = []
         for call in sorted(calls, key=lambda c: c.enqueued_at):
             try:
-                ds = self.policy.schedule(snap, [call])
+                singles.extend(self.policy.schedule(snap, [call]))
             except Exception as exc:
                 waiter = self._waiting.get(call.key)
                 if waiter is not None:
@@ -270,14 +270,25 @@ class Scheduler:
                                   "(seq %d); the call fails, the queue goes on",
                                   self.policy.name, call.key, call.trajectory_id, call.seq)
                     self._fail(waiter, "policy", SchedulingFailed(
-                        f"the {self.policy.name!r} policy failed to schedule this call "
-                        f"({type(exc).__name__}: {exc}); other calls are unaffected"))
+                        f"the {self.policy.name!r} policy failed to schedule this call of "
+                        f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
+                        "other calls are unaffected"))
                 continue
-            for d in ds:  # a one-call batch sees every slot free: keep the pass honest
-                if taken.get(d.instance, 0) < _free(snap, d.instance):
-                    taken[d.instance] = taken.get(d.instance, 0) + 1
-                    out.append(d)
-        return out
+            survivors.append(call)
+        if not survivors:
+            return []
+        try:
+            return self.policy.schedule(snap, survivors)
+        except Exception:  # it raises only on a combination: keep the one-call answers
+            log.debug("policy %s raised on a batch but on none of its calls alone",
+                      self.policy.name, exc_info=True)
+        out: list[Dispatch] = []
+        taken: dict[str, int] = {}
+        for d in singles:  # each one-call batch saw every slot free: keep the pass honest
+            if taken.get(d.instance, 0) < _free(snap, d.instance):
+                taken[d.instance] = taken.get(d.instance, 0) + 1
+                out.append(d)
+        return out  # calls left over are placed by the next pass (a call end or a tick)
 
     def _fail(self, w: Waiter, stage: str, error: Exception) -> None:
         self.faults += 1

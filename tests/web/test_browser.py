@@ -85,6 +85,24 @@ def _text(page: Any, selector: str) -> str:
     return str(page.locator(selector).text_content() or "")
 
 
+def _expect_header(page: Any, gw: str, *, paused: bool) -> None:
+    """The header's badges as a person sees them: the connection pill, and the "paused"
+    pill only while the gateway is paused (``/status`` says the same)."""
+    from playwright.sync_api import expect
+
+    badge = page.locator("#paused")
+    if paused:
+        expect(badge).to_be_visible(timeout=5_000)
+        expect(badge).to_have_text("paused")
+    else:
+        expect(badge).to_be_hidden(timeout=5_000)
+    expect(page.locator("#conn")).to_have_text("live")
+    shown = page.evaluate("() => [...document.querySelectorAll('header .pill')]"
+                          ".filter(e => e.offsetParent !== null).map(e => e.textContent)")
+    assert shown == (["live", "paused"] if paused else ["live"]), shown
+    assert httpx.get(f"{gw}/status").json()["paused"] is paused
+
+
 def test_status_page_is_live_and_usable(browser, busy_gateway):
     from playwright.sync_api import expect
 
@@ -95,6 +113,14 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     _watch_console(page, errors)
     page.goto(f"{gw}/")
     expect(page.locator("#conn")).to_have_text("live", timeout=15_000)
+
+    # The header says what is true: serving, not paused, then paused, then serving again.
+    _expect_header(page, gw, paused=False)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert httpx.post(f"{gw}/admin/pause", headers=admin, json={}).status_code == 200
+    _expect_header(page, gw, paused=True)
+    assert httpx.post(f"{gw}/admin/resume", headers=admin).status_code == 200
+    _expect_header(page, gw, paused=False)
 
     # Live numbers change without a reload.
     calls_before = _text(page, "#kpi-calls-total")
