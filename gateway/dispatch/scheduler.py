@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
-from gateway.errors import Overloaded, SchedulingFailed, TrajectoryFinished, UpstreamTimeout
+from gateway.errors import (
+    NoBackendAvailable,
+    Overloaded,
+    SchedulingFailed,
+    TrajectoryFinished,
+    UpstreamTimeout,
+)
 from gateway.policies.base import (
     Dispatch,
     Migrate,
@@ -85,6 +91,10 @@ class Scheduler:
         self.on_fault: Callable[[str], None] | None = None
         self._last_progress = time.monotonic()
         self._stalled = False
+        #: Whether capacity is on its way (a managed pool starting instances); set by the
+        #: dispatcher. Queued calls outlive ``backend_wait_s`` without a routable backend
+        #: only while it says so.
+        self.expecting_capacity: Callable[[], bool] = lambda: False
 
     @property
     def queue_depth(self) -> int:
@@ -222,6 +232,7 @@ class Scheduler:
     def _schedule_model(self, model: str, waiters: list[Waiter]) -> None:
         backends = {b.id: b for b in self.registry.routable(model)}
         if not backends:
+            self._expire_unroutable(model, waiters)
             return
         retries = [w for w in waiters if w.exclude]
         for w in retries:  # a retry goes to the least loaded backend it has not tried
@@ -253,6 +264,20 @@ class Scheduler:
                 continue
             if backend.in_flight < self._cap(backend):
                 self._resolve(waiter, backend, d.priority)
+
+    def _expire_unroutable(self, model: str, waiters: list[Waiter]) -> None:
+        """Every backend of ``model`` went away while these calls waited: fail the ones that
+        have waited ``backend_wait_s`` (503, as if they had arrived now) unless capacity
+        is on its way, so a pool that lost its last backend never holds calls for the
+        whole queue timeout. The periodic tick brings this pass round."""
+        if self.expecting_capacity():
+            return
+        deadline = time.time() - self.settings.backend_wait_s
+        for w in waiters:
+            if w.call.enqueued_at <= deadline and not w.future.done():
+                w.future.set_exception(NoBackendAvailable(
+                    f"no healthy backend can serve model {model!r}: every backend went "
+                    f"away while this call waited in the gateway queue"))
 
     def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
         """The policy raised on the batch: find the calls it raises on alone and fail only
