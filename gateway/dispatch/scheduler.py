@@ -14,7 +14,7 @@ migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of th
 trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
 are handed to the managed pool, if there is one).
 
-This is the same ``Policy`` object the discrete-event simulator drives (``bench/des.py``).
+This is the same ``Policy`` object the discrete-event simulator drives (``bench/simulator/des.py``).
 """
 
 from __future__ import annotations
@@ -257,7 +257,10 @@ class Scheduler:
         try:
             dispatches = self.policy.schedule(snap, plain)
         except Exception:
+            faults = self.faults
             dispatches = self._isolate(snap, plain)
+            if self.faults > faults:  # the bad calls are out: the next pass is a batch again
+                asyncio.get_running_loop().call_soon(self.kick)
         for d in dispatches:
             waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
             if waiter is None or backend is None or waiter.future.done():
