@@ -13,6 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
+from gateway.proxy.doors import Translation
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.tools import after_last_assistant
@@ -37,6 +38,7 @@ class CallContext:
     first_byte: float | None = None
     retries: int = 0
     finished: bool = field(default=False)
+    door: Translation | None = None  # a front door answering in its own wire format
 
     def view(self) -> CallView:
         st = self.state
