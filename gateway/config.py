@@ -76,6 +76,9 @@ class DispatchSettings(BaseModel):
         "estimate per-token time and interference per TP degree")
     migrate: bool = Field(True, description="let policies move trajectories in tool gaps")
     tick_s: float = Field(0.5, gt=0, description="periodic rescheduling (aging, pool changes)")
+    watchdog_s: float = Field(
+        10.0, gt=0, description="a queue that has not dispatched for this long while some "
+        "backend has a free slot is reported as stalled (log, /status, /metrics)")
     restart_s: float = Field(10.8, ge=0, description="cost of restarting an instance with a "
                              "new TP degree, weighed by planners (Libra measures 10.8 s)")
 
@@ -84,6 +87,11 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, description="larger bodies get 413")
+    response_store_size: int = Field(
+        10_000, ge=1, description="Responses API: how many responses `previous_response_id` "
+        "can refer to (least recently used forgotten first)")
+    response_store_ttl_s: float = Field(
+        3600.0, gt=0, description="Responses API: how long a stored response can be chained")
     cors_origins: list[str] = []
     max_in_flight: int = Field(
         4096, ge=0, description="LLM calls admitted at once (queued or running); more are "
@@ -97,11 +105,6 @@ class ServerSettings(BaseModel):
     keep_alive_s: float = Field(
         75.0, gt=0, description="idle client connections are closed after this; longer than "
         "clients' own pool expiry (httpx/openai: 5 s) so a request never races the close")
-    response_store_size: int = Field(
-        10000, ge=0, description="finished /v1/responses conversations kept for "
-        "previous_response_id (oldest dropped first); 0 turns previous_response_id off")
-    response_store_ttl_s: float = Field(
-        3600.0, gt=0, description="how long a finished response can be continued")
 
 
 class Settings(BaseSettings):

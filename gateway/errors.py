@@ -82,6 +82,20 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
+class TrajectoryFinished(Conflict):
+    """A queued call whose trajectory attempt was finished before it could be placed."""
+
+    code = "trajectory_finished"
+
+
+class SchedulingFailed(GatewayError):
+    """The scheduler raised while placing this call; the call fails, the pool goes on."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "scheduling_failed"
+
+
 class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
@@ -132,15 +146,14 @@ def openai_error_body(
     )
 
 
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                         403: "permission_error", 404: "not_found_error",
-                         413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
-def anthropic_error_body(message: str, status: int) -> bytes:
-    """Anthropic's error envelope (``/v1/messages``), serialized."""
-    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """Anthropic's error envelope (what its SDK parses), serialized."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
@@ -154,7 +167,7 @@ def _is_openai_path(request: Request) -> bool:
 
 def error_response(request: Request, exc: GatewayError) -> Response:
     if _is_anthropic_path(request):
-        body = anthropic_error_body(exc.message, exc.status_code)
+        body = anthropic_error_body(exc.status_code, exc.message)
     elif _is_openai_path(request):
         body = openai_error_body(
             exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
@@ -176,7 +189,7 @@ def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
             media_type="application/json",
         )
     if _is_anthropic_path(request):
-        return Response(anthropic_error_body(str(exc.detail), exc.status_code),
+        return Response(anthropic_error_body(exc.status_code, str(exc.detail)),
                         status_code=exc.status_code, media_type="application/json")
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return Response(
@@ -206,9 +219,8 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     if _is_anthropic_path(request):
-        return Response(anthropic_error_body(f"{loc}: {first.get('msg', 'invalid request')}",
-                                             400), status_code=400,
-                        media_type="application/json")
+        return Response(anthropic_error_body(400, f"{loc}: {first.get('msg', 'invalid')}"),
+                        status_code=400, media_type="application/json")
     return Response(
         openai_error_body(
             f"{loc}: {first.get('msg', 'invalid request')}",

@@ -8,15 +8,13 @@ the routes in the OpenAPI document.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response
 
 from gateway.api.deps import get_proxy, get_rt, require_api_key
-from gateway.proxy.doors.base import Door
-from gateway.proxy.relay import CHAT, COMPLETIONS, Endpoint
+from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import ID_PATTERN
 
@@ -51,24 +49,6 @@ COMPLETION_BODY = {
                    "stream": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1},
                    "max_tokens": {"type": "integer", "minimum": 1}},
 }
-RESPONSES_BODY = {
-    "type": "object", "required": ["model", "input"], "additionalProperties": True,
-    "properties": {"model": {"type": "string", "minLength": 1},
-                   "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
-                   "instructions": {"type": "string"}, "previous_response_id": {"type": "string"},
-                   "stream": {"type": "boolean"},
-                   "tools": {"type": "array", "items": {"type": "object"}}},
-}
-MESSAGES_BODY = {
-    "type": "object", "required": ["model", "messages", "max_tokens"],
-    "additionalProperties": True,
-    "properties": {"model": {"type": "string", "minLength": 1},
-                   "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-                   "system": {"anyOf": [{"type": "string"}, {"type": "array"}]},
-                   "max_tokens": {"type": "integer", "minimum": 1},
-                   "stream": {"type": "boolean"},
-                   "tools": {"type": "array", "items": {"type": "object"}}},
-}
 
 
 def _id_param() -> Any:
@@ -84,48 +64,55 @@ def _doc(schema: dict[str, Any]) -> dict[str, Any]:
                             "content": {"application/json": {"schema": schema}}}}
 
 
-@dataclass(frozen=True, slots=True)
-class DoorRoute:
-    """A translating front door, looked up on the proxy (it owns the doors' state)."""
-
-    name: str
-    path: str
-
-
-def _target(request: Request, endpoint: Endpoint | DoorRoute) -> Endpoint | Door:
-    if isinstance(endpoint, DoorRoute):
-        return get_proxy(request).doors[endpoint.name]
-    return endpoint
-
-
-def _register(endpoint: Endpoint | DoorRoute, schema: dict[str, Any]) -> None:
+def _register(endpoint: Endpoint, schema: dict[str, Any]) -> None:
     suffix = endpoint.path
     opts: dict[str, Any] = {"responses": ERRORS, "openapi_extra": _doc(schema),
                             "response_class": Response}
 
     @router.post(suffix, name=f"{endpoint.name}", **opts)
     async def plain(request: Request) -> Response:
-        return await get_proxy(request).handle(
-            request, _target(request, endpoint), path_traj=None, path_group=None)
+        return await get_proxy(request).handle(request, endpoint, path_traj=None,
+                                               path_group=None)
 
     @router.post("/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_t", **opts)
     async def scoped(request: Request, trajectory_id: str = _id_param()) -> Response:
-        return await get_proxy(request).handle(
-            request, _target(request, endpoint), path_traj=trajectory_id, path_group=None)
+        return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
+                                               path_group=None)
 
     @router.post("/g/{group_id}/t/{trajectory_id}" + suffix, name=f"{endpoint.name}_gt",
                  **opts)
     async def grouped(
         request: Request, group_id: str = _id_param(), trajectory_id: str = _id_param()
     ) -> Response:
-        return await get_proxy(request).handle(
-            request, _target(request, endpoint), path_traj=trajectory_id, path_group=group_id)
+        return await get_proxy(request).handle(request, endpoint, path_traj=trajectory_id,
+                                               path_group=group_id)
 
+
+RESPONSES_BODY = {
+    "type": "object", "required": ["model", "input"], "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                   "instructions": {"type": "string"},
+                   "previous_response_id": {"type": "string"},
+                   "stream": {"type": "boolean"},
+                   "max_output_tokens": {"type": "integer", "minimum": 1},
+                   "tools": {"type": "array", "items": {"type": "object"}}},
+}
+MESSAGES_BODY = {
+    "type": "object", "required": ["model", "messages", "max_tokens"],
+    "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                   "system": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                   "max_tokens": {"type": "integer", "minimum": 1},
+                   "stream": {"type": "boolean"},
+                   "tools": {"type": "array", "items": {"type": "object"}}},
+}
 
 _register(CHAT, CHAT_BODY)
 _register(COMPLETIONS, COMPLETION_BODY)
-_register(DoorRoute("responses", "/v1/responses"), RESPONSES_BODY)
-_register(DoorRoute("messages", "/v1/messages"), MESSAGES_BODY)
+_register(RESPONSES, RESPONSES_BODY)
+_register(MESSAGES, MESSAGES_BODY)
 
 
 def _models(rt: Runtime) -> dict[str, Any]:

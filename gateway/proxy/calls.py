@@ -13,7 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
-from gateway.proxy.doors.base import Exchange
+from gateway.proxy.doors import Translation
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.tools import after_last_assistant
@@ -32,13 +32,13 @@ class CallContext:
     started_wall: float
     capture: Capture
     headers: dict[str, str]
-    exchange: Exchange | None = None
     lease: Lease | None = None
     weight_version: str = ""
     dispatched_at: float | None = None
     first_byte: float | None = None
     retries: int = 0
     finished: bool = field(default=False)
+    door: Translation | None = None  # a front door answering in its own wire format
 
     def view(self) -> CallView:
         st = self.state
@@ -81,6 +81,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
+        attempt=ctx.state.attempt,
         endpoint=ctx.endpoint, model=str(ctx.body.get("model")),
         weight_version=ctx.weight_version, started_at=ctx.started_wall,
         backend_id=ctx.lease.backend.id, backend_url=ctx.lease.backend.url,

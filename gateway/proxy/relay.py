@@ -45,10 +45,10 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.doors.base import Door, Exchange
-from gateway.proxy.doors.memory import ResponseStore
-from gateway.proxy.doors.messages import MessagesDoor
-from gateway.proxy.doors.responses import ResponsesDoor
+from gateway.proxy.doors import Translation
+from gateway.proxy.doors.memory import ResponseMemory
+from gateway.proxy.doors.messages import MessagesCall
+from gateway.proxy.doors.responses import ResponsesCall
 from gateway.proxy.sse import SSEDecoder, error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
@@ -64,10 +64,32 @@ class Endpoint:
     name: str
     path: str
     chat: bool
+    door: str | None = None  # a front door translated to chat completions upstream
+
+    @property
+    def upstream(self) -> str:
+        return CHAT.path if self.door else self.path
 
 
 CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
 COMPLETIONS = Endpoint("completions", "/v1/completions", chat=False)
+RESPONSES = Endpoint("responses", "/v1/responses", chat=True, door="responses")
+MESSAGES = Endpoint("messages", "/v1/messages", chat=True, door="messages")
+
+
+def parse_door(raw: bytes) -> dict[str, Any]:
+    """A front door's body: a JSON object with a model (the door checks the rest)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    return body
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -81,21 +103,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"request body over {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
-
-
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object with a model, or a 400 that says what is wrong."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    return body
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
@@ -178,18 +185,12 @@ class Proxy:
         self.breaker = CircuitBreaker(rt.settings.upstream)
         server = rt.settings.server
         self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
+        self.memory = ResponseMemory(server.response_store_size, server.response_store_ttl_s)
         rt.metrics.add_collector(self.admission.collect)
-        self.responses_store = ResponseStore(server.response_store_size,
-                                             server.response_store_ttl_s)
-        self.doors: dict[str, Door] = {"responses": ResponsesDoor(self.responses_store),
-                                       "messages": MessagesDoor()}
 
     async def handle(
-        self, request: Request, endpoint: Endpoint | Door, *, path_traj: str | None,
-        path_group: str | None
+        self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
-        """Proxy one call; ``endpoint`` is a chat/completions endpoint or a translating
-        door, whose call goes upstream as a chat call all the same."""
         slot = self.admission.enter()
         try:
             response = await self._handle(request, endpoint, slot, path_traj, path_group)
@@ -200,39 +201,39 @@ class Proxy:
             slot.release()
         return response
 
-    async def _handle(self, request: Request, door: Endpoint | Door, slot: Slot,
+    async def _handle(self, request: Request, endpoint: Endpoint, slot: Slot,
                       path_traj: str | None, path_group: str | None) -> Response:
         arrived = time.monotonic()
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
-        exchange: Exchange | None = None
-        if isinstance(door, Endpoint):
-            endpoint = door
+        door: Translation | None = None
+        if endpoint.door is None:
             body = client_body = parse_request(raw, endpoint)
         else:
-            endpoint = CHAT
-            client_body = parse_object(raw)
+            client_body = parse_door(raw)
+            door = (ResponsesCall(client_body, self.memory) if endpoint.door == "responses"
+                    else MessagesCall(client_body, self.memory))
+            body = door.chat_body
         ident = identify(
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
             body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
-        if not isinstance(door, Endpoint):
-            exchange = door.open(client_body, ident.trajectory_id)  # 400s before any record
-            body = exchange.chat_body
         self.rt.dispatcher.check_model(body["model"])
+        if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
+            await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
         if state.prompt_id is None:
             state.prompt_id = prompt_identity(body)
             state.model = body["model"]
             state.auto = ident.generated
-        outcomes = parse_outcomes(
-            body["messages"], failed=exchange.failed_tools if exchange else None
-        ) if endpoint.chat else []
+        outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
+        if door is not None:
+            outcomes = door.adjust_outcomes(outcomes)
         ctx = CallContext(
-            id=uuid.uuid4().hex, endpoint=door.name, state=state, body=body, exchange=exchange,
+            id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
             seq=self.rt.tracker.call_arrived(state, outcomes, time.time()),
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
-            headers={"x-trajectory-id": ident.trajectory_id},
+            headers={"x-trajectory-id": ident.trajectory_id}, door=door,
         )
         return await _unless_disconnected(request, self._run(ctx, endpoint, slot))
 
@@ -274,7 +275,7 @@ class Proxy:
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(
-                    rt.session, lease.backend.url + endpoint.path, ctx.payload(),
+                    rt.session, lease.backend.url + endpoint.upstream, ctx.payload(),
                     UPSTREAM_HEADERS, limits, deadline,
                 )
             except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
@@ -312,10 +313,13 @@ class Proxy:
         finally:
             upstream.close()
         status = upstream.status if upstream.status < 500 else 502
-        finish_call(self.rt, ctx, error=UpstreamError(f"upstream answered {upstream.status}: "
-                                                       f"{data[:300].decode(errors='replace')}"))
-        if ctx.exchange is not None:
-            data = ctx.exchange.error_body(_upstream_error(status, data))
+        error = UpstreamError(f"upstream answered {upstream.status}: "
+                              f"{data[:300].decode(errors='replace')}")
+        finish_call(self.rt, ctx, error=error)
+        if ctx.door is not None:  # the engine's message, in the door's error shape
+            error.message = _upstream_message(data) or error.message
+            error.status_code = status
+            data = ctx.door.error_body(error)
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 
@@ -330,8 +334,8 @@ class Proxy:
             payload = orjson.loads(data)
             if ctx.capture.feed(payload, stream=False):
                 data = orjson.dumps(payload)
-            if ctx.exchange is not None:
-                data = ctx.exchange.whole(payload, ctx.capture)
+            if ctx.door is not None:
+                data = ctx.door.whole(payload)
         except BaseException as exc:
             upstream.close()
             finish_call(self.rt, ctx, error=exc)
@@ -346,7 +350,7 @@ class Proxy:
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
-        decoder = SSEDecoder(ctx.capture, ctx.exchange)
+        decoder = SSEDecoder(ctx.capture, ctx.door)
         error: BaseException | None = None
         try:
             async for chunk in upstream.chunks():
@@ -358,13 +362,11 @@ class Proxy:
             tail = decoder.flush()
             if tail:
                 yield tail
-            if ctx.exchange is not None:
-                yield ctx.exchange.stream_end(ctx.capture)
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:
                 self._broke(ctx.lease.backend, exc)
-            yield error_event(exc) if ctx.exchange is None else ctx.exchange.error_event(exc)
+            yield error_event(exc) if ctx.door is None else ctx.door.error_event(exc)
         except BaseException as exc:  # client went away (cancelled) or a bug: record it
             error = exc
             raise
@@ -373,18 +375,16 @@ class Proxy:
             finish_call(self.rt, ctx, error=error)
 
 
-def _upstream_error(status: int, data: bytes) -> GatewayError:
-    """An upstream error answer as a gateway error, for a door to put in its own shape."""
-    message = data[:1000].decode(errors="replace")
+def _upstream_message(data: bytes) -> str | None:
+    """The message of an engine's error body (OpenAI's or vLLM's shape), if any."""
     try:
-        parsed = orjson.loads(data)
-        inner = parsed.get("error") if isinstance(parsed, dict) else None
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            message = inner["message"]
-        elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
-            message = parsed["message"]
+        body = orjson.loads(data)
     except orjson.JSONDecodeError:
-        pass
-    exc = (BadRequest if status < 500 else UpstreamError)(message)
-    exc.status_code = status
-    return exc
+        return None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    return None

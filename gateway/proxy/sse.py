@@ -11,15 +11,15 @@ import orjson
 
 from gateway.errors import GatewayError, openai_error_body
 from gateway.proxy.capture import Capture
-from gateway.proxy.doors.base import Exchange
+from gateway.proxy.doors import Translation
 
 _DONE = b"[DONE]"
 
 
 class SSEDecoder:
-    def __init__(self, capture: Capture, exchange: Exchange | None = None) -> None:
+    def __init__(self, capture: Capture, door: Translation | None = None) -> None:
         self._capture = capture
-        self._exchange = exchange
+        self._door = door
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -39,8 +39,8 @@ class SSEDecoder:
         return self._event(rest) if rest else b""
 
     def _event(self, event: bytes) -> bytes:
-        if self._exchange is not None:
-            return self._translated(event, self._exchange)
+        if self._door is not None:
+            return self._translate(event)
         if not event.startswith(b"data:"):
             return event + b"\n\n"
         data = event[5:].strip()
@@ -54,11 +54,15 @@ class SSEDecoder:
             return event + b"\n\n"
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    def _translated(self, event: bytes, exchange: Exchange) -> bytes:
-        """A chat chunk in the door's own event format (the end comes from stream_end)."""
-        data = event[5:].strip() if event.startswith(b"data:") else b""
-        if not data.startswith(b"{"):
+
+    def _translate(self, event: bytes) -> bytes:
+        """Through a front door: capture the chat chunk, answer in the door's events."""
+        assert self._door is not None
+        if not event.startswith(b"data:"):
             return b""
+        data = event[5:].strip()
+        if data == _DONE:
+            return self._door.done()
         try:
             payload = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -66,7 +70,7 @@ class SSEDecoder:
         if not isinstance(payload, dict):
             return b""
         self._capture.feed(payload, stream=True)
-        return exchange.stream_event(payload, self._capture)
+        return self._door.event(payload)
 
 
 def error_event(exc: GatewayError) -> bytes:

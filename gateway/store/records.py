@@ -38,3 +38,4 @@ class CallRecord:
     extra_choices: list[dict[str, Any]] | None = None
     request_messages: list[Any] | None = None
     completion_text: str | None = None
+    attempt: int = 0

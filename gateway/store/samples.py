@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.store.codec import unpack_floats, unpack_ids
-from gateway.store.models import Call, Trajectory
+from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
 
 @dataclass(slots=True)
@@ -47,6 +47,7 @@ class Sample:
     calls: list[CallSpan] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    attempt: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,12 +85,21 @@ def _append_call(sample: Sample, call: Call) -> None:
                                  call.weight_version, call.backend_id, call.tp))
 
 
-def build_sample(trajectory: Trajectory, calls: Sequence[Call]) -> Sample:
-    """The single training sequence of a trajectory (successful calls, in order)."""
-    sample = Sample(trajectory.id, trajectory.group_id, trajectory.reward,
-                    metadata=trajectory.meta)
+def build_sample(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
+                 record: TrajectoryAttempt | None = None) -> Sample:
+    """The single training sequence of one attempt of a trajectory (successful calls, in
+    order); by default its latest attempt. ``record`` gives an older attempt's reward."""
+    current = trajectory.attempt or 0
+    attempt = current if attempt is None else attempt
+    if attempt == current:
+        reward, meta = trajectory.reward, trajectory.meta
+    else:
+        reward = record.reward if record is not None else None
+        meta = record.meta if record is not None else None
+    sample = Sample(trajectory.id, trajectory.group_id, reward, metadata=meta,
+                    attempt=attempt)
     for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):
-        if call.status == "ok":
+        if call.status == "ok" and (call.attempt or 0) == attempt:
             _append_call(sample, call)
     versions: list[str] = []
     for span in sample.calls:

@@ -4,9 +4,9 @@ Sources, first match wins:
 
 1. the path: ``/t/{trajectory}/v1/...`` or ``/g/{group}/t/{trajectory}/v1/...``;
 2. headers ``X-Trajectory-Id``, then ``X-Session-ID`` (and ``X-Group-Id``);
-3. ``Authorization: Bearer <session id>`` (or ``x-api-key``) when API keys are off,
-   unless the key is one of the placeholders harnesses send when they have no key
-   (``EMPTY``, ``sk-...``);
+3. ``Authorization: Bearer <session id>`` (or ``x-api-key``, as Anthropic clients send
+   it) when API keys are off, unless the key is one
+   of the placeholders harnesses send when they have no key (``EMPTY``, ``sk-...``);
 4. the body: ``metadata.session_id`` (and ``metadata.group_id``), then ``user``.
 
 A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` header.
@@ -52,7 +52,7 @@ def _bearer_session(headers: Mapping[str, str], api_keys_enabled: bool) -> str |
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         key = auth[7:].strip()
-    elif headers.get("x-api-key"):  # Anthropic clients send their key here
+    elif headers.get("x-api-key"):  # how Anthropic clients send their key
         key = headers["x-api-key"].strip()
     else:
         return None

@@ -91,14 +91,12 @@ def new_messages(messages: Sequence[Any]) -> list[Mapping[str, Any]]:
     return [m for m in messages[start:] if isinstance(m, Mapping)]
 
 
-def parse_outcomes(messages: Sequence[Any], failed: set[str] | None = None
-                   ) -> list[ToolOutcome]:
+def parse_outcomes(messages: Sequence[Any]) -> list[ToolOutcome]:
     """Tool outcomes in the messages appended since the previous assistant turn.
 
     ``tool`` / ``function`` role messages count as tool results; so does a ``user``
     message right after an assistant turn in harnesses that return observations as user
-    text (SWE-agent style), named ``observation``. A result whose ``tool_call_id`` is in
-    ``failed`` (the client marked it an error: Anthropic's ``is_error``) is a failure.
+    text (SWE-agent style), named ``observation``.
     """
     fresh = new_messages(messages)
     names = _tool_names([m for m in messages if isinstance(m, Mapping)])
@@ -113,8 +111,5 @@ def parse_outcomes(messages: Sequence[Any], failed: set[str] | None = None
         tool = msg.get("name") or names.get(str(msg.get("tool_call_id")), None)
         tool = str(tool) if tool else ("observation" if role == "user" else "tool")
         tokens = max(1, len(text) // 4)
-        outcome = classify(text)
-        if failed and str(msg.get("tool_call_id")) in failed and outcome == "success":
-            outcome = "failure"
-        out.append(ToolOutcome(tool, tokens, size_class(tokens), outcome))
+        out.append(ToolOutcome(tool, tokens, size_class(tokens), classify(text)))
     return out

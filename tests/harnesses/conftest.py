@@ -1,5 +1,7 @@
-"""Real client SDKs and agent harnesses against the gateway over scripted simulated servers.
+"""Harnesses the gateway does not own, driven unmodified against simulated vLLM servers.
 
+``scripted_gateway``: real client SDKs and agent harnesses against the gateway over a
+scripted simulated server.
 The simulated server's ``tool_script`` makes tool use deterministic (a tool call on the
 first turn, text afterwards), and :func:`check_exact_trace` ties every recorded token to
 what the client saw: each call's completion ids decode to exactly the text and tool call
@@ -19,21 +21,15 @@ import pytest
 from backends.sim.chat import output_text, render_tool_call
 from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
-from tests.gateway.conftest import make_settings
+from tests.gateway.conftest import gateway_at, loop_thread, make_settings, sim_pool
 from tests.servers import LoopThread, app_in_thread
 
+__all__ = ["gateway_at", "loop_thread", "sim_pool"]
 MODEL = "qwen3-14b"
 
 
 @pytest.fixture(scope="module")
-def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def scripted_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One simulated server that calls a tool on turn 0 and answers in text after, and a
     gateway (SQLite) in front of it."""
     from backends.sim.runner import start_sim_servers

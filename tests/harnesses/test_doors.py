@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.proxy.doors.messages import MessagesDoor
+from gateway.proxy.doors.memory import ResponseMemory
+from gateway.proxy.doors.messages import MessagesCall
 from gateway.trajectories.tools import parse_outcomes
 from tests.harnesses.conftest import MODEL, check_exact_trace
 
@@ -34,9 +35,9 @@ def _responses_seen(resp) -> tuple[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("chain", ["previous_response_id", "full_input"])
-def test_responses_tool_turn_then_text(gateway, chain):
+def test_responses_tool_turn_then_text(scripted_gateway, chain):
     traj = _traj()
-    client = openai.OpenAI(base_url=f"{gateway}/t/{traj}/v1", api_key="EMPTY")
+    client = openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="EMPTY")
     first = client.responses.create(model=MODEL, instructions="Be brief.",
                                     input="list the files", tools=[FN_TOOL])
     calls = [o for o in first.output if o.type == "function_call"]
@@ -54,12 +55,12 @@ def test_responses_tool_turn_then_text(gateway, chain):
         second = client.responses.create(model=MODEL, instructions="Be brief.",
                                          input=history, tools=[FN_TOOL])
     assert second.output_text and not [o for o in second.output if o.type == "function_call"]
-    check_exact_trace(gateway, traj, [_responses_seen(first), _responses_seen(second)])
+    check_exact_trace(scripted_gateway, traj, [_responses_seen(first), _responses_seen(second)])
 
 
-def test_responses_streaming_events(gateway):
+def test_responses_streaming_events(scripted_gateway):
     traj = _traj()
-    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="EMPTY",
+    client = openai.OpenAI(base_url=f"{scripted_gateway}/v1", api_key="EMPTY",
                            default_headers={"X-Trajectory-Id": traj})
     kinds, deltas, args = [], [], []
     with client.responses.stream(model=MODEL, input="hi", tools=[FN_TOOL]) as stream:
@@ -80,7 +81,7 @@ def test_responses_streaming_events(gateway):
                 deltas.append(event.delta)
         second = stream.get_final_response()
     assert "".join(deltas) == second.output_text != ""
-    check_exact_trace(gateway, traj, [_responses_seen(final), _responses_seen(second)])
+    check_exact_trace(scripted_gateway, traj, [_responses_seen(final), _responses_seen(second)])
 
 
 def _ant_seen(msg) -> tuple[str, list[tuple[str, str]]]:
@@ -89,9 +90,9 @@ def _ant_seen(msg) -> tuple[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_messages_tools_and_streaming(gateway, stream):
+def test_messages_tools_and_streaming(scripted_gateway, stream):
     traj = _traj()
-    client = anthropic.Anthropic(base_url=f"{gateway}/g/grp-1/t/{traj}", api_key="EMPTY")
+    client = anthropic.Anthropic(base_url=f"{scripted_gateway}/g/grp-1/t/{traj}", api_key="EMPTY")
     msgs = [{"role": "user", "content": "list the files"}]
 
     def ask():
@@ -112,30 +113,29 @@ def test_messages_tools_and_streaming(gateway, stream):
                                            "content": "permission denied", "is_error": True}]}]
     second = ask()
     assert second.stop_reason == "end_turn" and second.content[0].type == "text"
-    check_exact_trace(gateway, traj, [_ant_seen(first), _ant_seen(second)])
-    detail = httpx.get(f"{gateway}/trajectories/{traj}").json()
+    check_exact_trace(scripted_gateway, traj, [_ant_seen(first), _ant_seen(second)])
+    detail = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()
     assert detail["group_id"] == "grp-1"
 
 
 def test_is_error_tool_result_counts_as_a_failure():
     """A tool_result with is_error=true is a failure for tool-outcome tracking even when
     its text looks harmless."""
-    exchange = MessagesDoor().open({"model": MODEL, "max_tokens": 8, "messages": [
+    call = MessagesCall({"model": MODEL, "max_tokens": 8, "messages": [
         {"role": "user", "content": "go"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "bash",
                                            "input": {"cmd": "ls"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1",
                                       "content": "permission denied", "is_error": True}]},
-    ]}, "t")
-    outcomes = parse_outcomes(exchange.chat_body["messages"], failed=exchange.failed_tools)
-    assert [o.state for o in outcomes] == ["bash:small:failure"]
-    assert [o.state for o in parse_outcomes(exchange.chat_body["messages"])] == \
-        ["bash:small:success"]
+    ]}, ResponseMemory())
+    plain = parse_outcomes(call.chat_body["messages"])
+    assert [o.state for o in plain] == ["bash:small:success"]  # the text alone looks fine
+    assert [o.state for o in call.adjust_outcomes(plain)] == ["bash:small:failure"]
 
 
-def test_x_api_key_tags_the_trajectory(gateway):
+def test_x_api_key_tags_the_trajectory(scripted_gateway):
     traj = _traj()
-    r = httpx.post(f"{gateway}/v1/messages", headers={"x-api-key": traj}, json={
+    r = httpx.post(f"{scripted_gateway}/v1/messages", headers={"x-api-key": traj}, json={
         "model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.headers["x-trajectory-id"] == traj
     body = r.json()
@@ -152,13 +152,13 @@ def test_x_api_key_tags_the_trajectory(gateway):
     ("/v1/messages", {"model": "nope", "max_tokens": 8,
                       "messages": [{"role": "user", "content": "x"}]}, "nope"),
 ])
-def test_messages_errors_in_anthropic_shape(gateway, path, body, needle):
+def test_messages_errors_in_anthropic_shape(scripted_gateway, path, body, needle):
     traj = _traj()
-    r = httpx.post(f"{gateway}/t/{traj}{path}", json=body)
+    r = httpx.post(f"{scripted_gateway}/t/{traj}{path}", json=body)
     assert 400 <= r.status_code < 500
     err = r.json()
     assert err["type"] == "error" and needle in err["error"]["message"]
-    assert httpx.get(f"{gateway}/trajectories/{traj}").status_code == 404  # no half trace
+    assert httpx.get(f"{scripted_gateway}/trajectories/{traj}").status_code == 404  # no half trace
 
 
 @pytest.mark.parametrize(("body", "needle"), [
@@ -168,11 +168,11 @@ def test_messages_errors_in_anthropic_shape(gateway, path, body, needle):
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_missing"}, "resp_missing"),
     ({"model": MODEL}, "input"),
 ])
-def test_responses_errors_in_openai_shape(gateway, body, needle):
+def test_responses_errors_in_openai_shape(scripted_gateway, body, needle):
     traj = _traj()
-    r = httpx.post(f"{gateway}/t/{traj}/v1/responses", json=body)
-    assert r.status_code == 400
+    r = httpx.post(f"{scripted_gateway}/t/{traj}/v1/responses", json=body)
+    assert r.status_code in (400, 404)  # an unknown previous response is a 404, as at OpenAI
     assert needle in r.json()["error"]["message"]
-    assert httpx.get(f"{gateway}/trajectories/{traj}").status_code == 404
-    with pytest.raises(openai.BadRequestError):
-        openai.OpenAI(base_url=f"{gateway}/t/{traj}/v1", api_key="x").responses.create(**body)
+    assert httpx.get(f"{scripted_gateway}/trajectories/{traj}").status_code == 404
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
+        openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x").responses.create(**body)

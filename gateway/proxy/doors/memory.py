@@ -1,9 +1,9 @@
-"""Bounded store of finished responses' conversations, for ``previous_response_id``.
+"""What ``previous_response_id`` refers to: the conversation a stored response ended;
+and the exact argument strings of generated tool calls (see ``put_arguments``).
 
-A Responses client may send only the new items and point at its previous response; the
-gateway then needs the full chat conversation that response ended. Entries expire after
-``ttl_s`` and the oldest go first past ``size`` entries; a lookup of an unknown or
-expired id (or one from another trajectory) is a clear 400.
+Bounded (``size`` responses, least recently used out first) and expiring (``ttl_s``): a
+Responses client that chains turns by id gets the full context back; one that sends the
+full input (the Agents SDK's default) needs none of it.
 """
 
 from __future__ import annotations
@@ -12,32 +12,41 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from gateway.errors import BadRequest
 
-
-class ResponseStore:
-    def __init__(self, size: int, ttl_s: float) -> None:
+class ResponseMemory:
+    def __init__(self, size: int = 10_000, ttl_s: float = 3600.0) -> None:
         self.size = size
         self.ttl_s = ttl_s
-        self._items: OrderedDict[str, tuple[float, str, list[dict[str, Any]]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+        self._args: OrderedDict[str, str] = OrderedDict()
 
-    def put(self, response_id: str, trajectory_id: str, messages: list[dict[str, Any]]) -> None:
-        if self.size <= 0:
-            return
-        self._items[response_id] = (time.monotonic(), trajectory_id, messages)
+    def put_arguments(self, tool_call_id: str, raw: str) -> None:
+        """The exact argument string the engine generated for a tool call: Anthropic
+        clients send back the parsed ``input``, whose re-serialization may differ from it
+        (spacing, key order), which would re-tokenize the history differently."""
+        self._args[tool_call_id] = raw
+        while len(self._args) > self.size:
+            self._args.popitem(last=False)
+
+    def arguments(self, tool_call_id: str) -> str | None:
+        return self._args.get(tool_call_id)
+
+    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+        self._items[response_id] = (time.monotonic(), messages)
         self._items.move_to_end(response_id)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str, trajectory_id: str) -> list[dict[str, Any]]:
+    def get(self, response_id: str) -> list[dict[str, Any]] | None:
         item = self._items.get(response_id)
-        if item is not None and time.monotonic() - item[0] > self.ttl_s:
+        if item is None:
+            return None
+        stamp, messages = item
+        if time.monotonic() - stamp > self.ttl_s:
             del self._items[response_id]
-            item = None
-        if item is None or item[1] != trajectory_id:
-            raise BadRequest(f"previous_response_id {response_id!r} is unknown or expired "
-                             "(send the full input instead)", param="previous_response_id")
-        return list(item[2])
+            return None
+        self._items.move_to_end(response_id)
+        return messages
 
     def __len__(self) -> int:
         return len(self._items)
