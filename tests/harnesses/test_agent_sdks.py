@@ -18,8 +18,13 @@ os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # no export to Open
 
 
 def test_openai_agents_sdk_default_responses_model_with_a_function_tool(scripted_gateway):
-    from agents import Agent, Runner, function_tool, set_default_openai_client
-    from agents import set_tracing_disabled
+    from agents import (
+        Agent,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     traj = "agents-" + uuid.uuid4().hex[:8]
@@ -57,8 +62,8 @@ def test_litellm_client_tool_loop(scripted_gateway, stream):
     msgs: list[dict] = [{"role": "user", "content": "list the files"}]
     seen = []
     for _ in range(2):
-        kw = dict(model=f"openai/{MODEL}", api_base=f"{scripted_gateway}/t/{traj}/v1",
-                  api_key="EMPTY", messages=msgs, tools=tools)
+        kw = {"model": f"openai/{MODEL}", "api_base": f"{scripted_gateway}/t/{traj}/v1",
+              "api_key": "EMPTY", "messages": msgs, "tools": tools}
         if stream:
             chunks = list(litellm.completion(stream=True, **kw))
             msg = litellm.stream_chunk_builder(chunks, messages=msgs).choices[0].message
