@@ -10,8 +10,9 @@ Same paths and answers as vLLM 0.32 started with ``VLLM_SERVER_DEV_MODE=1``:
 * ``GET /is_paused`` -> ``{"is_paused": bool}``.
 * ``POST /update_weight_version`` ``{"new_version": "..."}`` and ``GET /weight_info``
   -> ``{"weight_version": "..."}``.
-* ``POST /collective_rpc`` ``{"method": "reload_weights", ...}`` is accepted as a no-op
-  reload (the simulator has no weights), so an orchestrated update can run against it.
+* ``POST /collective_rpc`` ``{"method": "reload_weights", ...}`` and
+  ``POST /reset_prefix_cache`` are accepted as no-ops (the simulator has no weights), so
+  an orchestrated update can run against it.
 """
 
 from __future__ import annotations
@@ -94,3 +95,10 @@ async def collective_rpc(request: Request) -> Response:
                        param="method")
     _sim(request).num_reloads += 1
     return json_response({"results": [None]})
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Accepted; the simulated prefix cache is left as it is (its tokens do not change)."""
+    _sim(request)
+    return Response(status_code=200)

@@ -13,6 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
+from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.tools import after_last_assistant
@@ -37,6 +38,9 @@ class CallContext:
     first_byte: float | None = None
     retries: int = 0
     finished: bool = field(default=False)
+    #: (first completion token, weight version) for each continuation after an abort.
+    segments: list[tuple[int, str]] = field(default_factory=list)
+    continuations: int = 0
 
     def view(self) -> CallView:
         st = self.state
@@ -66,6 +70,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     if ctx.finished or ctx.lease is None:
         return
     ctx.finished = True
+    live_calls(rt).remove(ctx.id)
     status = _status(error)
     ctx.lease.release(ok=status != "error")
     now = time.monotonic()

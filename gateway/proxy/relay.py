@@ -45,7 +45,15 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.sse import SSEDecoder, error_event
+from gateway.proxy.continuation import (
+    HoldingDecoder,
+    continue_stream,
+    continue_whole,
+    should_continue,
+    stream_head,
+)
+from gateway.proxy.live import live_calls
+from gateway.proxy.sse import error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
@@ -258,6 +266,7 @@ class Proxy:
                     continue
             else:
                 self.breaker.success(lease.backend)
+            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body)
             return upstream
         raise AssertionError("unreachable")
 
@@ -291,6 +300,9 @@ class Proxy:
             payload = orjson.loads(data)
             if ctx.capture.feed(payload, stream=False):
                 data = orjson.dumps(payload)
+            if should_continue(self.rt, ctx):
+                await continue_whole(self.rt, ctx, payload)
+                data = orjson.dumps(payload)
         except BaseException as exc:
             upstream.close()
             finish_call(self.rt, ctx, error=exc)
@@ -305,7 +317,7 @@ class Proxy:
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
-        decoder = SSEDecoder(ctx.capture)
+        decoder = HoldingDecoder(self.rt, ctx)
         error: BaseException | None = None
         try:
             async for chunk in upstream.chunks():
@@ -317,6 +329,11 @@ class Proxy:
             tail = decoder.flush()
             if tail:
                 yield tail
+            if decoder.held:  # the engine aborted it for a weight update: finish it
+                upstream.close()
+                async for out in continue_stream(self.rt, ctx,
+                                                 decoder.head or stream_head(ctx, None)):
+                    yield out
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:
