@@ -125,6 +125,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any]) -> Upstream
     assert ctx.lease is not None
     ctx.segments.append((len(ctx.capture.completion(0).token_ids), rt.weight_version))
     ctx.continuations += 1
+    ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
     limits = rt.settings.upstream
     upstream = await open_upstream(
         rt.session, ctx.lease.backend.url + "/v1/completions", orjson.dumps(body),

@@ -242,6 +242,7 @@ class Proxy:
                     raise last from None
                 raise
             ctx.bind(lease, rt.weight_version)
+            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body)
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(
@@ -266,12 +267,12 @@ class Proxy:
                     continue
             else:
                 self.breaker.success(lease.backend)
-            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body)
             return upstream
         raise AssertionError("unreachable")
 
     def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str]) -> None:
         lease.release(ok=False)
+        live_calls(self.rt).remove(ctx.id)
         tried.append(lease.backend.id)
         ctx.lease = None
         ctx.state.in_flight -= 1
