@@ -100,6 +100,7 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
         calls=[_known(CallSpan, c) for c in d.get("calls") or []],
         mismatches=[_known(Mismatch, m) for m in d.get("mismatches") or []],
         metadata=d.get("metadata"),
+        max_staleness=d.get("max_staleness"),
     )
 
 

@@ -105,6 +105,8 @@ async def resume_engines(rt: Runtime, version: str | None, timeout_s: float
                          ) -> dict[str, Any]:
     """Set ``version`` (if given) here and on the engines, resume them, open the gate."""
     if version is not None and version != rt.weight_version:
+        if rt.dispatcher.gate.engine_mode == "keep":
+            live_calls(rt).new_version(version)
         previous, rt.weight_version = rt.weight_version, version
         rt.events.emit("weight_version", f"weight version {previous} -> {version}",
                        previous=previous, version=version)

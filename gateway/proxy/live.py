@@ -3,6 +3,7 @@ abort of each could be continued token-in (``gateway.proxy.continuation``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ def continuable(body: dict[str, Any]) -> bool:
 class LiveCall:
     backend_id: str
     continuable: bool
+    #: Called with the new weight version when engines frozen in ``keep`` resume.
+    on_version: Callable[[str], None] | None = None
 
 
 class LiveCalls:
@@ -39,8 +42,15 @@ class LiveCalls:
     def __init__(self) -> None:
         self._calls: dict[str, LiveCall] = {}
 
-    def add(self, call_id: str, backend_id: str, body: dict[str, Any]) -> None:
-        self._calls[call_id] = LiveCall(backend_id, continuable(body))
+    def add(self, call_id: str, backend_id: str, body: dict[str, Any],
+            on_version: Callable[[str], None] | None = None) -> None:
+        self._calls[call_id] = LiveCall(backend_id, continuable(body), on_version)
+
+    def new_version(self, version: str) -> None:
+        """Frozen calls go on with new weights: let each record where that starts."""
+        for call in self._calls.values():
+            if call.on_version is not None:
+                call.on_version(version)
 
     def remove(self, call_id: str) -> None:
         self._calls.pop(call_id, None)

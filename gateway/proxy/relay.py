@@ -242,7 +242,8 @@ class Proxy:
                     raise last from None
                 raise
             ctx.bind(lease, rt.weight_version)
-            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body)
+            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+                               ctx.mark_version if ctx.stream else None)
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(

@@ -54,7 +54,7 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
     return row
 
 
-_JSON_COLUMNS = frozenset({"extra_choices", "request_messages"})
+_JSON_COLUMNS = frozenset({"extra_choices", "request_messages", "weight_segments"})
 _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
                 "ON CONFLICT (id) DO NOTHING")
 #: The idempotent fallback when COPY meets a call already stored: a batch whose commit
