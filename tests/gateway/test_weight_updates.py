@@ -70,17 +70,18 @@ async def _call(http: httpx.AsyncClient, kind: str, stream: bool, i: int) -> dic
         text = ch["message"]["content"] if kind == "chat" else ch["text"]
         lps = len((ch.get("logprobs") or {}).get("content") or [])
         return {"ids": ids, "text": text, "finish": finish, "usage": usage, "lps": lps,
-                "body": body}
+                "body": body, "i": i}
     ids_seen: set[str] = set()
+    done = False
     async with http.stream("POST", path, json=body, headers=headers) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
-                finish = finish or "missing"
-                text += ""  # [DONE] must come last: checked below
+                done = True
                 continue
+            assert not done, "an event after [DONE]"
             chunk = orjson.loads(line[6:])
             assert "error" not in chunk, chunk
             ids_seen.add(chunk["id"])
@@ -93,9 +94,9 @@ async def _call(http: httpx.AsyncClient, kind: str, stream: bool, i: int) -> dic
                 if ch.get("finish_reason"):
                     assert finish is None, "two finish reasons in one stream"
                     finish = ch["finish_reason"]
-    assert len(ids_seen) == 1, "continuation chunks must keep the response id"
+    assert done and len(ids_seen) == 1, "one id for the whole stream, [DONE] last"
     return {"ids": ids, "text": text, "finish": finish, "usage": usage, "lps": lps,
-            "body": body}
+            "body": body, "i": i}
 
 
 def _check(result: dict[str, Any]) -> None:
@@ -132,11 +133,26 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
             assert paused["idle_s"] < 1.0
             await asyncio.sleep(0.3)
             assert not any(c.done() for c in calls)  # clients held, not answered
-            r = await admin.post("/admin/resume", json={"weight_version": "v2"})
-            assert r.json()["weight_version"] == "v2" and r.json()["ok"]
+            r = await admin.post("/admin/resume", json={"weight_version": "1"})
+            assert r.json()["weight_version"] == "1" and r.json()["ok"]
             results = await asyncio.gather(*calls)
             stats = await _stats(slow_pool)
             info = [(await admin.get(f"{u}/weight_info")).json() for u in slow_pool]
+            for res in results:
+                tid = f"wu-{'chat' if 'messages' in res['body'] else 'completions'}-" \
+                      f"{res['body']['stream']}-{res['i']}"
+                traj = (await http.get(f"/trajectories/{tid}")).json()
+                (call,) = traj["calls"]
+                assert call["completion_ids"] == res["ids"]
+                (_, k, first), (k2, end, second) = call["weight_segments"]
+                assert (first, second, k2, end) == ("0", "1", k, N) and 0 < k < N
+                sample = (await http.get(f"/trajectories/{tid}/sample")).json()
+                versions = sample["weight_versions"][-N:]
+                assert versions == ["0"] * k + ["1"] * (N - k)
+                assert sample["max_staleness"] == 1
+                stale = await http.get(f"/trajectories/{tid}/sample",
+                                       params={"max_staleness": 0})
+                assert stale.status_code == 409 and "stale" in stale.text, stale.text
     for res in results:
         _check(res)
     aborted = sum(s["pause_aborts"] for s in stats) - before
@@ -144,7 +160,7 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
     continued = [s for st in stats for s in st["requests_seen"]
                  if s["max_tokens"] < N]
     assert len(continued) >= 16
-    assert info == [{"weight_version": "v2"}] * 2
+    assert info == [{"weight_version": "1"}] * 2
 
 
 async def test_keep_freezes_calls_and_wait_drains(
