@@ -8,7 +8,9 @@ the engine produced, its text exactly those tokens' text), and versions are exac
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -19,8 +21,10 @@ from backends.sim.chat import output_piece
 from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
 from backends.sim.tokenizer import get_tokenizer
+from gateway.client import RolloutClient
+from gateway.client.errors import JobFailed
 from tests.gateway.conftest import GatewayFactory
-from tests.servers import LoopThread
+from tests.servers import LoopThread, free_port
 
 MODEL = "qwen3-14b"
 N = 240
@@ -222,3 +226,57 @@ async def test_bad_pause_and_resume_bodies_are_400(
             r = await http.post("/admin/weight-update", json={"version": "x",
                                                               "method": "reload"})
             assert r.status_code == 400 and "weights_path" in r.text
+
+
+def _completion(url: str, i: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": f"job load {i}", "max_tokens": N, "ignore_eos": True,
+            "return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                      headers={"x-trajectory-id": f"job-{i}"})
+
+
+def test_update_weights_runs_the_cycle_as_a_job_from_the_client(
+        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url, \
+            RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client, \
+            ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(_completion, url, i) for i in range(8)]
+        time.sleep(0.3)
+        pushed: list[bool] = []
+
+        def push() -> None:  # the trainer's own transfer, while the engines are paused
+            pushed.append(all(httpx.get(f"{u}/is_paused").json()["is_paused"]
+                              for u in slow_pool))
+
+        job = client.update_weights("2", push=push)
+        assert pushed == [True]
+        assert [p["name"] for p in job.raw["phases"]] == ["pause", "update", "resume"]
+        assert job.raw["plan"]["weight_version"] == "2"
+        assert job.raw["phases"][0]["idle_s"] < 1.0
+        for f in calls:
+            choice = f.result().json()["choices"][0]
+            assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == N
+        assert [httpx.get(f"{u}/weight_info").json()["weight_version"]
+                for u in slow_pool] == ["2", "2"]
+
+        reloads = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_pool)
+        job = client.update_weights("3", weights_path="/models/step-3", mode="keep")
+        assert job.succeeded and client.status()["weight_version"] == "3"
+        after = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_pool)
+        assert after == reloads + 2
+
+
+def test_an_engine_that_does_not_answer_fails_the_job_and_keeps_the_old_version(
+        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with gateway_at(sqlite_url, [*slow_pool, dead], admin_token="tok") as url, \
+            RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client:
+        with pytest.raises(JobFailed) as failed:
+            client.update_weights("9", weights_path="/models/step-9", timeout_s=5)
+        assert "/pause?mode=abort failed" in str(failed.value) and "resumed with version '0'" in str(
+            failed.value)
+        assert client.status()["weight_version"] == "0"
+        assert client.pool()["paused"] is False
+        assert [httpx.get(f"{u}/is_paused").json()["is_paused"] for u in slow_pool] == [
+            False, False]
+        assert _completion(url, 99).status_code == 200
