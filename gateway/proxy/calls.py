@@ -114,8 +114,8 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
 
 def weight_segments(first: str, later: list[tuple[int, str]], total: int
                     ) -> list[list[Any]] | None:
-    """``[[start, end, version], ...]`` over ``total`` completion tokens; None if one
-    version produced them all."""
+    """``[[start, end, version], ...]`` over ``total`` completion tokens; None if the
+    version at dispatch produced them all."""
     if not later:
         return None
     starts = [(0, first), *sorted(later, key=lambda s: s[0])]
@@ -128,7 +128,7 @@ def weight_segments(first: str, later: list[tuple[int, str]], total: int
             out[-1][1] = end
         else:
             out.append([start, end, version])
-    return out if len({s[2] for s in out}) > 1 else None
+    return out if any(seg[2] != first for seg in out) else None
 
 
 def _attach_text(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
