@@ -20,8 +20,8 @@ from gateway.dispatch.jobs import Job
 from gateway.dispatch.layout import InstanceRequest, LayoutError
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
-from gateway.dispatch.weights import pause_engines, resume_engines, start_weight_update_job
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.proxy.weights import pause_engines, resume_engines, start_weight_update_job
 from gateway.runtime import Runtime
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
