@@ -76,6 +76,9 @@ class DispatchSettings(BaseModel):
         "estimate per-token time and interference per TP degree")
     migrate: bool = Field(True, description="let policies move trajectories in tool gaps")
     tick_s: float = Field(0.5, gt=0, description="periodic rescheduling (aging, pool changes)")
+    watchdog_s: float = Field(
+        10.0, gt=0, description="a queue that has not dispatched for this long while some "
+        "backend has a free slot is reported as stalled (log, /status, /metrics)")
     restart_s: float = Field(10.8, ge=0, description="cost of restarting an instance with a "
                              "new TP degree, weighed by planners (Libra measures 10.8 s)")
 

@@ -82,6 +82,20 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
+class TrajectoryFinished(Conflict):
+    """A queued call whose trajectory attempt was finished before it could be placed."""
+
+    code = "trajectory_finished"
+
+
+class SchedulingFailed(GatewayError):
+    """The scheduler raised while placing this call; the call fails, the pool goes on."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "scheduling_failed"
+
+
 class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"

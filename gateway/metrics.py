@@ -28,6 +28,9 @@ EVENT_KINDS = ("backend", "weight_version", "policy", "pause", "resume", "pool",
                "reconfiguration", "migration")
 
 
+SCHEDULER_FAULT_STAGES = ("stale", "policy", "observe", "plan", "stall")
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -56,6 +59,13 @@ class GatewayMetrics:
                                               registry=r)
         self.migrations = Counter("rollout_gateway_migrations", "Trajectories moved to another"
                                   " instance during a tool gap", registry=r)
+        self.scheduler_faults = Counter(
+            "rollout_gateway_scheduler_faults", "Scheduling faults by stage: calls failed "
+            "because their trajectory was gone (stale) or the policy raised on them (policy), "
+            "policy learning errors (observe, plan), and watchdog stalls (stall)", ["stage"],
+            registry=r)
+        for stage in SCHEDULER_FAULT_STAGES:
+            self.scheduler_faults.labels(stage)
         for result in RECONFIG_RESULTS:
             self.reconfigurations.labels(result)
         for kind in ("prompt", "completion"):

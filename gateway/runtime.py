@@ -26,13 +26,14 @@ from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
+from gateway.http_session import make_session
 from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
-from gateway.proxy.client import make_session
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.spool import Spool, default_spool_path
 from gateway.store.writer import TraceWriter
+from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Runtime:
     writer: TraceWriter
     metrics: GatewayMetrics
     weight_version: str
+    restorer: Restorer
     ready: bool = True
     extras: dict[str, object] = field(default_factory=dict)
     events: EventLog = field(default_factory=EventLog)
@@ -130,7 +132,14 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
                        f"{list(change.launch)} ({change.reason}); {outcome}",
                        retire=list(change.retire), launch=list(change.launch))
 
+    def fault(stage: str) -> None:
+        rt.metrics.scheduler_faults.labels(stage).inc()
+        if stage == "stall":
+            rt.events.emit("stall", f"scheduler stalled: {scheduler.queue_depth} calls queued "
+                           "beside free slots", queued=scheduler.queue_depth)
+
     scheduler.kv_usage = kv
+    scheduler.on_fault = fault
     scheduler.on_migrate = migrate
     scheduler.on_relayout = relayout
 
@@ -167,6 +176,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
             dispatcher=Dispatcher(registry, scheduler, settings=settings.dispatch),
             tracker=tracker, writer=writer, metrics=GatewayMetrics(),
             weight_version=settings.weight_version,
+            restorer=Restorer(tracker, sessionmaker, db_ok=lambda: writer.db_ok),
         )
         rt.metrics.add_collector(rt.collect)
         wire_scheduler(rt, scheduler)
@@ -176,6 +186,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         stack.push_async_callback(rt.monitor.close)
         stack.push_async_callback(rt.jobs.close)
         if settings.pool is not None:
-            rt.pool = await stack.enter_async_context(open_pool(rt))
+            rt.pool = await stack.enter_async_context(
+                open_pool(rt, settings.pool, rt.dispatcher))
         yield rt
         rt.ready = False

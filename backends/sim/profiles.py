@@ -16,7 +16,7 @@ wheel install can plan pools without the repository's shared data.
 trade-off than the fitted constants suggest under equal load: at TP > 1 the fixed
 per-step cost (``T0``) and the per-token cost (``K``) are multiplied by
 ``1 + tp_penalty * log2(tp)``, i.e. all-reduce overhead that grows with the number of
-participants. ``DEFAULT_TP_PENALTY`` is calibrated by ``bench/fidelity.py``: under the
+participants. ``DEFAULT_TP_PENALTY`` is calibrated by ``bench/runners/fidelity.py``: under the
 load documented there (many short requests at fixed per-instance concurrency; few long
 ones) most of Libra's trade-off comes from load, and a small penalty (0.02-0.1 all fit
 within 13%) finishes the job.

@@ -36,11 +36,16 @@ async def status(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
 def status_body(rt: Runtime) -> dict[str, Any]:
     """The status page's data (also sent by ``/status/stream``); shape in docs/status-page.md."""
     states = list(rt.tracker)
+    sched = rt.dispatcher.scheduler
     return {
         "policy": rt.dispatcher.policy_name,
         "weight_version": rt.weight_version,
+        "paused": rt.dispatcher.gate.paused,
         "backends": [backend_row(rt, b) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},
+        "scheduler": {"queued": sched.queue_depth, "dispatched": sched.dispatched,
+                      "faults": sched.faults, "stalls": sched.stalls,
+                      "stalled_for_s": round(sched.stalled_for_s, 1)},
         "trace_writer": {"queue_depth": rt.writer.queue_depth, "written": rt.writer.written,
                          "dropped": rt.writer.dropped, "write_errors": rt.writer.write_errors,
                          "spooled": rt.writer.spooled, "spool_bytes": rt.writer.spool_bytes,

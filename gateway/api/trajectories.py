@@ -33,7 +33,8 @@ def _live(rt: Runtime, trajectory_id: str) -> dict[str, Any] | None:
     st = rt.tracker.get(trajectory_id)
     if st is None:
         return None
-    return {"phase": st.phase.value, "turns": st.turns, "in_flight": st.in_flight,
+    return {"phase": st.phase.value, "attempt": st.attempt, "turns": st.turns,
+            "in_flight": st.in_flight,
             "queued": st.queued, "context_tokens": st.context_tokens,
             "llm_time_s": round(st.llm_time_s, 4), "tool_time_s": round(st.tool_time_s, 4),
             "queue_time_s": round(st.queue_time_s, 4), "mismatches": st.mismatches,
@@ -42,7 +43,8 @@ def _live(rt: Runtime, trajectory_id: str) -> dict[str, Any] | None:
 
 def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": call.id, "seq": call.seq, "endpoint": call.endpoint, "model": call.model,
+        "id": call.id, "attempt": call.attempt, "seq": call.seq, "endpoint": call.endpoint,
+        "model": call.model,
         "status": call.status, "error": call.error, "finish_reason": call.finish_reason,
         "backend_id": call.backend_id, "tp": call.tp, "weight_version": call.weight_version,
         "weight_segments": call.weight_segments,
@@ -91,15 +93,21 @@ async def list_trajectories(
     return {"object": "list", "data": data, "limit": limit, "offset": offset}
 
 
-async def _load(rt: Runtime, trajectory_id: str) -> tuple[Trajectory, Sequence[Call]]:
-    """The stored trajectory and its calls, after the writer flushed what it holds."""
+async def _load(rt: Runtime, trajectory_id: str, attempt: int | None = None,
+                *, every_attempt: bool = False) -> tuple[Trajectory, Sequence[Call]]:
+    """The stored trajectory and its calls (of ``attempt``, default the latest, or of
+    every attempt), after the writer flushed what it holds."""
     validate_id(trajectory_id)
     await rt.writer.drain(DRAIN_TIMEOUT_S)
     async with rt.sessionmaker() as session:
         traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
         if traj is None:
             raise NotFound(f"no trajectory {trajectory_id!r}")
-        calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+        if attempt is not None and attempt > traj.attempt:
+            raise NotFound(f"trajectory {trajectory_id!r} has no attempt {attempt} "
+                           f"(latest is {traj.attempt})")
+        which = None if every_attempt else (traj.attempt if attempt is None else attempt)
+        calls = await queries.get_calls(session, trajectory_id=trajectory_id, attempt=which)
     return traj, calls
 
 
@@ -109,9 +117,10 @@ async def get_trajectory(
     rt: Runtime = Depends(get_rt),
 ) -> dict[str, Any]:
     text = _want_text(request, include_text)
-    traj, calls = await _load(rt, trajectory_id)
+    traj, calls = await _load(rt, trajectory_id, every_attempt=True)
     return {
-        "id": traj.id, "group_id": traj.group_id, "created_at": traj.created_at.isoformat(),
+        "id": traj.id, "attempt": traj.attempt, "group_id": traj.group_id,
+        "created_at": traj.created_at.isoformat(),
         "finished_at": traj.finished_at.isoformat() if traj.finished_at else None,
         "reward": traj.reward, "metadata": traj.meta, "live": _live(rt, traj.id),
         "calls": [_call_json(c, text=text) for c in calls],
@@ -125,23 +134,26 @@ async def finish(
     validate_id(trajectory_id)
     if body.group_id is not None:
         validate_id(body.group_id, what="group_id")
-    live = rt.tracker.get(trajectory_id)
+    live = rt.tracker.get(trajectory_id) or await rt.restorer.restore(trajectory_id)
     group = body.group_id or (live.group_id if live else None)
     now = time.time()
     async with rt.sessionmaker() as session, session.begin():
         traj = await queries.finish_trajectory(
             session, trajectory_id=trajectory_id, group_id=group, reward=body.reward,
-            metadata=body.metadata, now=now)
+            metadata=body.metadata, now=now, attempt=live.attempt if live else None)
     if live is not None and live.finished_at is None:
         rt.tracker.finish(trajectory_id, body.reward, now)
         rt.dispatcher.scheduler.trajectory_finished(live)
-    return {"id": traj.id, "group_id": traj.group_id, "reward": traj.reward,
+    return {"id": traj.id, "attempt": traj.attempt, "group_id": traj.group_id,
+            "reward": traj.reward,
             "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
 
 
-@router.get("/{trajectory_id}/sample", summary="The trajectory as one training sample")
+@router.get("/{trajectory_id}/sample", summary="One attempt of the trajectory as a training "
+            "sample (default: its latest attempt)")
 async def sample(
     trajectory_id: str,
+    attempt: int | None = Query(None, ge=0, le=2**31 - 1),
     max_staleness: int | None = Query(None, ge=0, description="answer 409 if a token "
                                       "is more versions behind than this"),
     current_version: str | None = Query(None, max_length=128, description="staleness "
@@ -149,8 +161,14 @@ async def sample(
                                         "gateway's weight version)"),
     rt: Runtime = Depends(get_rt),
 ) -> dict[str, Any]:
-    traj, calls = await _load(rt, trajectory_id)
-    built = build_sample(traj, calls, current_version or rt.weight_version)
+    traj, calls = await _load(rt, trajectory_id, attempt)
+    record = None
+    if attempt is not None and attempt != traj.attempt:
+        async with rt.sessionmaker() as session:
+            record = await queries.get_attempt(session, trajectory_id=trajectory_id,
+                                               attempt=attempt)
+    built = build_sample(traj, calls, attempt=attempt, record=record,
+                         current_version=current_version or rt.weight_version)
     if max_staleness is not None and (built.max_staleness or 0) > max_staleness:
         raise Conflict(f"trajectory {trajectory_id!r} is {built.max_staleness} versions "
                        f"stale (bound {max_staleness})", param="max_staleness")

@@ -104,7 +104,7 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
         weight_versions=list(d.get("weight_versions") or []),
         calls=[_known(CallSpan, c) for c in d.get("calls") or []],
         mismatches=[_known(Mismatch, m) for m in d.get("mismatches") or []],
-        metadata=d.get("metadata"),
+        metadata=d.get("metadata"), attempt=int(d.get("attempt") or 0),
         max_staleness=d.get("max_staleness"),
     )
 

@@ -14,7 +14,7 @@ migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of th
 trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
 are handed to the managed pool, if there is one).
 
-This is the same ``Policy`` object the discrete-event simulator drives (``bench/des.py``).
+This is the same ``Policy`` object the discrete-event simulator drives (``bench/simulator/des.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,15 @@ from dataclasses import dataclass
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
-from gateway.errors import Overloaded, UpstreamTimeout
+from gateway.errors import (
+    NoBackendAvailable,
+    Overloaded,
+    SchedulingFailed,
+    TrajectoryFinished,
+    UpstreamTimeout,
+)
 from gateway.policies.base import (
+    Dispatch,
     Migrate,
     PendingCall,
     Policy,
@@ -44,6 +51,13 @@ from gateway.trajectories.tracker import Tracker, TrajectoryState
 log = logging.getLogger(__name__)
 Placed = tuple[Backend, int]
 KvLookup = Callable[[str], float | None]
+
+
+def _free(snap: Snapshot, instance: str) -> int:
+    for i in snap.instances:
+        if i.id == instance:
+            return max(0, i.free_slots)
+    return 0
 
 
 @dataclass(slots=True)
@@ -72,6 +86,15 @@ class Scheduler:
         self.dispatched = 0
         self.migrations = 0
         self.relayouts = 0
+        self.faults = 0  # calls failed because scheduling them raised
+        self.stalls = 0  # times the watchdog found the queue stuck beside free slots
+        self.on_fault: Callable[[str], None] | None = None
+        self._last_progress = time.monotonic()
+        self._stalled = False
+        #: Whether capacity is on its way (a managed pool starting instances); set by the
+        #: dispatcher. Queued calls outlive ``backend_wait_s`` without a routable backend
+        #: only while it says so.
+        self.expecting_capacity: Callable[[], bool] = lambda: False
 
     @property
     def queue_depth(self) -> int:
@@ -96,10 +119,46 @@ class Scheduler:
         while True:
             await asyncio.sleep(self.settings.tick_s)
             self.kick()
+            self.watch()
             interval = self.policy.plan_interval_s
             if interval and time.monotonic() - last_plan >= interval:
                 last_plan = time.monotonic()
                 await self._plan()
+
+    def watch(self, now: float | None = None) -> bool:
+        """The watchdog: is the queue stuck while a backend has a free slot?
+
+        A healthy scheduler dispatches within a pass of a slot freeing up. When calls have
+        waited ``watchdog_s`` with no dispatch although some routable backend is below its
+        cap, the stall is counted and logged once (with what is waiting), and another pass
+        is forced. Returns whether the queue is stalled now.
+        """
+        now = time.monotonic() if now is None else now
+        if not self._waiting or not self._has_free_slot():
+            self._last_progress = now
+            self._stalled = False
+            return False
+        if now - self._last_progress < self.settings.watchdog_s:
+            return False
+        if not self._stalled:
+            self._stalled = True
+            self.stalls += 1
+            oldest = min(w.call.enqueued_at for w in self._waiting.values())
+            log.error("scheduler stalled: %d calls queued (oldest %.1fs) while backends have "
+                      "free slots; policy %s", len(self._waiting), time.time() - oldest,
+                      self.policy.name)
+            if self.on_fault is not None:
+                self.on_fault("stall")
+        self.kick()
+        return True
+
+    @property
+    def stalled_for_s(self) -> float:
+        return time.monotonic() - self._last_progress if self._stalled else 0.0
+
+    def _has_free_slot(self) -> bool:
+        models = {w.model for w in self._waiting.values()}
+        return any(b.in_flight < self._cap(b) for m in models for b in self.registry.routable(m))
 
     def set_policy(self, policy: Policy) -> None:
         """Switch policies at run time; queued calls are rescheduled by the new one."""
@@ -157,7 +216,15 @@ class Scheduler:
             if not w.future.done():
                 by_model.setdefault(w.model, []).append(w)
         for model, waiters in by_model.items():
-            self._schedule_model(model, waiters)
+            try:
+                self._schedule_model(model, waiters)
+            except Exception as exc:  # outside the policy (a snapshot, a view): fail the
+                log.exception("scheduling pass for %s failed; failing its %d queued calls",
+                              model, len(waiters))  # pass's calls rather than wedge them
+                for w in waiters:
+                    self._fail(w, "policy", SchedulingFailed(
+                        f"the scheduler failed placing calls for {model!r} "
+                        f"({type(exc).__name__}: {exc}); retry the call"))
 
     def _cap(self, b: Backend) -> int:
         return self.settings.cap_per_gpu * (len(b.gpus) or (b.tp or 1))
@@ -165,6 +232,7 @@ class Scheduler:
     def _schedule_model(self, model: str, waiters: list[Waiter]) -> None:
         backends = {b.id: b for b in self.registry.routable(model)}
         if not backends:
+            self._expire_unroutable(model, waiters)
             return
         retries = [w for w in waiters if w.exclude]
         for w in retries:  # a retry goes to the least loaded backend it has not tried
@@ -172,20 +240,108 @@ class Scheduler:
                     if b.id not in w.exclude and b.in_flight < self._cap(b)]
             if free:
                 self._resolve(w, min(free, key=lambda b: (b.in_flight, b.id)), 0)
-        plain = [w.call for w in waiters if not w.exclude]
+        live = self.tracker.live
+        plain: list[PendingCall] = []
+        for w in waiters:
+            if w.exclude or w.future.done():
+                continue
+            if w.call.trajectory_id in live:
+                plain.append(w.call)
+            else:  # its trajectory is gone from the live set: fail it, never hold it
+                self._fail(w, "stale", SchedulingFailed(
+                    f"trajectory {w.call.trajectory_id!r} is no longer live in the gateway "
+                    "(finished or evicted while this call waited); retry the call"))
         if not plain:
             return
         snap = self.snapshot(backends.values())
-        for d in self.policy.schedule(snap, plain):
+        try:
+            dispatches = self.policy.schedule(snap, plain)
+        except Exception:
+            faults = self.faults
+            dispatches = self._isolate(snap, plain)
+            if self.faults > faults:  # the bad calls are out: the next pass is a batch again
+                asyncio.get_running_loop().call_soon(self.kick)
+        for d in dispatches:
             waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
             if waiter is None or backend is None or waiter.future.done():
                 continue
             if backend.in_flight < self._cap(backend):
                 self._resolve(waiter, backend, d.priority)
 
+    def _expire_unroutable(self, model: str, waiters: list[Waiter]) -> None:
+        """Every backend of ``model`` went away while these calls waited: fail the ones that
+        have waited ``backend_wait_s`` (503, as if they had arrived now) unless capacity
+        is on its way, so a pool that lost its last backend never holds calls for the
+        whole queue timeout. The periodic tick brings this pass round."""
+        if self.expecting_capacity():
+            return
+        deadline = time.time() - self.settings.backend_wait_s
+        for w in waiters:
+            if w.call.enqueued_at <= deadline and not w.future.done():
+                w.future.set_exception(NoBackendAvailable(
+                    f"no healthy backend can serve model {model!r}: every backend went "
+                    f"away while this call waited in the gateway queue"))
+
+    def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
+        """The policy raised on the batch: find the calls it raises on alone and fail only
+        those (each logged once, with its context, and counted), then schedule the rest
+        as one batch this same pass, so one bad entry never stops the queue."""
+        survivors: list[PendingCall] = []
+        singles: list[Dispatch] = []
+        for call in sorted(calls, key=lambda c: c.enqueued_at):
+            try:
+                singles.extend(self.policy.schedule(snap, [call]))
+            except Exception as exc:
+                waiter = self._waiting.get(call.key)
+                if waiter is not None:
+                    log.exception("policy %s raised scheduling call %s of trajectory %r "
+                                  "(seq %d); the call fails, the queue goes on",
+                                  self.policy.name, call.key, call.trajectory_id, call.seq)
+                    self._fail(waiter, "policy", SchedulingFailed(
+                        f"the {self.policy.name!r} policy failed to schedule this call of "
+                        f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
+                        "other calls are unaffected"))
+                continue
+            survivors.append(call)
+        if not survivors:
+            return []
+        try:
+            return self.policy.schedule(snap, survivors)
+        except Exception:  # it raises only on a combination: keep the one-call answers
+            log.debug("policy %s raised on a batch but on none of its calls alone",
+                      self.policy.name, exc_info=True)
+        out: list[Dispatch] = []
+        taken: dict[str, int] = {}
+        for d in singles:  # each one-call batch saw every slot free: keep the pass honest
+            if taken.get(d.instance, 0) < _free(snap, d.instance):
+                taken[d.instance] = taken.get(d.instance, 0) + 1
+                out.append(d)
+        return out  # calls left over are placed by the next pass (a call end or a tick)
+
+    def _fail(self, w: Waiter, stage: str, error: Exception) -> None:
+        self.faults += 1
+        if self.on_fault is not None:
+            self.on_fault(stage)
+        if not w.future.done():
+            w.future.set_exception(error)
+
+    def trajectory_ended(self, trajectory_id: str) -> int:
+        """Its attempt was finished: calls of it still queued fail with 409 (they belong to
+        the finished attempt; the next call on the id opens a new one). Returns how many."""
+        failed = 0
+        for w in list(self._waiting.values()):
+            if w.call.trajectory_id == trajectory_id and not w.future.done():
+                w.future.set_exception(TrajectoryFinished(
+                    f"trajectory {trajectory_id!r} was finished while this call waited in "
+                    "the queue; a new call on the id opens its next attempt"))
+                failed += 1
+        return failed
+
     def _resolve(self, w: Waiter, backend: Backend, priority: int) -> None:
         backend.in_flight += 1  # in the same step as the choice (pool drain contract)
         self.dispatched += 1
+        self._last_progress = time.monotonic()
+        self._stalled = False
         w.future.set_result((backend, priority))
 
     def snapshot(self, backends: Iterable[Backend] | None = None) -> Snapshot:
@@ -200,10 +356,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ hooks
     def call_completed(self, state: TrajectoryState, *, ok: bool) -> None:
-        """A call ended: the policy learns, and may move the trajectory during its tool gap."""
+        """A call ended: the policy learns, and may move the trajectory during its tool gap.
+
+        Runs on the request path of the call that ended: a policy error here is logged and
+        counted, never raised into the call (its answer and trace are already made)."""
         self.kick()
         if not ok or state.auto or state.finished_at is not None:
             return
+        try:
+            self._after_call(state)
+        except Exception:
+            log.exception("policy %s failed after a call of trajectory %r", self.policy.name,
+                          state.id)
+            self.faults += 1
+            if self.on_fault is not None:
+                self.on_fault("observe")
+
+    def _after_call(self, state: TrajectoryState) -> None:
         view = trajectory_view(state)
         self.policy.observe(view, Groups(self.tracker), time.time())
         if not self.settings.migrate or state.in_flight or state.queued:
@@ -221,7 +390,15 @@ class Scheduler:
                 self.on_migrate(state, move)
 
     def trajectory_finished(self, state: TrajectoryState) -> None:
-        self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        self.trajectory_ended(state.id)
+        try:
+            self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        except Exception:  # learning is best effort; the finish itself has landed
+            log.exception("policy %s failed to observe the end of trajectory %r",
+                          self.policy.name, state.id)
+            self.faults += 1
+            if self.on_fault is not None:
+                self.on_fault("observe")
         self.kick()
 
     async def _plan(self) -> None:
@@ -229,6 +406,9 @@ class Scheduler:
             change = self.policy.plan(self.snapshot())
         except Exception:  # a planner bug must not stop the scheduler
             log.exception("policy %s failed to plan", self.policy.name)
+            self.faults += 1
+            if self.on_fault is not None:
+                self.on_fault("plan")
             return
         if change is None or self.on_relayout is None:
             return

@@ -89,6 +89,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
+        attempt=ctx.state.attempt,
         endpoint=ctx.endpoint, model=str(ctx.body.get("model")),
         weight_version=ctx.weight_version, started_at=ctx.started_wall,
         backend_id=ctx.lease.backend.id, backend_url=ctx.lease.backend.url,

@@ -192,6 +192,8 @@ class Proxy:
             body=body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
         self.rt.dispatcher.check_model(body["model"])
+        if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
+            await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
         if state.prompt_id is None:
             state.prompt_id = prompt_identity(body)

@@ -18,6 +18,7 @@ from gateway.store.samples import Sample, build_sample
 
 SAMPLE_SCHEMA = pa.schema([
     ("trajectory_id", pa.string()),
+    ("attempt", pa.int32()),
     ("group_id", pa.string()),
     ("reward", pa.float64()),
     ("token_ids", pa.list_(pa.int32())),
@@ -33,7 +34,8 @@ SAMPLE_SCHEMA = pa.schema([
 
 def sample_record(s: Sample) -> dict[str, Any]:
     return {
-        "trajectory_id": s.trajectory_id, "group_id": s.group_id, "reward": s.reward,
+        "trajectory_id": s.trajectory_id, "attempt": s.attempt, "group_id": s.group_id,
+        "reward": s.reward,
         "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
         "weight_versions": s.weight_versions, "max_staleness": s.max_staleness,
         "num_calls": len(s.calls),
@@ -54,7 +56,8 @@ async def iter_samples(
             traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
             if traj is None:
                 continue
-            calls = await queries.get_calls(session, trajectory_id=trajectory_id)
+            calls = await queries.get_calls(session, trajectory_id=trajectory_id,
+                                            attempt=traj.attempt)
         yield build_sample(traj, calls)
 
 

@@ -48,6 +48,23 @@ class Trajectory(Base):
     finished_at: Mapped[datetime | None]
     reward: Mapped[float | None] = mapped_column(Float)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    # the attempt this row describes: the latest one (finished_at/reward are its own)
+    attempt: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+
+
+class TrajectoryAttempt(Base):
+    """One finished attempt of a trajectory id: its reward and metadata, kept when the id
+    is reused (the trajectory row moves on to the next attempt)."""
+
+    __tablename__ = "trajectory_attempts"
+
+    trajectory_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("trajectories.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    finished_at: Mapped[datetime | None]
+    reward: Mapped[float | None] = mapped_column(Float)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
 
 
 class Call(Base):
@@ -58,7 +75,8 @@ class Call(Base):
     trajectory_id: Mapped[str] = mapped_column(
         String(128), ForeignKey("trajectories.id", ondelete="CASCADE")
     )
-    seq: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)  # order within the attempt, from 0
+    attempt: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
     endpoint: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(256))
     backend_id: Mapped[str | None] = mapped_column(String(128))

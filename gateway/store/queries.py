@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.store.models import Call, Trajectory
+from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +56,43 @@ async def get_trajectory(session: AsyncSession, *, trajectory_id: str) -> Trajec
     return await session.get(Trajectory, trajectory_id)
 
 
-async def get_calls(session: AsyncSession, *, trajectory_id: str) -> Sequence[Call]:
-    stmt = (
-        select(Call)
-        .where(Call.trajectory_id == trajectory_id)
-        .order_by(Call.seq, Call.started_at)
-    )
+async def get_calls(
+    session: AsyncSession, *, trajectory_id: str, attempt: int | None = None
+) -> Sequence[Call]:
+    """A trajectory's calls in order: of one attempt, or of all (by attempt, then seq)."""
+    stmt = select(Call).where(Call.trajectory_id == trajectory_id)
+    if attempt is not None:
+        stmt = stmt.where(Call.attempt == attempt)
+    stmt = stmt.order_by(Call.attempt, Call.seq, Call.started_at)
     return (await session.scalars(stmt)).all()
+
+
+async def get_attempt(
+    session: AsyncSession, *, trajectory_id: str, attempt: int
+) -> TrajectoryAttempt | None:
+    return await session.get(TrajectoryAttempt, (trajectory_id, attempt))
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePoint:
+    """What the store knows of a trajectory's latest attempt (to resume after a restart)."""
+
+    trajectory: Trajectory
+    attempt: int
+    finished: bool
+    calls: Sequence[Call]
+
+
+async def restore_point(session: AsyncSession, *, trajectory_id: str) -> RestorePoint | None:
+    traj = await session.get(Trajectory, trajectory_id)
+    if traj is None:
+        return None
+    latest = await session.scalar(
+        select(func.max(Call.attempt)).where(Call.trajectory_id == trajectory_id))
+    attempt = max(traj.attempt, latest or 0)
+    finished = traj.finished_at is not None and traj.attempt == attempt
+    calls = await get_calls(session, trajectory_id=trajectory_id, attempt=attempt)
+    return RestorePoint(traj, attempt, finished, calls)
 
 
 async def finish_trajectory(
@@ -73,20 +103,33 @@ async def finish_trajectory(
     reward: float | None,
     metadata: dict[str, Any] | None,
     now: float,
+    attempt: int | None = None,
 ) -> Trajectory:
-    """Mark finished with a reward; creates the row if no call was recorded yet."""
+    """Mark an attempt finished with a reward (default: the row's current attempt);
+    creates the row if no call was recorded yet. The attempt's own record is kept in
+    ``trajectory_attempts`` so a later reuse of the id does not lose it."""
     dialect = session.get_bind().dialect.name
     ins = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stamp = datetime.fromtimestamp(now, tz=UTC)
+    if attempt is None:
+        attempt = await session.scalar(
+            select(Trajectory.attempt).where(Trajectory.id == trajectory_id)) or 0
     stmt = ins(Trajectory).values(
         id=trajectory_id, group_id=group_id, created_at=stamp, finished_at=stamp,
-        reward=reward, meta=metadata,
+        reward=reward, meta=metadata, attempt=attempt,
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=["id"],
-        set_={"finished_at": stamp, "reward": reward, "metadata": metadata},
+        set_={"finished_at": stamp, "reward": reward, "metadata": metadata,
+              "attempt": attempt},
     )
     await session.execute(stmt)
+    rec = ins(TrajectoryAttempt).values(trajectory_id=trajectory_id, attempt=attempt,
+                                        finished_at=stamp, reward=reward, meta=metadata)
+    rec = rec.on_conflict_do_update(
+        index_elements=["trajectory_id", "attempt"],
+        set_={"finished_at": stamp, "reward": reward, "metadata": metadata})
+    await session.execute(rec)
     await session.flush()
     row = await session.get(Trajectory, trajectory_id, populate_existing=True)
     assert row is not None

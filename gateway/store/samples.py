@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.store.codec import unpack_floats, unpack_ids
-from gateway.store.models import Call, Trajectory
+from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
 
 @dataclass(slots=True)
@@ -50,6 +50,7 @@ class Sample:
     calls: list[CallSpan] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    attempt: int = 0
     #: Versions behind ``current`` of the oldest completion token (numeric versions
     #: only; None when a version is not an integer or there is no completion).
     max_staleness: int | None = None
@@ -112,17 +113,26 @@ def staleness(versions: Sequence[str], current: str | None) -> int | None:
     return max(0, newest - min(numbers))
 
 
-def build_sample(trajectory: Trajectory, calls: Sequence[Call],
+def build_sample(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
+                 record: TrajectoryAttempt | None = None,
                  current_version: str | None = None) -> Sample:
-    """The single training sequence of a trajectory (successful calls, in order).
+    """The single training sequence of one attempt of a trajectory (successful calls, in
+    order); by default its latest attempt. ``record`` gives an older attempt's reward.
 
     ``weight_versions`` has one entry per token (``""`` for prompt tokens), split inside a
     call where it ran across a weight update; ``max_staleness`` is measured against
     ``current_version`` (default: the newest version in the sample)."""
-    sample = Sample(trajectory.id, trajectory.group_id, trajectory.reward,
-                    metadata=trajectory.meta)
+    current = trajectory.attempt or 0
+    attempt = current if attempt is None else attempt
+    if attempt == current:
+        reward, meta = trajectory.reward, trajectory.meta
+    else:
+        reward = record.reward if record is not None else None
+        meta = record.meta if record is not None else None
+    sample = Sample(trajectory.id, trajectory.group_id, reward, metadata=meta,
+                    attempt=attempt)
     for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):
-        if call.status == "ok":
+        if call.status == "ok" and (call.attempt or 0) == attempt:
             _append_call(sample, call)
     versions: list[str] = []
     for span in sample.calls:

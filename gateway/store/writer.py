@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from sqlalchemy import update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -57,6 +58,20 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
 _JSON_COLUMNS = frozenset({"extra_choices", "request_messages", "weight_segments"})
 _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
                 "ON CONFLICT (id) DO NOTHING")
+#: A call of a newer attempt moves the trajectory row on to it (its finish is not yet known).
+_TRAJ_BUMP = ("UPDATE trajectories SET attempt = $2, finished_at = NULL, reward = NULL, "
+              "metadata = NULL WHERE id = $1 AND attempt < $2")
+
+
+def _bumps(records: Sequence[CallRecord]) -> dict[str, int]:
+    """The newest attempt each reused trajectory id reaches in this batch."""
+    out: dict[str, int] = {}
+    for rec in records:
+        if rec.attempt > out.get(rec.trajectory_id, 0):
+            out[rec.trajectory_id] = rec.attempt
+    return out
+
+
 #: The idempotent fallback when COPY meets a call already stored: a batch whose commit
 #: reached the database but whose acknowledgement was lost (connection cut mid-commit)
 #: is retried from the spool, and must not be rejected as a duplicate.
@@ -89,6 +104,8 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
     try:
         async with conn.transaction():  # SQLAlchemy has not begun one on the raw driver
             await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
+            if bumps := _bumps(records):
+                await conn.executemany(_TRAJ_BUMP, list(bumps.items()))
             try:
                 async with conn.transaction():  # a savepoint
                     await conn.copy_records_to_table("calls", records=rows,
@@ -115,6 +132,10 @@ async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
         )
     stmt = sqlite.insert(Trajectory).on_conflict_do_nothing(index_elements=["id"])
     await session.execute(stmt, list(trajectories.values()))
+    for tid, attempt in _bumps(records).items():
+        await session.execute(
+            update(Trajectory).where(Trajectory.id == tid, Trajectory.attempt < attempt)
+            .values(attempt=attempt, finished_at=None, reward=None, meta=None))
     calls = sqlite.insert(Call).on_conflict_do_nothing(index_elements=["id"])
     await session.execute(calls, [call_row(r) for r in records])
 

@@ -37,6 +37,7 @@ class TrajectoryState:
     id: str
     group_id: str | None
     created_at: float
+    attempt: int = 0  # which run of this id (a finished id called again opens the next)
     turns: int = 0
     calls_done: int = 0
     calls_failed: int = 0
@@ -62,6 +63,7 @@ class TrajectoryState:
     preferred_backend: str | None = None  # a migration target whose cache was prewarmed
     auto: bool = False  # untagged call: a one-call trajectory, never continued
     view: object | None = None  # the policies' cached TrajectoryView (None when stale)
+    final_context: int = 0  # context length at finish (the sequence itself is released)
 
     @property
     def phase(self) -> Phase:
@@ -75,7 +77,7 @@ class TrajectoryState:
 
     @property
     def context_tokens(self) -> int:
-        return len(self.sequence)
+        return self.final_context if self.finished_at is not None else len(self.sequence)
 
     def add_segment(self, kind: int, start: float, end: float) -> None:
         """Record ``SEGMENT_KINDS[kind]`` over [start, end] (epoch seconds)."""
@@ -152,25 +154,45 @@ class Tracker:
         return self._states.get(trajectory_id)
 
     def touch(self, trajectory_id: str, group_id: str | None, now: float) -> TrajectoryState:
-        """The trajectory's state, created on first sight."""
+        """The trajectory's state, created on first sight.
+
+        A call on a finished trajectory opens its next *attempt*: RL trainers reuse ids
+        such as ``<prompt>-<sample>`` across steps, so the id names a slot, and each step's
+        run of it is recorded (and exported) as its own attempt. Calls still in flight in
+        the finished attempt keep their own state object and are recorded under it.
+        """
         state = self._states.get(trajectory_id)
-        if state is None:
-            state = TrajectoryState(trajectory_id, group_id, created_at=now)
-            self._states[trajectory_id] = state
-            self.live[trajectory_id] = state
+        if state is None or state.finished_at is not None:
+            attempt = 0 if state is None else state.attempt + 1
+            group = group_id or (state.group_id if state is not None else None)
+            return self.adopt(TrajectoryState(trajectory_id, group, created_at=now,
+                                              attempt=attempt))
+        self._states.move_to_end(trajectory_id)
+        if group_id and not state.group_id:
+            state.group_id = group_id
             self._join_group(state)
-            self._evict()
+        return state
+
+    def adopt(self, state: TrajectoryState) -> TrajectoryState:
+        """Install ``state`` as the live state of its id (a new attempt, or one restored
+        from the store after a restart); returns it."""
+        self._states[state.id] = state
+        self._states.move_to_end(state.id)
+        self._retired.pop(state.id, None)
+        if state.finished_at is None:
+            self.live[state.id] = state
         else:
-            self._states.move_to_end(trajectory_id)
-            if group_id and not state.group_id:
-                state.group_id = group_id
-                self._join_group(state)
+            self.live.pop(state.id, None)
+            self._retired[state.id] = None
+        self._join_group(state)
+        self._evict()
         return state
 
     def _join_group(self, state: TrajectoryState) -> None:
         if state.group_id is not None:
             group = self.groups.setdefault(state.group_id, GroupState())
-            group.members.append(state.id)
+            if state.id not in group.members:
+                group.members.append(state.id)
             group.view = None
 
     def _evict(self) -> None:
@@ -275,9 +297,9 @@ class Tracker:
             return
         state.finished_at = now
         state.reward = reward
-        state.sequence = array("i")
+        state.final_context = len(state.sequence)
+        state.sequence = array("i")  # the store has it; the policies keep the length
         state.view = None
-        state.outcomes = []
         self._retire(state)
         self.finished_count += 1
         group = self.groups.get(state.group_id) if state.group_id else None

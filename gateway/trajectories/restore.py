@@ -1,0 +1,96 @@
+"""Resume a trajectory the gateway does not hold in memory from what the store recorded.
+
+After a restart (or an eviction) the tracker has forgotten a trajectory's token state and
+sequence number. The first call of such an id asks the store for its latest attempt and
+rebuilds the state an uninterrupted gateway would hold: the next ``seq``, the last
+prompt + completion tokens (so the next prompt is stored as a delta and a divergence is
+reported as a mismatch), its group, and whether the attempt was finished (a call on a
+finished attempt opens the next one). Concurrent first calls of one id share one lookup.
+
+The lookup is best effort: with the database unreachable the call goes on as a fresh
+trajectory (logged and counted), never held or failed because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from array import array
+from collections.abc import Callable
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.store import queries
+from gateway.store.codec import unpack_ids
+from gateway.store.samples import build_sample
+from gateway.trajectories.tracker import Tracker, TrajectoryState
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    def __init__(self, tracker: Tracker, sessionmaker: async_sessionmaker[AsyncSession], *,
+                 timeout_s: float = 5.0, db_ok: Callable[[], bool] = lambda: True) -> None:
+        self.tracker = tracker
+        self.sessionmaker = sessionmaker
+        self.timeout_s = timeout_s
+        self.db_ok = db_ok
+        self.restored = 0
+        self.failures = 0
+        self._pending: dict[str, asyncio.Task[TrajectoryState | None]] = {}
+
+    async def restore(self, trajectory_id: str) -> TrajectoryState | None:
+        """The tracker's state for ``trajectory_id``, loaded from the store if the tracker
+        does not know it; None when neither knows it (a new trajectory)."""
+        state = self.tracker.get(trajectory_id)
+        if state is not None or not self.db_ok():
+            return state
+        task = self._pending.get(trajectory_id)
+        if task is None:
+            task = asyncio.create_task(self._load(trajectory_id))
+            self._pending[trajectory_id] = task
+            task.add_done_callback(lambda _t: self._pending.pop(trajectory_id, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, trajectory_id: str) -> TrajectoryState | None:
+        try:
+            async with asyncio.timeout(self.timeout_s), self.sessionmaker() as session:
+                point = await queries.restore_point(session, trajectory_id=trajectory_id)
+        except Exception as exc:
+            self.failures += 1
+            log.warning("could not restore trajectory %r from the store (%s: %s); it goes on "
+                        "as new", trajectory_id, type(exc).__name__, exc)
+            return None
+        known = self.tracker.get(trajectory_id)
+        if point is None or known is not None:  # new, or a call created it meanwhile
+            return known
+        state = _state_of(point)
+        self.restored += 1
+        log.info("restored trajectory %r attempt %d from the store (%d calls, %d tokens)",
+                 trajectory_id, point.attempt, state.turns, len(state.sequence))
+        return self.tracker.adopt(state)
+
+
+def _state_of(point: queries.RestorePoint) -> TrajectoryState:
+    traj, calls = point.trajectory, point.calls
+    created = min((c.started_at for c in calls), default=traj.created_at)
+    state = TrajectoryState(traj.id, traj.group_id, created_at=created.timestamp(),
+                            attempt=point.attempt)
+    state.turns = max((c.seq for c in calls), default=-1) + 1
+    ok = [c for c in calls if c.status == "ok"]
+    state.calls_done, state.calls_failed = len(ok), len(calls) - len(ok)
+    lengths = [len(unpack_ids(c.completion_ids)) for c in ok]
+    state.completion_tokens = sum(lengths)
+    state.last_completion_tokens = lengths[-1] if lengths else 0
+    state.prompt_tokens = sum(c.prompt_len for c in ok)
+    state.queue_time_s = sum(c.queued_ms for c in calls) / 1000
+    state.llm_time_s = sum(max(0.0, c.total_ms - c.queued_ms) for c in calls) / 1000
+    if calls:
+        state.backend_id, state.model = calls[-1].backend_id, calls[-1].model
+    sample = build_sample(traj, calls, attempt=point.attempt)
+    state.mismatches = len(sample.mismatches)
+    state.sequence = array("i", sample.token_ids)
+    if point.finished and traj.finished_at is not None:
+        state.finished_at, state.reward = traj.finished_at.timestamp(), traj.reward
+        state.final_context, state.sequence = len(state.sequence), array("i")
+    return state
