@@ -45,11 +45,19 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.doors import Translation
+from gateway.proxy.continuation import (
+    HoldingDecoder,
+    continue_stream,
+    continue_whole,
+    should_continue,
+    stream_head,
+)
+from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.messages import MessagesCall
 from gateway.proxy.doors.responses import ResponsesCall
-from gateway.proxy.sse import SSEDecoder, error_event
+from gateway.proxy.live import live_calls
+from gateway.proxy.sse import error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
@@ -272,6 +280,8 @@ class Proxy:
                     raise last from None
                 raise
             ctx.bind(lease, rt.weight_version)
+            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+                               ctx.mark_version if ctx.stream else None)
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(
@@ -301,6 +311,7 @@ class Proxy:
 
     def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str]) -> None:
         lease.release(ok=False)
+        live_calls(self.rt).remove(ctx.id)
         tried.append(lease.backend.id)
         ctx.lease = None
         ctx.state.in_flight -= 1
@@ -334,6 +345,9 @@ class Proxy:
             payload = orjson.loads(data)
             if ctx.capture.feed(payload, stream=False):
                 data = orjson.dumps(payload)
+            if should_continue(self.rt, ctx):
+                await continue_whole(self.rt, ctx, payload)
+                data = orjson.dumps(payload)
             if ctx.door is not None:
                 data = ctx.door.whole(payload)
         except BaseException as exc:
@@ -350,18 +364,31 @@ class Proxy:
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
-        decoder = SSEDecoder(ctx.capture, ctx.door)
+        decoder = HoldingDecoder(self.rt, ctx)
+        door = DoorStream(ctx.door) if ctx.door is not None else None
         error: BaseException | None = None
         try:
             async for chunk in upstream.chunks():
                 out = decoder.feed(chunk)
+                if door is not None and out:
+                    out = door.feed(out)
                 if out:
                     if ctx.first_byte is None:
                         ctx.first_byte = time.monotonic()
                     yield out
             tail = decoder.flush()
+            if door is not None and tail:
+                tail = door.feed(tail) + door.flush()
             if tail:
                 yield tail
+            if decoder.held:  # the engine aborted it for a weight update: finish it
+                upstream.close()
+                async for out in continue_stream(self.rt, ctx,
+                                                 decoder.head or stream_head(ctx, None)):
+                    if door is not None:
+                        out = door.feed(out)
+                    if out:
+                        yield out
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:

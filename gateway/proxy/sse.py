@@ -11,15 +11,13 @@ import orjson
 
 from gateway.errors import GatewayError, openai_error_body
 from gateway.proxy.capture import Capture
-from gateway.proxy.doors import Translation
 
 _DONE = b"[DONE]"
 
 
 class SSEDecoder:
-    def __init__(self, capture: Capture, door: Translation | None = None) -> None:
+    def __init__(self, capture: Capture) -> None:
         self._capture = capture
-        self._door = door
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -39,8 +37,6 @@ class SSEDecoder:
         return self._event(rest) if rest else b""
 
     def _event(self, event: bytes) -> bytes:
-        if self._door is not None:
-            return self._translate(event)
         if not event.startswith(b"data:"):
             return event + b"\n\n"
         data = event[5:].strip()
@@ -53,24 +49,6 @@ class SSEDecoder:
         if not isinstance(payload, dict) or not self._capture.feed(payload, stream=True):
             return event + b"\n\n"
         return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-    def _translate(self, event: bytes) -> bytes:
-        """Through a front door: capture the chat chunk, answer in the door's events."""
-        assert self._door is not None
-        if not event.startswith(b"data:"):
-            return b""
-        data = event[5:].strip()
-        if data == _DONE:
-            return self._door.done()
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return b""
-        if not isinstance(payload, dict):
-            return b""
-        self._capture.feed(payload, stream=True)
-        return self._door.event(payload)
 
 
 def error_event(exc: GatewayError) -> bytes:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, GatewayError, UpstreamError
 from gateway.trajectories.tools import ToolOutcome
 
 
@@ -40,6 +40,47 @@ class Translation(Protocol):
     def error_body(self, exc: GatewayError) -> bytes: ...
 
     def error_event(self, exc: GatewayError) -> bytes: ...
+
+
+class DoorStream:
+    """Chat-completions SSE bytes in (already captured and stripped by the relay's
+    decoder, continuations included), the door's own events out."""
+
+    def __init__(self, door: Translation) -> None:
+        self._door = door
+        self._buf = b""
+        self._done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._buf + chunk
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        self._buf = buf[end + 2:]
+        return b"".join(self._event(ev) for ev in buf[:end].split(b"\n\n") if ev)
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf.strip(), b""
+        return self._event(rest) if rest else b""
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or self._done:
+            return b""
+        data = event[5:].strip()
+        if data == b"[DONE]":
+            self._done = True
+            return self._door.done()
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return b""
+        if not isinstance(payload, dict):
+            return b""
+        if "error" in payload and "choices" not in payload:
+            err = payload["error"] if isinstance(payload["error"], dict) else {}
+            return self._door.error_event(UpstreamError(str(err.get("message", "error"))))
+        return self._door.event(payload)
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
