@@ -113,3 +113,21 @@ def test_grpo_driver_pulls_token_exact_batches(gateway: GatewayFactory, sqlite_u
     # the weight sync between the steps: step 1 ran on the bumped version only
     assert summary["steps"][0]["weight_versions"] == ["0"]
     assert summary["steps"][1]["weight_versions"] == [f"{run}-v1"]
+
+
+def test_anthropic_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: str) -> None:
+    """The anthropic SDK, configured only by ANTHROPIC_BASE_URL, through the Messages
+    door (streaming, tool_use / tool_result): every turn an exact token trace."""
+    traj, group = _ids("claude")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+    with gateway(sqlite_url) as gw:
+        env.update(ANTHROPIC_BASE_URL=f"{gw}/g/{group}/t/{traj}", ANTHROPIC_API_KEY="EMPTY")
+        proc = subprocess.run([sys.executable, str(EXAMPLES / "anthropic_agent.py"),
+                               "--model", MODEL, "--max-turns", "6"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=90, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        detail = check_trace(gw, traj)
+    assert summary["turns"] == len(detail["calls"]) >= 1
+    assert {c["endpoint"] for c in detail["calls"]} == {"messages"}
+    assert detail["group_id"] == group
