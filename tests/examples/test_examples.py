@@ -131,3 +131,15 @@ def test_anthropic_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: st
     assert summary["turns"] == len(detail["calls"]) >= 1
     assert {c["endpoint"] for c in detail["calls"]} == {"messages"}
     assert detail["group_id"] == group
+
+
+def test_agents_sdk_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: str) -> None:
+    """The OpenAI Agents SDK's default (Responses) model, configured only by
+    OPENAI_BASE_URL: every turn goes through /v1/responses with an exact trace."""
+    traj, _ = _ids("agents")
+    with gateway(sqlite_url) as gw:
+        summary = run_example("agents_sdk_agent.py", "--model", MODEL, "--max-turns", "6",
+                              base_url=f"{gw}/t/{traj}/v1")
+        detail = check_trace(gw, traj)
+    assert summary["tool_calls"] == len(detail["calls"]) - (summary["stopped"] == "answer")
+    assert {c["endpoint"] for c in detail["calls"]} == {"responses"}
