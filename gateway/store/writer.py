@@ -55,7 +55,7 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
     return row
 
 
-_JSON_COLUMNS = frozenset({"extra_choices", "request_messages"})
+_JSON_COLUMNS = frozenset({"extra_choices", "request_messages", "weight_segments"})
 _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
                 "ON CONFLICT (id) DO NOTHING")
 #: A call of a newer attempt moves the trajectory row on to it (its finish is not yet known).
