@@ -25,8 +25,12 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
-FILES = {"src/dates.py": "def parse(s):\n    y, m, d = s.split('-')\n    return int(y), int(m), int(d)\n",
-         "tests/test_dates.py": "from src.dates import parse\n\ndef test_leap():\n    assert parse('2024-02-29')\n"}
+FILES = {
+    "src/dates.py": "def parse(s):\n    y, m, d = s.split('-')\n"
+                    "    return int(y), int(m), int(d)\n",
+    "tests/test_dates.py": "from src.dates import parse\n\n"
+                           "def test_leap():\n    assert parse('2024-02-29')\n",
+}
 calls: list[str] = []
 
 
