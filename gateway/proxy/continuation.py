@@ -163,6 +163,14 @@ class HoldingDecoder(SSEDecoder):
     def _event(self, event: bytes) -> bytes:
         if self.held:
             return b""
+        if self._ended_early(event):
+            # real vLLM ends an aborted stream without a finish chunk: the usage chunk or
+            # [DONE] comes while the choice is unfinished. Hold it and continue.
+            self._ctx.capture.completion(0).finish_reason = "abort"
+            if should_continue(self._rt, self._ctx):
+                self.held = True
+                return b""
+            self._ctx.capture.completion(0).finish_reason = None
         out = super()._event(event)
         if self.head is None and out.startswith(b"data: {"):
             self.head = stream_head(self._ctx, orjson.loads(out[6:]))
@@ -173,6 +181,23 @@ class HoldingDecoder(SSEDecoder):
         if _strip_abort(payload):
             return b"data: " + orjson.dumps(payload) + b"\n\n"
         return out
+
+    def _ended_early(self, event: bytes) -> bool:
+        """``[DONE]`` or a choice-less (usage) chunk before the choice finished."""
+        if self._ctx.capture.completion(0).finish_reason is not None:
+            return False
+        if not self._rt.dispatcher.gate.continuing:
+            return False
+        data = event[5:].strip() if event.startswith(b"data:") else b""
+        if data == b"[DONE]":
+            return True
+        if not data.startswith(b"{"):
+            return False
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(payload, dict) and payload.get("choices") == []
 
 
 async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
