@@ -117,6 +117,16 @@ def _load(http: httpx.AsyncClient, count: int = 16) -> list[asyncio.Task[dict[st
     return [asyncio.create_task(_call(http, *kinds[i % 4], i)) for i in range(count)]
 
 
+async def _generating(urls: list[str], at_least: int) -> None:
+    """Wait until the engines run ``at_least`` requests (a loaded machine is slow)."""
+    for _ in range(400):
+        if sum(s["running"] for s in await _stats(urls)) >= at_least:
+            await asyncio.sleep(0.1)  # and have produced some tokens
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError("the calls never reached the engines")
+
+
 async def _stats(urls: list[str]) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=10) as http:
         return [(await http.get(f"{u}/sim/stats")).json() for u in urls]
@@ -129,7 +139,7 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
                 httpx.AsyncClient(base_url=url, timeout=60) as http:
             before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
             calls = _load(http)
-            await asyncio.sleep(0.4)
+            await _generating(slow_pool, 12)
             r = await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
             paused = r.json()
             assert r.status_code == 200 and paused["ok"], paused
@@ -187,7 +197,7 @@ async def test_keep_freezes_calls_and_wait_drains(
                 httpx.AsyncClient(base_url=url, timeout=60) as http:
             before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
             calls = _load(http, 8)
-            await asyncio.sleep(0.5)
+            await _generating(slow_pool, 6)
             r = (await admin.post("/admin/pause", json={"mode": "keep"})).json()
             assert {e["mode"] for e in r["engines"]} == {"keep"}
             frozen = sum(s["running"] + s["waiting"] for s in await _stats(slow_pool))
