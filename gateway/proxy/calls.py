@@ -13,6 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
+from gateway.proxy.doors import Translation
 from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
@@ -38,6 +39,7 @@ class CallContext:
     first_byte: float | None = None
     retries: int = 0
     finished: bool = field(default=False)
+    door: Translation | None = None  # a front door answering in its own wire format
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)
     continuations: int = 0
