@@ -42,9 +42,14 @@ _DONE = b"data: [DONE]\n\n"
 def should_continue(rt: Runtime, ctx: CallContext) -> bool:
     """The engine aborted this call's generation: continue it (True) or pass the abort on."""
     cap = ctx.capture.completion(0)
+    known = ctx.capture.prompt_ids is not None or not cap.token_ids  # else: cannot rebuild
     return (cap.finish_reason == "abort" and rt.dispatcher.gate.continuing
-            and continuable(ctx.body) and ctx.capture.prompt_ids is not None
-            and ctx.lease is not None)
+            and continuable(ctx.body) and known and ctx.lease is not None)
+
+
+def _restart(ctx: CallContext) -> bool:
+    """Aborted before the engine sent anything (no prompt ids yet): send the call again."""
+    return ctx.capture.prompt_ids is None
 
 
 def continuation_body(ctx: CallContext) -> dict[str, Any] | None:
@@ -118,7 +123,8 @@ def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
     return out
 
 
-async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any]) -> UpstreamResponse:
+async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
+                path: str = "/v1/completions") -> UpstreamResponse:
     """Wait for resume, then send ``body`` to the engine that ran the call."""
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
@@ -128,7 +134,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any]) -> Upstream
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
     limits = rt.settings.upstream
     upstream = await open_upstream(
-        rt.session, ctx.lease.backend.url + "/v1/completions", orjson.dumps(body),
+        rt.session, ctx.lease.backend.url + path, orjson.dumps(body),
         {"content-type": "application/json", "accept": "application/json"}, limits,
         time.monotonic() + limits.total_timeout_s)
     if upstream.status != 200:
@@ -163,6 +169,14 @@ class HoldingDecoder(SSEDecoder):
     def _event(self, event: bytes) -> bytes:
         if self.held:
             return b""
+        if self._ended_early(event):
+            # real vLLM ends an aborted stream without a finish chunk: the usage chunk or
+            # [DONE] comes while the choice is unfinished. Hold it and continue.
+            self._ctx.capture.completion(0).finish_reason = "abort"
+            if should_continue(self._rt, self._ctx):
+                self.held = True
+                return b""
+            self._ctx.capture.completion(0).finish_reason = None
         out = super()._event(event)
         if self.head is None and out.startswith(b"data: {"):
             self.head = stream_head(self._ctx, orjson.loads(out[6:]))
@@ -174,18 +188,38 @@ class HoldingDecoder(SSEDecoder):
             return b"data: " + orjson.dumps(payload) + b"\n\n"
         return out
 
+    def _ended_early(self, event: bytes) -> bool:
+        """``[DONE]`` or a choice-less (usage) chunk before the choice finished."""
+        if self._ctx.capture.completion(0).finish_reason is not None:
+            return False
+        if not self._rt.dispatcher.gate.continuing:
+            return False
+        data = event[5:].strip() if event.startswith(b"data:") else b""
+        if data == b"[DONE]":
+            return True
+        if not data.startswith(b"{"):
+            return False
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(payload, dict) and payload.get("choices") == []
+
 
 async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
                           ) -> AsyncGenerator[bytes, None]:
     """The rest of an aborted stream, as chunks of the original call; ends with [DONE]."""
     while True:
-        body = continuation_body(ctx)
+        restart = _restart(ctx)
+        body = dict(ctx.body) if restart else continuation_body(ctx)
         if body is None:  # nothing left to generate: end where the budget ended
             ctx.capture.completion(0).finish_reason = "length"
             yield _final_chunk(ctx, head, "length")
             yield _DONE
             return
-        upstream = await _open(rt, ctx, body)
+        path = ("/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
+                ) if restart else "/v1/completions"
+        upstream = await _open(rt, ctx, body, path)
         aborted, buf = False, b""
         try:
             async for chunk in upstream.chunks():
@@ -194,7 +228,9 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
                 for ev in events:
                     if not ev.startswith(b"data: {"):
                         continue
-                    payload = _reshape(ctx, orjson.loads(ev[6:]), head, stream=True)
+                    raw = orjson.loads(ev[6:])
+                    payload = ({**raw, **head} if restart
+                               else _reshape(ctx, raw, head, stream=True))
                     ctx.capture.feed(payload, stream=True)
                     if ctx.capture.completion(0).finish_reason == "abort":
                         aborted = True
