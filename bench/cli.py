@@ -26,7 +26,9 @@ def sim(
     tp: Annotated[int, typer.Option(help="uniform TP of the baseline policies")] = 1,
     prompts: Annotated[int | None, typer.Option(help="fewer prompts (quick runs)")] = None,
     group_size: Annotated[int | None, typer.Option()] = None,
-    cap_per_gpu: Annotated[int, typer.Option(help="gateway concurrency cap per GPU")] = 16,
+    cap_per_gpu: Annotated[int | None, typer.Option(
+        help="gateway concurrency cap per GPU (default: none; the engine admits up to "
+             "max_num_seqs=256 per instance, by token budget and KV room)")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
@@ -34,12 +36,13 @@ def sim(
 
     from bench.report import table
     from bench.run import Bench, Scenario
-    from gateway.policies.registry import POLICY_NAMES
+    from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
-    names = policy or ["slime", "heddle", "libra", "ours", "oracle"]
-    unknown = [n for n in names if n not in POLICY_NAMES]
+    names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
+    unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
-        raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}")
+        raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
+                                 " and static layouts such as slime-tp4, verl-tp8")
     sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu)
     console = Console()
     if not console.is_terminal:

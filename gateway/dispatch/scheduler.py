@@ -350,6 +350,13 @@ class Scheduler:
             if self.on_migrate is not None:
                 self.on_migrate(state, move)
 
+    def call_arrived(self, state: TrajectoryState) -> None:
+        """A call arrived (its prompt may carry new tool results): the policy learns them
+        before the call is queued, as the simulator does when a tool gap ends."""
+        if state.auto or state.finished_at is not None:
+            return
+        self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+
     def trajectory_finished(self, state: TrajectoryState) -> None:
         self.trajectory_ended(state.id)
         try:

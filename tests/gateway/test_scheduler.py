@@ -117,7 +117,7 @@ def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway
         assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"
-        assert httpx.put(f"{gw}/admin/policy", json={"policy": "oracle"},
+        assert httpx.put(f"{gw}/admin/policy", json={"policy": "ours-perfect"},
                          headers=hdr).status_code == 400
         assert httpx.put(f"{gw}/admin/policy", json={"policy": "slime"}).status_code == 401
         assert call(99) == 200
