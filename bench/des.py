@@ -77,7 +77,7 @@ class Simulator:
     """Run one batch of ``specs`` under ``policy``; see :meth:`run`."""
 
     def __init__(self, specs: list[TrajectorySpec], policy: Policy, cfg: SimConfig,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, start_s: float = 0.0) -> None:
         self.cfg, self.policy, self.progress = cfg, policy, progress
         self.trajs = {s.id: Traj(s, i) for i, s in enumerate(specs)}
         self.live: dict[str, Traj] = {}  # arrived and not finished (what policies see)
@@ -90,7 +90,7 @@ class Simulator:
         self.outputs: dict[str, StepOutput] = {}
         self.req_owner: dict[str, str] = {}  # request id -> trajectory id (prewarm: "")
         self.relayouts: dict[int, tuple[Relayout, set[str]]] = {}
-        self.now = 0.0
+        self.now = self.start_s = start_s  # a later RL step continues the clock
         self.stats = SimStats()
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -113,16 +113,17 @@ class Simulator:
         heapq.heappush(self.ext, (t, next(self._seq), kind, payload))
 
     def run(self) -> float:
-        """Simulate until every trajectory finished; returns the makespan (seconds)."""
+        """Simulate until every trajectory finished; returns the time the last one ended
+        (the makespan when ``start_s`` is 0)."""
         layout = self.policy.initial_layout(self.cfg.gpus)
         if sum(layout) != self.cfg.gpus:
             raise ValueError(f"layout {layout} does not use {self.cfg.gpus} GPUs")
         for tp in layout:
             self._start_instance(tp)
         for tr in self.trajs.values():
-            self._push(tr.spec.setup_s, READY, tr)
+            self._push(self.start_s + tr.spec.setup_s, READY, tr)
         if self.policy.plan_interval_s:
-            self._push(self.policy.plan_interval_s, PLAN, None)
+            self._push(self.start_s + self.policy.plan_interval_s, PLAN, None)
         while self.finished < len(self.trajs):
             self._next_event()
         return max(t.finished_at or 0.0 for t in self.trajs.values())
