@@ -1,6 +1,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY rollout_gateway ./rollout_gateway
 COPY gateway ./gateway
 COPY backends ./backends
 COPY bench ./bench

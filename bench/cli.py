@@ -1,7 +1,13 @@
-"""``rollout-gateway bench``: benchmark commands (each module adds its own)."""
+"""``rollout-gateway bench``: every benchmark command, registered on ``bench_app``.
+
+``sim`` and ``soak`` are defined here; the others next to their runner or report. ``demo``
+(a top-level command) is here too; ``rollout_gateway.cli`` mounts it and ``bench_app``.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
 from functools import partial
@@ -10,6 +16,9 @@ from typing import Annotated
 
 import typer
 from rich.progress import Progress, TaskID
+
+from bench.reports import record
+from bench.runners import live_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -34,8 +43,8 @@ def sim(
     """Discrete-event simulation of one rollout batch under each policy."""
     from rich.console import Console
 
-    from bench.report import table
-    from bench.run import Bench, Scenario
+    from bench.reports.sim_table import table
+    from bench.simulator.run import Bench, Scenario
     from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
     names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
@@ -81,7 +90,7 @@ def steps(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """K-step RL runs over a resampled prompt pool, several seeds, 95% intervals."""
-    from bench.steps import StepScenario, run_seeds, summarize
+    from bench.simulator.steps import StepScenario, run_seeds, summarize
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES
 
@@ -117,6 +126,26 @@ def steps(
         json_out.write_text(json.dumps(doc, indent=2))
 
 
+def demo(
+    prompts: Annotated[int, typer.Option(help="GRPO groups (prompts) in the batch")] = 8,
+    group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
+    instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1)")] = 8,
+    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 15.0,
+    workload: Annotated[str, typer.Option(help="swe, search, math-code or tau")] = "swe",
+    port: Annotated[int, typer.Option(help="gateway port (a free one if taken)")] = 8000,
+    keep: Annotated[bool, typer.Option("--keep", help="keep serving afterwards")] = False,
+    seed: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
+    from bench.runners.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
+                       instances=instances, speed=speed, seed=seed, port=port, keep=keep)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_demo(opts))
+
+
+
 def _advance(prog: Progress, task: TaskID, done: int) -> None:
     prog.update(task, completed=done)
 
@@ -134,11 +163,16 @@ def soak(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Soak: a gateway process under steady agentic load; memory, tasks, fds, counters."""
-    from bench.soak import soak_command
+    from bench.runners.soak import soak_command
 
     soak_command(minutes=minutes, concurrency=concurrency, instances=instances, speed=speed,
                  json_out=json_out)
 
 
-# Benchmarks defined in their own modules register themselves on bench_app.
-from bench import perf_cli as _perf_cli  # noqa: E402,F401
+# Benchmarks whose commands live next to their runners or reports; registered here, in one
+# place, so that no runner or report module imports this one.
+bench_app.command("overhead")(perf_cli.overhead)
+bench_app.command("store")(perf_cli.store)
+bench_app.command("live")(live_cli.live)
+bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
+bench_app.command("record")(record.record)

@@ -1,9 +1,12 @@
-"""The ``rollout-gateway`` command line."""
+"""The gateway's commands: ``serve``, ``migrate``, ``export``, ``sim-backend``.
+
+``rollout_gateway.cli`` mounts them, with ``demo`` and the ``bench`` group, as the
+``rollout-gateway`` command; this module knows nothing of the benchmarks.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -140,41 +143,7 @@ def sim_backend(
     scheduling_policy: Annotated[str, typer.Option(help="fcfs or priority")] = "priority",
 ) -> None:
     """Run simulated vLLM servers (one process, consecutive ports)."""
-    from backends.sim.server import run_sim_backends
+    from backends.sim.runner import run_sim_backends
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
                      count=count, seed=seed, scheduling_policy=scheduling_policy)
-
-
-@app.command()
-def demo(
-    prompts: Annotated[int, typer.Option(help="GRPO groups (prompts) in the batch")] = 8,
-    group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
-    instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1)")] = 8,
-    speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 15.0,
-    workload: Annotated[str, typer.Option(help="swe, search, math-code or tau")] = "swe",
-    port: Annotated[int, typer.Option(help="gateway port (a free one if taken)")] = 8000,
-    keep: Annotated[bool, typer.Option("--keep", help="keep serving afterwards")] = False,
-    seed: Annotated[int, typer.Option()] = 1,
-) -> None:
-    """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
-    from bench.demo import DemoOptions, run_demo
-
-    opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
-                       instances=instances, speed=speed, seed=seed, port=port, keep=keep)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_demo(opts))
-
-
-def _add_bench() -> None:
-    """``rollout-gateway bench ...`` lives in the ``bench`` package (simulator, harness)."""
-    import bench.live_cli
-    import bench.record  # noqa: F401  (registers `bench record`)
-    from bench.cli import bench_app
-
-    app.add_typer(bench_app, name="bench", help="Benchmarks: simulated and live rollouts.")
-
-
-def main() -> None:
-    _add_bench()
-    app()

@@ -26,10 +26,10 @@ from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
+from gateway.http_session import make_session
 from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
-from gateway.proxy.client import make_session
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.spool import Spool, default_spool_path
 from gateway.store.writer import TraceWriter
@@ -186,6 +186,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         stack.push_async_callback(rt.monitor.close)
         stack.push_async_callback(rt.jobs.close)
         if settings.pool is not None:
-            rt.pool = await stack.enter_async_context(open_pool(rt))
+            rt.pool = await stack.enter_async_context(
+                open_pool(rt, settings.pool, rt.dispatcher))
         yield rt
         rt.ready = False

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from gateway.store.db import upgrade
 
@@ -64,3 +65,12 @@ def db_url(request: pytest.FixtureRequest) -> str:
     if request.param == "sqlite":
         return str(request.getfixturevalue("sqlite_url"))
     return str(request.getfixturevalue("postgres_url"))
+
+
+# Property-based tests (hypothesis): ``ci`` is bounded so the stateful lifecycle tests run in
+# well under a minute; ``HYPOTHESIS_PROFILE=deep`` searches longer.
+settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("deep", max_examples=500, stateful_step_count=80, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -85,7 +85,7 @@
     latest = s;
     setText("policy", s.policy);
     setText("weight-version", s.weight_version);
-    $("paused").hidden = !s.paused;  // present once the gateway can pause
+    $("paused").hidden = !s.paused;  // paused for a weight sync (admin pause/resume)
     setText("uptime", dur(s.server_time - s.started_at));
     renderKpis(s);
     renderPhases(s);

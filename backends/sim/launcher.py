@@ -15,13 +15,13 @@ import socket
 from dataclasses import dataclass
 
 from backends.base import InstanceSpec, LaunchedInstance, LaunchError
-from backends.sim.runner import _bind, _QuietServer, _server
+from backends.sim.hosting import QuietServer, bind, sim_server
 from backends.sim.state import SimServerConfig
 
 
 @dataclass(slots=True)
 class _Running:
-    server: _QuietServer
+    server: QuietServer
     task: asyncio.Task[None]
     sock: socket.socket
 
@@ -50,8 +50,8 @@ class SimLauncher:
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
         await asyncio.sleep(self.startup_s / config.speed)
-        sock = _bind(self.host, 0)
-        server = _server(config)
+        sock = bind(self.host, 0)
+        server = sim_server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

@@ -21,7 +21,7 @@ constants reproduce Libra's 8xTP1-vs-1xTP8 numbers (arXiv 2606.03077) at the loa
 measured, and the trade-off moves with load as it should: at a few sequences per instance
 high TP wins (weight streaming dominates, split 8 ways); at tens to hundreds TP1 wins
 (weights are amortized, and TP pays the all-reduces and a worse compute efficiency).
-See ``docs/fidelity.md``.
+See ``docs/fidelity.md`` (``bench/runners/fidelity.py``).
 
 ``tp_penalty`` (a multiplier ``1 + tp_penalty*log2(tp)`` on ``T0`` and ``K``) is kept for
 calibration sweeps; it defaults to 0 now that the all-reduce is modelled explicitly.

@@ -10,46 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
-from collections.abc import AsyncIterator, Generator, Sequence
-
-import uvicorn
+from collections.abc import AsyncIterator, Sequence
 
 from backends.sim.engine import SchedulingPolicy
-from backends.sim.server import create_sim_app
+from backends.sim.hosting import bind, sim_server
 from backends.sim.state import SimServerConfig
-
-
-class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its host (several share a loop)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def _server(config: SimServerConfig) -> _QuietServer:
-    ucfg = uvicorn.Config(create_sim_app(config), log_level="warning", access_log=False,
-                          lifespan="on", timeout_graceful_shutdown=1)
-    return _QuietServer(ucfg)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose
-    # proto says TCP, and without it Nagle + delayed ACK add 40 ms to every response.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
 
 
 @contextlib.asynccontextmanager
 async def start_sim_servers(configs: Sequence[SimServerConfig], host: str = "127.0.0.1"
                             ) -> AsyncIterator[list[str]]:
     """Run one server per config on free ports; yields their base URLs (no ``/v1``)."""
-    sockets = [_bind(host, 0) for _ in configs]
-    servers = [_server(c) for c in configs]
+    sockets = [bind(host, 0) for _ in configs]
+    servers = [sim_server(c) for c in configs]
     tasks: list[asyncio.Task[None]] = []
     try:
         tasks = [asyncio.create_task(s.serve(sockets=[sock]))
@@ -85,8 +58,8 @@ def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = 
 
 
 async def _run_forever(configs: list[SimServerConfig], host: str, port: int) -> None:
-    sockets = [_bind(host, port + i) for i in range(len(configs))]
-    servers = [_server(c) for c in configs]
+    sockets = [bind(host, port + i) for i in range(len(configs))]
+    servers = [sim_server(c) for c in configs]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -227,13 +227,3 @@ def create_sim_app(config: SimServerConfig | None = None) -> FastAPI:
 
     app.add_exception_handler(APIError, api_error)
     return app
-
-
-def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = "qwen3-14b",
-                     gpu: str = "H100", tp: int = 1, speed: float = 1.0, count: int = 1,
-                     seed: int = 0, scheduling_policy: str = "fcfs") -> None:
-    """``rollout-gateway sim-backend``: see :func:`backends.sim.runner.run_sim_backends`."""
-    from backends.sim.runner import run_sim_backends as run  # runner imports this module
-
-    run(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed, count=count,
-        seed=seed, scheduling_policy=scheduling_policy)

@@ -40,6 +40,7 @@ def status_body(rt: Runtime) -> dict[str, Any]:
     return {
         "policy": rt.dispatcher.policy_name,
         "weight_version": rt.weight_version,
+        "paused": rt.dispatcher.gate.paused,
         "backends": [backend_row(rt, b) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},
         "scheduler": {"queued": sched.queue_depth, "dispatched": sched.dispatched,

@@ -68,6 +68,7 @@ class Dispatcher:
         self.gate = PauseGate()
         #: Set by a managed pool so calls wait for instances it is starting.
         self.capacity: CapacitySource | None = None
+        scheduler.expecting_capacity = self._expecting
 
     def check_model(self, model: str) -> None:
         """404 for a model no backend serves; 503 when there is nothing to ask."""

@@ -23,7 +23,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -46,17 +47,42 @@ from gateway.dispatch.layout import (
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.dispatch.backends import BackendRegistry, HealthChecker
+    from gateway.dispatch.dispatcher import Dispatcher
+    from gateway.dispatch.jobs import JobBook
+    from gateway.metrics import EventLog, GatewayMetrics
 
 log = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 120.0
 GpuSelection = int | Sequence[int | str]
 
 
+class PoolHost(Protocol):
+    """What the pool uses of the process hosting it; ``gateway.runtime.Runtime`` is one.
+
+    The pool registers the instances it starts, health-checks and warms them up over the
+    shared HTTP session, runs its jobs on the job book and reports through the event log
+    and metrics. It never sees the rest of the runtime.
+    """
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+    @property
+    def registry(self) -> BackendRegistry: ...
+    @property
+    def health(self) -> HealthChecker: ...
+    @property
+    def jobs(self) -> JobBook: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+
 class PoolManager:
     """Applies layouts through a :class:`~backends.base.Launcher` (module docstring)."""
 
-    def __init__(self, spec: PoolSpec, launcher: Launcher, rt: Runtime) -> None:
+    def __init__(self, spec: PoolSpec, launcher: Launcher, rt: PoolHost) -> None:
         self.spec, self.launcher, self.rt = spec, launcher, rt
         self.static = isinstance(spec.launcher, StaticLauncherSpec)
         self.inventory: list[Slot] = spec.inventory.slots()
@@ -347,17 +373,18 @@ class PoolManager:
 
 
 @contextlib.asynccontextmanager
-async def open_pool(rt: Runtime) -> AsyncIterator[PoolManager]:
-    """Load ``settings.pool``, start its initial layout in the background, stop it on exit."""
-    assert rt.settings.pool is not None
-    spec = await asyncio.to_thread(load_pool_spec, rt.settings.pool)
-    pool = PoolManager(spec, build_launcher(spec), rt)
-    rt.dispatcher.capacity = pool
+async def open_pool(host: PoolHost, spec_path: Path,
+                    dispatcher: Dispatcher) -> AsyncIterator[PoolManager]:
+    """Load the pool spec at ``spec_path``, make the pool ``dispatcher``'s capacity source,
+    start its initial layout in the background; detach and stop it on exit."""
+    spec = await asyncio.to_thread(load_pool_spec, spec_path)
+    pool = PoolManager(spec, build_launcher(spec), host)
+    dispatcher.capacity = pool
     pool.start()
     try:
         yield pool
     finally:
-        rt.dispatcher.capacity = None
+        dispatcher.capacity = None
         await pool.close()
 
 

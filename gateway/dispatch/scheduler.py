@@ -14,7 +14,7 @@ migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of th
 trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
 are handed to the managed pool, if there is one).
 
-This is the same ``Policy`` object the discrete-event simulator drives (``bench/des.py``).
+This is the same ``Policy`` object the discrete-event simulator drives (``bench/simulator/des.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
-from gateway.errors import Overloaded, SchedulingFailed, TrajectoryFinished, UpstreamTimeout
+from gateway.errors import (
+    NoBackendAvailable,
+    Overloaded,
+    SchedulingFailed,
+    TrajectoryFinished,
+    UpstreamTimeout,
+)
 from gateway.policies.base import (
     Dispatch,
     Migrate,
@@ -85,6 +91,10 @@ class Scheduler:
         self.on_fault: Callable[[str], None] | None = None
         self._last_progress = time.monotonic()
         self._stalled = False
+        #: Whether capacity is on its way (a managed pool starting instances); set by the
+        #: dispatcher. Queued calls outlive ``backend_wait_s`` without a routable backend
+        #: only while it says so.
+        self.expecting_capacity: Callable[[], bool] = lambda: False
 
     @property
     def queue_depth(self) -> int:
@@ -222,6 +232,7 @@ class Scheduler:
     def _schedule_model(self, model: str, waiters: list[Waiter]) -> None:
         backends = {b.id: b for b in self.registry.routable(model)}
         if not backends:
+            self._expire_unroutable(model, waiters)
             return
         retries = [w for w in waiters if w.exclude]
         for w in retries:  # a retry goes to the least loaded backend it has not tried
@@ -246,7 +257,10 @@ class Scheduler:
         try:
             dispatches = self.policy.schedule(snap, plain)
         except Exception:
+            faults = self.faults
             dispatches = self._isolate(snap, plain)
+            if self.faults > faults:  # the bad calls are out: the next pass is a batch again
+                asyncio.get_running_loop().call_soon(self.kick)
         for d in dispatches:
             waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
             if waiter is None or backend is None or waiter.future.done():
@@ -254,15 +268,29 @@ class Scheduler:
             if backend.in_flight < self._cap(backend):
                 self._resolve(waiter, backend, d.priority)
 
+    def _expire_unroutable(self, model: str, waiters: list[Waiter]) -> None:
+        """Every backend of ``model`` went away while these calls waited: fail the ones that
+        have waited ``backend_wait_s`` (503, as if they had arrived now) unless capacity
+        is on its way, so a pool that lost its last backend never holds calls for the
+        whole queue timeout. The periodic tick brings this pass round."""
+        if self.expecting_capacity():
+            return
+        deadline = time.time() - self.settings.backend_wait_s
+        for w in waiters:
+            if w.call.enqueued_at <= deadline and not w.future.done():
+                w.future.set_exception(NoBackendAvailable(
+                    f"no healthy backend can serve model {model!r}: every backend went "
+                    f"away while this call waited in the gateway queue"))
+
     def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
-        """The policy raised on the batch: schedule call by call, failing only the calls
-        it raises on (each logged once, with its context), so one bad entry never stops
-        the queue. Survivors are placed this pass in their arrival order."""
-        out: list[Dispatch] = []
-        taken: dict[str, int] = {}
+        """The policy raised on the batch: find the calls it raises on alone and fail only
+        those (each logged once, with its context, and counted), then schedule the rest
+        as one batch this same pass, so one bad entry never stops the queue."""
+        survivors: list[PendingCall] = []
+        singles: list[Dispatch] = []
         for call in sorted(calls, key=lambda c: c.enqueued_at):
             try:
-                ds = self.policy.schedule(snap, [call])
+                singles.extend(self.policy.schedule(snap, [call]))
             except Exception as exc:
                 waiter = self._waiting.get(call.key)
                 if waiter is not None:
@@ -270,14 +298,25 @@ class Scheduler:
                                   "(seq %d); the call fails, the queue goes on",
                                   self.policy.name, call.key, call.trajectory_id, call.seq)
                     self._fail(waiter, "policy", SchedulingFailed(
-                        f"the {self.policy.name!r} policy failed to schedule this call "
-                        f"({type(exc).__name__}: {exc}); other calls are unaffected"))
+                        f"the {self.policy.name!r} policy failed to schedule this call of "
+                        f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
+                        "other calls are unaffected"))
                 continue
-            for d in ds:  # a one-call batch sees every slot free: keep the pass honest
-                if taken.get(d.instance, 0) < _free(snap, d.instance):
-                    taken[d.instance] = taken.get(d.instance, 0) + 1
-                    out.append(d)
-        return out
+            survivors.append(call)
+        if not survivors:
+            return []
+        try:
+            return self.policy.schedule(snap, survivors)
+        except Exception:  # it raises only on a combination: keep the one-call answers
+            log.debug("policy %s raised on a batch but on none of its calls alone",
+                      self.policy.name, exc_info=True)
+        out: list[Dispatch] = []
+        taken: dict[str, int] = {}
+        for d in singles:  # each one-call batch saw every slot free: keep the pass honest
+            if taken.get(d.instance, 0) < _free(snap, d.instance):
+                taken[d.instance] = taken.get(d.instance, 0) + 1
+                out.append(d)
+        return out  # calls left over are placed by the next pass (a call end or a tick)
 
     def _fail(self, w: Waiter, stage: str, error: Exception) -> None:
         self.faults += 1
@@ -355,7 +394,14 @@ class Scheduler:
         before the call is queued, as the simulator does when a tool gap ends."""
         if state.auto or state.finished_at is not None:
             return
-        self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        try:
+            self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        except Exception:  # learning is best effort; the call itself goes on
+            log.exception("policy %s failed to observe a call of trajectory %r",
+                          self.policy.name, state.id)
+            self.faults += 1
+            if self.on_fault is not None:
+                self.on_fault("observe")
 
     def trajectory_finished(self, state: TrajectoryState) -> None:
         self.trajectory_ended(state.id)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,7 +26,10 @@ from gateway.dispatch.backends import Backend
 from gateway.metrics import EVENT_KINDS, History, Point, sample_sum
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.dispatch.backends import BackendRegistry
+    from gateway.dispatch.dispatcher import Dispatcher
+    from gateway.metrics import EventLog, GatewayMetrics
+    from gateway.trajectories.tracker import Tracker
 
 log = logging.getLogger(__name__)
 MISSING_RETRY_S = 30.0
@@ -106,6 +109,29 @@ def derive(previous: EngineStats | None, sample: EngineSample, now: float) -> En
     return stats
 
 
+class MonitorHost(Protocol):
+    """What the monitor samples; ``gateway.runtime.Runtime`` is one.
+
+    Backends (scraped over the shared session), trajectories, the placement policy and
+    weight version it watches, the event log it writes to, the metrics it registers on.
+    """
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+    @property
+    def registry(self) -> BackendRegistry: ...
+    @property
+    def tracker(self) -> Tracker: ...
+    @property
+    def dispatcher(self) -> Dispatcher: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+    @property
+    def weight_version(self) -> str: ...
+
+
 class Monitor:
     """Background sampler behind ``/status``, ``/status/stream`` and per-instance metrics."""
 
@@ -119,7 +145,7 @@ class Monitor:
         self._watched: tuple[str, str] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, rt: Runtime) -> None:
+    def start(self, rt: MonitorHost) -> None:
         rt.metrics.add_collector(lambda: self.collect(rt))
         self.observe(rt, time.time())
         self._task = asyncio.create_task(self._run(rt), name="status-monitor")
@@ -130,7 +156,7 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _run(self, rt: Runtime) -> None:
+    async def _run(self, rt: MonitorHost) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
@@ -139,7 +165,7 @@ class Monitor:
             except Exception:  # a bug here must not stop the monitor for good
                 log.exception("status monitor round failed")
 
-    async def scrape_all(self, rt: Runtime) -> None:
+    async def scrape_all(self, rt: MonitorHost) -> None:
         now = time.time()
         targets = [b for b in rt.registry
                    if b.healthy and now >= self._missing.get(b.id, 0.0)]
@@ -162,7 +188,7 @@ class Monitor:
             return
         self.engines[backend.id] = derive(self.engines.get(backend.id), sample, time.time())
 
-    def observe(self, rt: Runtime, now: float) -> None:
+    def observe(self, rt: MonitorHost, now: float) -> None:
         """Add a history point and turn observed changes into events."""
         m = rt.metrics
         running = sum(b.in_flight for b in rt.registry)
@@ -186,7 +212,7 @@ class Monitor:
                                f"{watched[1]}", ts=now, policy=watched[1])
         self._watched = watched
 
-    def _diff_backends(self, rt: Runtime, now: float) -> None:
+    def _diff_backends(self, rt: MonitorHost, now: float) -> None:
         seen = {b.id: (b.state.value, b.healthy) for b in rt.registry}
         first = not self._seen
         for bid, (state, healthy) in seen.items():
@@ -205,7 +231,7 @@ class Monitor:
             rt.events.emit("backend", f"{bid} removed", ts=now, backend=bid)
         self._seen = seen
 
-    def collect(self, rt: Runtime) -> Iterator[Metric]:
+    def collect(self, rt: MonitorHost) -> Iterator[Metric]:
         """Per-instance engine gauges, the active policy and event totals."""
         labels = ["backend"]
         fams = {

@@ -18,19 +18,6 @@ from gateway.config import UpstreamSettings
 from gateway.errors import UpstreamError, UpstreamTimeout
 
 
-def make_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(
-        limit=settings.max_connections, limit_per_host=0, ttl_dns_cache=300,
-        enable_cleanup_closed=False, keepalive_timeout=60,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
-        auto_decompress=True,
-        skip_auto_headers=("User-Agent",),
-    )
-
-
 class UpstreamResponse:
     """An open upstream response. Always ``close()`` it (the relay does, on every path)."""
 

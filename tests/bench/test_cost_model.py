@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from backends.sim.profiles import load_profile
-from bench.fidelity import LIBRA, libra, pool_throughput
-from bench.run import Bench, Scenario
+from bench.runners.fidelity import LIBRA, libra, pool_throughput
+from bench.simulator.run import Bench, Scenario
 
 
 def test_all_reduce_is_additive_and_grows_with_tokens_and_tp() -> None:

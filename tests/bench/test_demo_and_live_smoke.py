@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "rollout_gateway", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout, check=False)
 
 

@@ -11,9 +11,9 @@ import typer
 from typer.testing import CliRunner
 
 from bench.cli import bench_app
-from bench.des import SimConfig, Simulator
-from bench.run import Bench, Scenario
-from bench.speeds import profiles, speeds
+from bench.simulator.des import SimConfig, Simulator
+from bench.simulator.run import Bench, Scenario
+from bench.simulator.speeds import profiles, speeds
 from bench.workloads import generate
 from gateway.policies.base import (
     Dispatch,
@@ -136,7 +136,7 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
 
 
 def _cli() -> typer.Typer:
-    """The bench group as ``rollout-gateway`` mounts it (``gateway.cli.main``)."""
+    """The bench group as ``rollout-gateway`` mounts it (``rollout_gateway.cli``)."""
     root = typer.Typer()
     root.add_typer(bench_app, name="bench")
     return root

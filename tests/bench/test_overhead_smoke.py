@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.litellm_env import DEFAULT_VENV
+from bench.harness.litellm_env import DEFAULT_VENV
 
 pytestmark = pytest.mark.postgres
 

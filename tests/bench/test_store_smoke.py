@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.perf_report import write_section
+from bench.reports.perf import write_section
 
 pytestmark = pytest.mark.postgres
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import SoakConfig, run_soak
+from bench.runners.soak import SoakConfig, run_soak
 
 
 @pytest.mark.soak

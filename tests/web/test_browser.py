@@ -85,6 +85,24 @@ def _text(page: Any, selector: str) -> str:
     return str(page.locator(selector).text_content() or "")
 
 
+def _expect_header(page: Any, gw: str, *, paused: bool) -> None:
+    """The header's badges as a person sees them: the connection pill, and the "paused"
+    pill only while the gateway is paused (``/status`` says the same)."""
+    from playwright.sync_api import expect
+
+    badge = page.locator("#paused")
+    if paused:
+        expect(badge).to_be_visible(timeout=5_000)
+        expect(badge).to_have_text("paused")
+    else:
+        expect(badge).to_be_hidden(timeout=5_000)
+    expect(page.locator("#conn")).to_have_text("live")
+    shown = page.evaluate("() => [...document.querySelectorAll('header .pill')]"
+                          ".filter(e => e.offsetParent !== null).map(e => e.textContent)")
+    assert shown == (["live", "paused"] if paused else ["live"]), shown
+    assert httpx.get(f"{gw}/status").json()["paused"] is paused
+
+
 def test_status_page_is_live_and_usable(browser, busy_gateway):
     from playwright.sync_api import expect
 
@@ -95,6 +113,8 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     _watch_console(page, errors)
     page.goto(f"{gw}/")
     expect(page.locator("#conn")).to_have_text("live", timeout=15_000)
+
+    _expect_header(page, gw, paused=False)  # serving, not paused: no "paused" badge
 
     # Live numbers change without a reload.
     calls_before = _text(page, "#kpi-calls-total")
@@ -122,8 +142,9 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     expect(page.locator("#admin-result")).to_contain_text("step-42")
     expect(page.locator("#weight-version")).to_have_text("step-42", timeout=5_000)
     assert httpx.get(f"{gw}/status").json()["weight_version"] == "step-42"
-    expect(page.locator("#events li").first).to_contain_text("weight version",
-                                                              timeout=5_000)
+    # (listed among the newest events; migrations may land between it and the top)
+    expect(page.locator("#events li", has_text="weight version").first).to_be_visible(
+        timeout=5_000)
 
     # A trajectory's calls open from the Gantt; with the admin token its text is shown.
     page.locator("#gantt .row").first.click()
@@ -132,6 +153,14 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     expect(page.locator("#traj-text pre").first).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "trajectory-dialog.png"))
     page.click("#traj-close")
+
+    # The header says what is true: paused for a weight sync, then serving again.
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert httpx.post(f"{gw}/admin/pause", headers=admin, json={}).status_code == 200
+    _expect_header(page, gw, paused=True)
+    page.screenshot(path=str(ARTIFACTS / "status-paused-header.png"))
+    assert httpx.post(f"{gw}/admin/resume", headers=admin).status_code == 200
+    _expect_header(page, gw, paused=False)
 
     # Narrow screen: one column, nothing wider than the viewport.
     narrow = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=2,

@@ -1,8 +1,8 @@
 """``rollout-gateway bench overhead``: what the gateway adds to a call, against LiteLLM.
 
-One fast upstream (``bench/fast_upstream.py``, answers at once, streaming and not), three
+One fast upstream (``bench/harness/fast_upstream.py``, answers at once, streaming and not), three
 ways to reach it, measured one after the other in the same run by the same load
-generator (``bench/loadgen.py``, its own process): ``direct``, through ``gateway``
+generator (``bench/harness/loadgen.py``, its own process): ``direct``, through ``gateway``
 (``python -m gateway serve``: uvloop + httptools, traces ON into Postgres, the default
 policy) and through ``litellm`` (its proxy, one worker, request logging to a file; from
 its own throwaway virtualenv). Per target: a max-rate search (open loop, rates stepped up
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import litellm_env, procs
+from bench.harness import litellm_env, procs
 
 SUSTAIN_P99_MS = 50.0  # an open-loop step is sustained if p99 stays under this ...
 SUSTAIN_FRACTION = 0.97  # ... and this fraction of the offered calls is answered, no errors
@@ -56,7 +56,7 @@ Progress = Callable[[str], None]
 
 def loadgen(url: str, opts: OverheadOptions, headers: list[str], *, rate: float = 0,
             concurrency: int = 32, duration: float, warmup: float = 1.0) -> dict[str, Any]:
-    cmd = [procs.PY, "-m", "bench.loadgen", "--url", url, "--duration", str(duration),
+    cmd = [procs.PY, "-m", "bench.harness.loadgen", "--url", url, "--duration", str(duration),
            "--warmup", str(warmup), "--max-tokens", str(opts.max_tokens)]
     cmd += ["--rate", str(rate)] if rate else ["--concurrency", str(concurrency)]
     for h in headers:

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from bench.hosting import free_port
+from bench.harness.hosting import free_port
 
 PY = sys.executable
 
@@ -80,10 +80,10 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15) -> None:
 
 @contextlib.contextmanager
 def fast_upstream(cpus: str | None, log: Path | None = None) -> Iterator[str]:
-    """``bench.fast_upstream`` in its own process; yields its base URL."""
+    """``bench.harness.fast_upstream`` in its own process; yields its base URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process([PY, "-m", "bench.fast_upstream", "--port", str(port)],
+    with process([PY, "-m", "bench.harness.fast_upstream", "--port", str(port)],
                  ready_url=f"{url}/health", cpus=cpus, log=log):
         yield url
 

@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.des import SimConfig, Simulator
-from bench.metrics import Result, lower_bound, summarize
-from bench.speeds import profiles, speeds
+from bench.simulator.des import SimConfig, Simulator
+from bench.simulator.metrics import Result, lower_bound, summarize
+from bench.simulator.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, generate
 from gateway.policies.registry import get_policy
 

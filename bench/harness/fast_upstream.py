@@ -12,7 +12,7 @@ previous prompt+completion token for token, as with a real chat model. Generated
 follow a Zipf law over ranks with low ids the most frequent (as in BPE vocabularies,
 where early merges are the frequent tokens); words are 1-4 letters, ~4.5 bytes a token.
 
-Run it in its own process: ``python -m bench.fast_upstream --port P``.
+Run it in its own process: ``python -m bench.harness.fast_upstream --port P``.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from bench.des import SimConfig, Simulator
-from bench.metrics import critical_path, gpu_work
-from bench.speeds import profiles, speeds
+from bench.simulator.des import SimConfig, Simulator
+from bench.simulator.metrics import critical_path, gpu_work
+from bench.simulator.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, _turns, draw, load_workloads
 from gateway.policies.registry import get_policy
 

@@ -1,4 +1,4 @@
-"""``rollout-gateway bench overhead`` and ``bench store`` (registered on ``bench_app``)."""
+"""``rollout-gateway bench overhead`` and ``bench store`` (registered by ``bench.cli``)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from bench.cli import bench_app
-
 OVERHEAD_INTRO = """\
 What the gateway adds to one call, against a direct call and against the LiteLLM proxy,
-on the same upstream and the same core. `bench/fast_upstream.py` answers at once in
+on the same upstream and the same core. `bench/harness/fast_upstream.py` answers at once in
 vLLM's wire format (16 generated tokens; prompt ids, token ids and logprobs when asked,
-which the gateway always asks and strips); the load generator (`bench/loadgen.py`, its
+which the gateway always asks and strips); the load generator (`bench/harness/loadgen.py`, its
 own process, aiohttp + uvloop) sends chat calls open-loop at fixed rates, alternating
 streamed and non-streamed, each with `X-Trajectory-Id` (8 calls a trajectory) and a
 bearer key. The gateway runs as `python -m gateway serve` (uvloop + httptools, default
@@ -45,7 +43,7 @@ STORE_INTRO = """\
 How fast traces reach Postgres, and how big they are. Two measurements, labelled as
 such: **writer** drives `gateway.store.writer.TraceWriter` directly with call records
 (the gateway's real writer code, no HTTP), **end-to-end** drives multi-turn trajectories
-with long token sequences through a gateway process against `bench/fast_upstream.py`
+with long token sequences through a gateway process against `bench/harness/fast_upstream.py`
 (prompt ids extend the previous prompt+completion token for token, as with a real chat
 model) and counts what lands in the database. Bytes per token = `pg_total_relation_size`
 of `calls` + `trajectories` (heap, TOAST and indexes) / tokens recorded (new prompt
@@ -71,7 +69,7 @@ def _command(name: str) -> str:
 
 def _finish(doc: dict[str, Any], out: Path, name: str, markdown: Callable[..., str],
             plots: Callable[..., dict[str, str]], record_to: Path | None, intro: str) -> None:
-    from bench.perf_report import record
+    from bench.reports.perf import record
 
     (out / f"{name}.json").write_text(json.dumps(doc, indent=2))
     paths = plots(doc, out)
@@ -82,7 +80,6 @@ def _finish(doc: dict[str, Any], out: Path, name: str, markdown: Callable[..., s
                record_to.parent / "docs" / "benchmarks" / name)
 
 
-@bench_app.command()
 def overhead(
     rate: Annotated[list[float] | None, typer.Option(help="fixed open-loop rate, req/s "
                                                           "(repeatable)")] = None,
@@ -102,8 +99,8 @@ def overhead(
         "--record", help="write this run's section into this BENCHMARKS.md")] = None,
 ) -> None:
     """Added latency and max request rate: direct vs gateway vs LiteLLM proxy."""
-    from bench.overhead import OverheadOptions, run_overhead
-    from bench.perf_report import overhead_markdown, overhead_plots
+    from bench.reports.perf import overhead_markdown, overhead_plots
+    from bench.runners.overhead import OverheadOptions, run_overhead
 
     opts = OverheadOptions(out=out, duration_s=duration, search_step_s=search_step,
                            search_steps=search_steps,
@@ -124,7 +121,6 @@ def overhead(
     console.print(f"report: {out}/overhead.md")
 
 
-@bench_app.command()
 def store(
     writer_trajectories: Annotated[int, typer.Option(help="trajectories for the writer "
                                                           "measurement")] = 400,
@@ -142,8 +138,8 @@ def store(
         "--record", help="write this run's section into this BENCHMARKS.md")] = None,
 ) -> None:
     """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
-    from bench.perf_report import store_markdown, store_plots
-    from bench.store_bench import StoreOptions, run_store
+    from bench.reports.perf import store_markdown, store_plots
+    from bench.runners.store import StoreOptions, run_store
 
     opts = StoreOptions(writer_trajectories=writer_trajectories,
                         e2e_trajectories=trajectories, turns=turns, concurrency=concurrency,

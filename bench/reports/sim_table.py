@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from bench.metrics import Result
-from bench.run import Scenario
+from bench.simulator.metrics import Result
+from bench.simulator.run import Scenario
 
 
 def _f(v: float | None, fmt: str = "{:.2f}") -> str:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.hosting import free_port
-from bench.procs import process
+from bench.harness.hosting import free_port
+from bench.harness.procs import process
 
 LITELLM_SPEC = "litellm[proxy]==1.106.2"  # the version measured in BENCHMARKS.md
 DEFAULT_VENV = Path.home() / ".cache" / "rollout-gateway" / "litellm-venv"

@@ -26,8 +26,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from bench.harness import BatchResult, HarnessConfig, TrajectoryResult, run_batch
-from bench.hosting import free_port, port_is_free, serve_gateway, sim_pool_process
+from bench.harness.batch import BatchResult, HarnessConfig, TrajectoryResult, run_batch
+from bench.harness.hosting import free_port, port_is_free, serve_gateway, sim_pool_process
 from bench.workloads import generate
 from gateway.config import ServerSettings, Settings
 

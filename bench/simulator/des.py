@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from backends.sim.engine import EngineCore
 from backends.sim.profiles import LatencyProfile
 from backends.sim.request import SimRequest, StepOutput
-from bench.state import Instance, Traj
+from bench.simulator.state import Instance, Traj
 from bench.workloads import TrajectorySpec
 from gateway.policies.base import (
     GroupView,

@@ -28,11 +28,11 @@ from typing import Any
 
 import httpx
 
-from bench.des import SimConfig, Simulator
-from bench.harness import BatchResult, HarnessConfig, run_batch
-from bench.hosting import free_port, serve_gateway, sim_pool_process
-from bench.metrics import lower_bound
-from bench.speeds import profiles, speeds
+from bench.harness.batch import BatchResult, HarnessConfig, run_batch
+from bench.harness.hosting import free_port, serve_gateway, sim_pool_process
+from bench.simulator.des import SimConfig, Simulator
+from bench.simulator.metrics import lower_bound
+from bench.simulator.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, generate
 from gateway.config import DispatchSettings, ServerSettings, Settings
 from gateway.dispatch.scrape import EngineSample, parse_vllm_metrics

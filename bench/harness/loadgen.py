@@ -8,7 +8,7 @@ against their schedule (the generator's own health). Closed loop (``--concurrenc
 that many workers back to back, for a saturation throughput. Even requests are
 non-streamed, odd ones streamed. Prints one JSON object on stdout.
 
-``python -m bench.loadgen --url URL --rate 500 --duration 10``
+``python -m bench.harness.loadgen --url URL --rate 500 --duration 10``
 """
 
 from __future__ import annotations

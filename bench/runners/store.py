@@ -7,7 +7,7 @@ Three measurements, each on a fresh database:
   gateway's own :class:`~gateway.store.writer.TraceWriter` as fast as it takes them;
   the writer's sustained rate, no HTTP involved.
 - **end-to-end**: the same shape of trajectories driven through a gateway process
-  (``python -m gateway serve``) against ``bench/fast_upstream.py``: every turn sends the
+  (``python -m gateway serve``) against ``bench/harness/fast_upstream.py``: every turn sends the
   whole conversation, the upstream answers with the full ``prompt_token_ids`` (which
   extend the previous prompt+completion token for token), the gateway stores only the
   new tokens. Rate = tokens that reached the database / time until the last one did.
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench import procs
-from bench.fast_upstream import sample, text_of
-from bench.overhead import machine, postgres_db
+from bench.harness import procs
+from bench.harness.fast_upstream import sample, text_of
+from bench.runners.overhead import machine, postgres_db
 
 Progress = Callable[[str], None]
 SYSTEM_TOKENS, TASK_TOKENS, COMPLETION_TOKENS = 1000, 500, 350

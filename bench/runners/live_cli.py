@@ -13,9 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bench.cli import bench_app
-from bench.live import LivePass, LiveScenario, as_json, run_live
-from bench.plots import completion_cdf, gantt, throughput_bars
+from bench.reports.plots import completion_cdf, gantt, throughput_bars
+from bench.runners.live import LivePass, LiveScenario, as_json, run_live
 
 LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra", "ours")
 
@@ -67,7 +66,6 @@ def write_report(out: Path, command: str, sc: LiveScenario, doc: dict[str, objec
     return out / "live.md"
 
 
-@bench_app.command()
 def live(
     workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
     model: Annotated[str, typer.Option()] = "qwen3-14b",
@@ -107,7 +105,6 @@ def live(
     console.print(f"report: {report}")
 
 
-@bench_app.command("vllm-cpu")
 def vllm_cpu(
     policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
     seed: Annotated[int, typer.Option()] = 1,
@@ -118,7 +115,7 @@ def vllm_cpu(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """The live benchmark against two real vLLM engines on CPU (tiny model)."""
-    from bench.vllm_cpu import prepare, run_vllm_cpu
+    from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
     names = policy or ["slime", "ours"]
     bad = [n for n in names if n not in LIVE_POLICIES]

@@ -16,8 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bench.cli import bench_app
-from bench.perf_report import write_section
+from bench.reports.perf import write_section
 
 
 def _pct(v: float | None) -> str:
@@ -86,7 +85,6 @@ def _copy_plots(src: Path, dest: Path) -> None:
         shutil.copy(png, dest / png.name)
 
 
-@bench_app.command("record")
 def record(
     benchmarks: Annotated[Path, typer.Argument(help="BENCHMARKS.md to update")],
     sim: Annotated[list[Path] | None, typer.Option(help="bench sim --json files")] = None,

@@ -1,0 +1,1 @@
+"""The composition root: the ``rollout-gateway`` command, assembled from the layers below."""

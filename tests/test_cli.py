@@ -1,0 +1,71 @@
+"""The ``rollout-gateway`` command tree: one root registers every command, each answers ``--help``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from gateway.cli import app as gateway_app
+from rollout_gateway.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP = ["serve", "migrate", "export", "sim-backend", "demo", "bench"]
+BENCH = ["sim", "soak", "overhead", "store", "live", "vllm-cpu", "record"]
+
+
+def _names(group: object) -> list[str]:
+    return list(getattr(group, "commands", {}))
+
+
+def test_root_registers_every_command_in_order() -> None:
+    root = get_command(app)
+    assert _names(root) == TOP
+    assert _names(root.commands["bench"]) == BENCH  # type: ignore[attr-defined]
+
+
+def test_gateway_cli_alone_knows_nothing_of_the_benchmarks() -> None:
+    names = _names(get_command(gateway_app))
+    assert names == ["serve", "migrate", "export", "sim-backend"]
+
+
+@pytest.mark.parametrize("args", [[], *([c] for c in TOP), *(["bench", c] for c in BENCH)],
+                         ids=lambda a: " ".join(a) or "root")
+def test_help_of_every_command(args: list[str]) -> None:
+    res = CliRunner().invoke(app, [*args, "--help"])
+    assert res.exit_code == 0, res.output
+    assert "Usage:" in res.output
+    if args in ([], ["bench"]):
+        for name in TOP if not args else BENCH:
+            assert name in res.output
+
+
+def test_bench_sim_runs_through_the_root() -> None:
+    res = CliRunner().invoke(app, ["bench", "sim", "--workload", "math-code", "--gpus", "2",
+                                   "--prompts", "1", "--group-size", "2", "--policy", "slime"])
+    assert res.exit_code == 0, res.output
+    assert "makespan" in res.output and "slime" in res.output
+
+
+def test_unknown_command_is_refused() -> None:
+    res = CliRunner().invoke(app, ["bench", "nope"])
+    assert res.exit_code != 0 and "No such command" in res.output
+
+
+def test_installed_script_points_at_the_root() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["rollout-gateway"] == "rollout_gateway.cli:main"
+
+
+@pytest.mark.parametrize("module", ["rollout_gateway", "gateway"])
+def test_python_dash_m_runs_the_whole_cli(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "bench", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name in BENCH:
+        assert name in out.stdout
