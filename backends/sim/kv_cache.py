@@ -15,7 +15,6 @@ at 64 engines x thousands of requests).
 from __future__ import annotations
 
 import itertools
-
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -110,7 +109,7 @@ class KVCache:
         refs = list(map(self._ref.__getitem__, hashes))
         for h in itertools.compress(hashes, [r == 0 for r in refs]):
             del self._lru[h]
-        self._ref.update(zip(hashes, [r + 1 for r in refs]))
+        self._ref.update(zip(hashes, [r + 1 for r in refs], strict=True))
 
     def allocate(self, n: int) -> bool:
         """Take ``n`` unhashed blocks, evicting least recently freed cached ones if needed."""
@@ -149,7 +148,7 @@ class KVCache:
         self._free_plain += num_plain
         tail_first = hashes[::-1]
         refs = [r - 1 for r in map(self._ref.__getitem__, tail_first)]
-        self._ref.update(zip(tail_first, refs))
+        self._ref.update(zip(tail_first, refs, strict=True))
         self._lru.update(dict.fromkeys(itertools.compress(tail_first, [r == 0 for r in refs])))
 
     def check_invariants(self, owned_plain: int) -> None:
