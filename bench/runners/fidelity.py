@@ -221,7 +221,12 @@ LIMITS = """## Where the model is weakest
 - **Libra's absolute numbers need an assumed load.** The short-sequence 8xTP1 figure is
   matched only at low per-instance concurrency (3 in flight); with the fitted constants a
   saturated H100 would decode a 14B model ~10x faster. Ratios between configurations are
-  what transfers; `tp_penalty` in 0.02-0.1 fits all four numbers within 13%.
+  what transfers; the additive all-reduce term alone fits all four within 12.5% (the
+  all-reduce latency and bandwidth are physical guesses, ~10 us and ~260 GB/s, not fits).
+- **The TP cost has no compute-efficiency model of its own.** A TP8 step's per-token
+  compute `K` comes from the fitted constants (TP8 ~ 4x faster than TP1 per token, not
+  8x); the all-reduce term adds latency and volume on top. Overlap of communication with
+  compute is not modelled.
 - **No host-side contention.** The simulator charges a fixed `request_overhead_ms` per
   request and GPU-only step times. A real vLLM also spends CPU in its API server
   (tokenization, detokenization, HTTP) and, on the CPU backend, shares cores between the
