@@ -147,7 +147,8 @@ class RoundRobinPlacer(_Base):
 
 
 class StickyPlacer(_Base):
-    """verl: a trajectory stays where its first call went (prefix cache reuse).
+    """verl: a trajectory stays where its first call went (prefix cache reuse); new
+    trajectories are dealt round robin.
 
     With ``rebalance`` (verl*), it leaves its instance when that one is full and the
     max/min load gap exceeds the threshold; otherwise it waits for its instance.
@@ -155,12 +156,16 @@ class StickyPlacer(_Base):
 
     def __init__(self, rebalance: int | None = None) -> None:
         self.rebalance = rebalance
+        self._counter = itertools.count()
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
         home = snap.instance(traj.instance)
         if home is None or home.state != "up":
-            return least_loaded(slots, snap)
+            # a new trajectory (or one whose instance left): round robin, as verl's
+            # async rollout manager assigns new requests to servers
+            ids = sorted(slots.free)
+            return ids[next(self._counter) % len(ids)] if ids else None
         if home.id in slots.free:
             return home.id
         if self.rebalance is None:

@@ -109,3 +109,11 @@ def test_perfect_predictor_needs_truth_and_is_not_called_a_bound() -> None:
         get_policy("ours-perfect")
     label = _policy("ours-perfect").label
     assert label == "ours + perfect predictor" and "bound" not in label
+
+
+def test_verl_deals_new_trajectories_round_robin() -> None:
+    """New trajectories go round robin (least-loaded would put both on ``a``)."""
+    policy = get_policy("verl")
+    snap = snapshot(0.0, [inst("a"), inst("b", running=3)], [traj("x"), traj("y")])
+    out = policy.schedule(snap, [call("x", t=0.0), call("y", t=1.0)])
+    assert sorted(d.instance for d in out) == ["a", "b"]
