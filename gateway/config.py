@@ -87,6 +87,11 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, description="larger bodies get 413")
+    response_store_size: int = Field(
+        10_000, ge=1, description="Responses API: how many responses `previous_response_id` "
+        "can refer to (least recently used forgotten first)")
+    response_store_ttl_s: float = Field(
+        3600.0, gt=0, description="Responses API: how long a stored response can be chained")
     cors_origins: list[str] = []
     max_in_flight: int = Field(
         4096, ge=0, description="LLM calls admitted at once (queued or running); more are "

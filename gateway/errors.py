@@ -146,12 +146,29 @@ def openai_error_body(
     )
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """Anthropic's error envelope (what its SDK parses), serialized."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def _is_anthropic_path(request: Request) -> bool:
+    return request.url.path.endswith("/v1/messages")
+
+
 def _is_openai_path(request: Request) -> bool:
     return "/v1/" in request.url.path or request.url.path.endswith("/v1")
 
 
 def error_response(request: Request, exc: GatewayError) -> Response:
-    if _is_openai_path(request):
+    if _is_anthropic_path(request):
+        body = anthropic_error_body(exc.status_code, exc.message)
+    elif _is_openai_path(request):
         body = openai_error_body(
             exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
         )
@@ -171,6 +188,9 @@ def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
             headers=dict(exc.headers or {}),
             media_type="application/json",
         )
+    if _is_anthropic_path(request):
+        return Response(anthropic_error_body(exc.status_code, str(exc.detail)),
+                        status_code=exc.status_code, media_type="application/json")
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return Response(
         openai_error_body(str(exc.detail), error_type=kind),
@@ -198,6 +218,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
         )
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if _is_anthropic_path(request):
+        return Response(anthropic_error_body(400, f"{loc}: {first.get('msg', 'invalid')}"),
+                        status_code=400, media_type="application/json")
     return Response(
         openai_error_body(
             f"{loc}: {first.get('msg', 'invalid request')}",

@@ -67,6 +67,10 @@ class SimEngine:
         self.lag_s = 0.0
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
+        #: Set while generation is paused (``/pause``): no step runs until ``resume``.
+        self.paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
 
     async def submit(self, req: SimRequest) -> RequestHandle:
         """Queue a request after the per-request API overhead; ValueError if it can't fit."""
@@ -85,10 +89,38 @@ class SimEngine:
             handle.finish = FinishReason.ABORT
         return self.core.abort(request_id)
 
+    def pause(self) -> None:
+        """Stop stepping after the current batch; requests stay queued (vLLM ``keep``)."""
+        self.paused = True
+        self._resumed.clear()
+
+    def abort_in_flight(self) -> int:
+        """Finish every request with ``abort`` and the tokens it has so far delivered;
+        returns how many there were. Their readers get a final abort delta."""
+        handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            self.core.abort(handle.request.id)
+            handle.finish = FinishReason.ABORT
+            handle.queue.put_nowait(Delta(0, FinishReason.ABORT))
+        return len(handles)
+
+    async def drained(self, poll_s: float = 0.005) -> None:
+        """Return once no request is left in the engine (vLLM ``wait``)."""
+        while self.core.has_work or self._handles:  # noqa: ASYNC110 - polled, like vLLM
+            await asyncio.sleep(poll_s)
+
+    def resume(self) -> None:
+        self.paused = False
+        self._resumed.set()
+        self._wake.set()
+
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
         t_free = self.clock.now()
         while True:
+            if self.paused:
+                await self._resumed.wait()
+                t_free = self.clock.now()
             if not self.core.has_work:
                 self._wake.clear()
                 await self._wake.wait()

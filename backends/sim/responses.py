@@ -19,6 +19,7 @@ import orjson
 from backends.sim.chat import Completion, output_piece
 from backends.sim.driver import Delta, RequestHandle
 from backends.sim.protocol import completion_logprobs, token_logprobs
+from backends.sim.request import FinishReason
 from backends.sim.tokenizer import TOOL_CALL_START, SimTokenizer
 
 
@@ -46,6 +47,22 @@ class Choice:
             offsets.append(pos)
         return cls(index, comp, seed, text, offsets)
 
+    @property
+    def aborted(self) -> bool:
+        return self.handle is not None and self.handle.finish == FinishReason.ABORT
+
+    @property
+    def num_out(self) -> int:
+        """Tokens this choice produced: all of them, or what it had when aborted."""
+        if self.aborted:
+            assert self.handle is not None
+            return min(self.handle.num_generated, len(self.comp.ids))
+        return len(self.comp.ids)
+
+    @property
+    def finish_reason(self) -> str:
+        return "abort" if self.aborted else self.comp.finish_reason
+
     def text_between(self, a: int, b: int) -> str:
         start = self.offsets[a - 1] if a > 0 else 0
         return self.content[start: self.offsets[b - 1]] if b > 0 else ""
@@ -59,7 +76,7 @@ class Choice:
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
-    gen = sum(len(c.comp.ids) for c in choices)
+    gen = sum(c.num_out for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": gen,
             "total_tokens": prompt_tokens + gen, "prompt_tokens_details": None}
 
@@ -91,18 +108,19 @@ class ResponseShape:
 
     def full_choice(self, c: Choice) -> dict[str, Any]:
         """A non-streamed choice."""
-        n = len(c.comp.ids)
+        n = c.num_out
         out: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c, 0, n),
-                               "finish_reason": c.comp.finish_reason,
-                               "stop_reason": c.comp.stop_reason}
+                               "finish_reason": c.finish_reason,
+                               "stop_reason": None if c.aborted else c.comp.stop_reason}
+        text = c.text_between(0, n) if c.aborted else c.content
         if self.chat:
-            content = c.content if c.content or c.comp.tool_call is None else None
-            out["message"] = {"role": "assistant", "content": content,
-                              "tool_calls": c.tool_calls()}
+            calls = [] if c.aborted else c.tool_calls()
+            content = text if text or not calls else None
+            out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
         else:
-            out["text"] = c.content
+            out["text"] = text
         if self.return_token_ids:
-            out["token_ids"] = list(c.comp.ids)
+            out["token_ids"] = list(c.comp.ids[:n])
             if not self.chat:
                 out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -138,7 +156,7 @@ class ResponseShape:
         a, b = c.sent, min(c.sent + delta.num_new, len(c.comp.ids))
         c.sent = b
         text = c.text_between(a, b)
-        finish = c.comp.finish_reason if delta.finish is not None else None
+        finish = c.finish_reason if delta.finish is not None else None
         body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c, a, b),
                                 "finish_reason": finish}
         if self.chat:
@@ -149,7 +167,7 @@ class ResponseShape:
         else:
             body["text"] = text
         if finish is not None:
-            body["stop_reason"] = c.comp.stop_reason
+            body["stop_reason"] = None if c.aborted else c.comp.stop_reason
         if self.return_token_ids:
             body["token_ids"] = list(c.comp.ids[a:b])
         return self.chunk(body)

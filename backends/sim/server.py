@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backends.sim.chat import choose_tool_call, plan_completion, render_chat
+from backends.sim.pause import router as pause_router
 from backends.sim.protocol import (
     APIError,
     ChatBody,
@@ -220,6 +221,7 @@ def create_sim_app(config: SimServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="rollout-gateway simulated vLLM", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.include_router(router)
+    app.include_router(pause_router)
 
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)

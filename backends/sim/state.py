@@ -79,6 +79,10 @@ class SimState:
         self.seen: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.num_requests = 0
         self.num_disconnects = 0
+        self.weight_version = ""
+        self.num_pauses = 0
+        self.num_pause_aborts = 0
+        self.num_reloads = 0
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_name:
@@ -145,5 +149,8 @@ class SimState:
             "preemptions": core.num_preemptions, "kv_usage": core.kv_usage,
             "prefix_cache_queries": core.kv.queries, "prefix_cache_hits": core.kv.hits,
             "requests_total": self.num_requests, "lag_s": self.engine.lag_s,
+            "paused": self.engine.paused, "pauses": self.num_pauses,
+            "pause_aborts": self.num_pause_aborts, "reloads": self.num_reloads,
+            "weight_version": self.weight_version,
             "requests_seen": list(self.seen),
         }

@@ -7,6 +7,7 @@ always drains first: no new calls, in-flight calls finish, then the backend goes
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Response
@@ -20,6 +21,7 @@ from gateway.dispatch.layout import InstanceRequest, LayoutError
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.proxy.weights import pause_engines, resume_engines, start_weight_update_job
 from gateway.runtime import Runtime
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -46,10 +48,30 @@ class PoolChange(BaseModel):
 
 
 class Pause(BaseModel):
-    mode: Literal["wait", "reject"] | None = Field(
-        None, description="hold new calls, or answer 429 (default: the settings' mode)")
+    mode: Literal["wait", "reject", "keep", "abort-and-continue"] | None = Field(
+        None, description="wait/reject: hold new calls, or answer 429 (default: the "
+        "settings' mode); keep/abort-and-continue: hold new calls and pause the engines "
+        "that way (see docs/weight-updates.md)")
+    engine_mode: Literal["wait", "keep", "abort-and-continue"] | None = Field(
+        None, description="also pause the engines (vLLM /pause); implied by mode "
+        "keep/abort-and-continue")
     wait_idle: bool = Field(False, description="answer once no call is in flight")
     timeout_s: float = Field(60.0, ge=0, le=3600)
+
+
+class Resume(BaseModel):
+    weight_version: str | None = Field(None, min_length=1, max_length=128)
+    timeout_s: float = Field(60.0, ge=0, le=3600)
+
+
+class WeightUpdate(BaseModel):
+    version: str = Field(min_length=1, max_length=128)
+    mode: Literal["wait", "keep", "abort-and-continue"] = "abort-and-continue"
+    method: Literal["reload", "external"] = Field(
+        "external", description="reload: engines reload weights (weights_path); external: "
+        "the trainer pushes them and calls POST /admin/weight-update/{job}/done")
+    weights_path: str | None = Field(None, max_length=1024)
+    timeout_s: float = Field(300.0, gt=0, le=3600)
 
 
 class WeightVersion(BaseModel):
@@ -153,23 +175,72 @@ async def pause(body: Pause | None = None, rt: Runtime = Depends(get_rt)) -> dic
     """Hold (or refuse) new calls for a weight sync; calls in flight finish."""
     body = body or Pause()
     gate = rt.dispatcher.gate
-    gate.pause(body.mode)
-    mode = body.mode or rt.settings.dispatch.pause_mode
+    engine_mode = body.engine_mode
+    admission: Literal["wait", "reject"] | None
+    if body.mode in ("keep", "abort-and-continue"):
+        engine_mode, admission = body.mode, "wait"
+    else:
+        admission = "reject" if body.mode == "reject" else "wait" if body.mode else None
+    engines: dict[str, Any] = {}
+    if engine_mode is not None:
+        engines = await pause_engines(rt, engine_mode, body.timeout_s, admission)
+    else:
+        gate.pause(admission)
+    mode = admission or rt.settings.dispatch.pause_mode
     rt.events.emit("pause", f"paused for weight sync ({mode})", mode=mode)
     busy = await wait_idle(list(rt.registry), body.timeout_s) if body.wait_idle else None
     return {"paused": True, "since": gate.paused_at, "mode": mode,
             "in_flight": sum(b.in_flight for b in rt.registry),
-            "idle": None if busy is None else not busy}
+            "idle": None if busy is None else not busy, **engines}
 
 
 @router.post("/resume")
-async def resume(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Open the gate; with ``weight_version`` set it first. Engines paused by an engine
+    mode are told the version and resumed, then held calls and continuations go on."""
+    body = body or Resume()
     gate = rt.dispatcher.gate
+    if gate.engine_mode is not None or body.weight_version is not None:
+        out = await resume_engines(rt, body.weight_version, body.timeout_s)
+        return {"paused": False, **out}
     was_paused = gate.paused
     held = gate.resume()
     if was_paused:
         rt.events.emit("resume", f"resumed after {held:.1f} s", paused_s=round(held, 3))
     return {"paused": False, "paused_s": round(held, 3), "weight_version": rt.weight_version}
+
+
+@router.post("/weight-update", status_code=202)
+async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Run pause -> update -> set version -> resume on every engine, as a job."""
+    if body.method == "reload" and not body.weights_path:
+        raise BadRequest("method 'reload' needs 'weights_path'", param="weights_path")
+    if any(j.kind == "weight-update" and not j.done for j in rt.jobs.recent(50)):
+        raise Conflict("a weight update is already running")
+    job, done = start_weight_update_job(
+        rt, version=body.version, engine_mode=body.mode, method=body.method,
+        weights_path=body.weights_path, timeout_s=body.timeout_s)
+    _trainer_events(rt)[job.id] = done
+    return _job_ref(job)
+
+
+@router.post("/weight-update/{job_id}/done")
+async def weight_update_done(job_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """The trainer has pushed the new weights into the engines (method ``external``)."""
+    job = rt.jobs.get(job_id)
+    event = _trainer_events(rt).get(job_id)
+    if job is None or event is None:
+        raise NotFound(f"no weight-update job {job_id!r}")
+    if job.done:
+        raise Conflict(f"job {job_id} already ended ({job.status.value})")
+    event.set()
+    return _job_ref(job)
+
+
+def _trainer_events(rt: Runtime) -> dict[str, asyncio.Event]:
+    found = rt.extras.setdefault("weight_update_events", {})
+    assert isinstance(found, dict)
+    return found
 
 
 @router.put("/weight-version")

@@ -50,6 +50,6 @@ async def require_api_key(request: Request) -> None:
     keys = get_rt(request).settings.api_keys
     if not keys:
         return
-    presented = _bearer(request)
+    presented = _bearer(request) or request.headers.get("x-api-key")  # Anthropic clients
     if not any(token_matches(presented, k) for k in keys):
         raise Unauthorized("invalid or missing API key")

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response
 
 from gateway.api.deps import get_proxy, get_rt, require_api_key
-from gateway.proxy.relay import CHAT, COMPLETIONS, Endpoint
+from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import ID_PATTERN
 
@@ -88,8 +88,31 @@ def _register(endpoint: Endpoint, schema: dict[str, Any]) -> None:
                                                path_group=group_id)
 
 
+RESPONSES_BODY = {
+    "type": "object", "required": ["model", "input"], "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                   "instructions": {"type": "string"},
+                   "previous_response_id": {"type": "string"},
+                   "stream": {"type": "boolean"},
+                   "max_output_tokens": {"type": "integer", "minimum": 1},
+                   "tools": {"type": "array", "items": {"type": "object"}}},
+}
+MESSAGES_BODY = {
+    "type": "object", "required": ["model", "messages", "max_tokens"],
+    "additionalProperties": True,
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                   "system": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                   "max_tokens": {"type": "integer", "minimum": 1},
+                   "stream": {"type": "boolean"},
+                   "tools": {"type": "array", "items": {"type": "object"}}},
+}
+
 _register(CHAT, CHAT_BODY)
 _register(COMPLETIONS, COMPLETION_BODY)
+_register(RESPONSES, RESPONSES_BODY)
+_register(MESSAGES, MESSAGES_BODY)
 
 
 def _models(rt: Runtime) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from gateway.api.deps import get_rt, is_admin
-from gateway.errors import NotFound, Unauthorized
+from gateway.errors import Conflict, NotFound, Unauthorized
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
@@ -47,6 +47,7 @@ def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
         "model": call.model,
         "status": call.status, "error": call.error, "finish_reason": call.finish_reason,
         "backend_id": call.backend_id, "tp": call.tp, "weight_version": call.weight_version,
+        "weight_segments": call.weight_segments,
         "started_at": call.started_at.isoformat(), "queued_ms": call.queued_ms,
         "ttft_ms": call.ttft_ms, "total_ms": call.total_ms, "prompt_len": call.prompt_len,
         "prompt_offset": call.prompt_offset, "mismatch_pos": call.mismatch_pos,
@@ -150,12 +151,25 @@ async def finish(
 
 @router.get("/{trajectory_id}/sample", summary="One attempt of the trajectory as a training "
             "sample (default: its latest attempt)")
-async def sample(trajectory_id: str, attempt: int | None = Query(None, ge=0, le=2**31 - 1),
-                 rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def sample(
+    trajectory_id: str,
+    attempt: int | None = Query(None, ge=0, le=2**31 - 1),
+    max_staleness: int | None = Query(None, ge=0, description="answer 409 if a token "
+                                      "is more versions behind than this"),
+    current_version: str | None = Query(None, max_length=128, description="staleness "
+                                        "is measured against this (default: the "
+                                        "gateway's weight version)"),
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
     traj, calls = await _load(rt, trajectory_id, attempt)
     record = None
     if attempt is not None and attempt != traj.attempt:
         async with rt.sessionmaker() as session:
             record = await queries.get_attempt(session, trajectory_id=trajectory_id,
                                                attempt=attempt)
-    return dataclasses.asdict(build_sample(traj, calls, attempt=attempt, record=record))
+    built = build_sample(traj, calls, attempt=attempt, record=record,
+                         current_version=current_version or rt.weight_version)
+    if max_staleness is not None and (built.max_staleness or 0) > max_staleness:
+        raise Conflict(f"trajectory {trajectory_id!r} is {built.max_staleness} versions "
+                       f"stale (bound {max_staleness})", param="max_staleness")
+    return dataclasses.asdict(built)

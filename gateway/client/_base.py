@@ -123,8 +123,23 @@ class Endpoints:
                        timeout=timeout_s + DEFAULT_TIMEOUT_S if wait_idle else None)
 
     @staticmethod
-    def resume() -> Request[dict[str, Any]]:
-        return Request("POST", "/admin/resume", _dict)
+    def resume(weight_version: str | None = None) -> Request[dict[str, Any]]:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        return Request("POST", "/admin/resume", _dict, json=body)
+
+    @staticmethod
+    def weight_update(version: str, *, mode: str, weights_path: str | None,
+                      timeout_s: float) -> Request[str]:
+        body: dict[str, Any] = {"version": version, "mode": mode, "timeout_s": timeout_s,
+                                "method": "reload" if weights_path else "external"}
+        if weights_path:
+            body["weights_path"] = weights_path
+        return Request("POST", "/admin/weight-update", lambda b: str(_dict(b)["job"]),
+                       json=body)
+
+    @staticmethod
+    def weight_update_done(job_id: str) -> Request[dict[str, Any]]:
+        return Request("POST", f"/admin/weight-update/{quote(job_id, safe='')}/done", _dict)
 
     @staticmethod
     def set_weight_version(version: str) -> Request[str | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -21,7 +21,7 @@ from gateway.client._base import (
     pending,
 )
 from gateway.client.errors import GatewayClientError, JobFailed, NotFoundError, WaitTimeout
-from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo
+from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, waiting_for_weights
 from gateway.store.samples import Sample
 
 T = TypeVar("T")
@@ -158,8 +158,31 @@ class AsyncRolloutClient:
         return await self._send(Endpoints.pause(mode=mode, wait_idle=wait_idle,
                                                 timeout_s=timeout_s))
 
-    async def resume(self) -> dict[str, Any]:
-        return await self._send(Endpoints.resume())
+    async def resume(self, weight_version: str | None = None) -> dict[str, Any]:
+        return await self._send(Endpoints.resume(weight_version))
+
+    async def update_weights(self, version: str, *,
+                             push: Callable[[], Awaitable[object]] | None = None,
+                             weights_path: str | None = None,
+                             mode: str = "abort-and-continue",
+                             timeout_s: float = 600.0) -> JobInfo:
+        """See :meth:`gateway.client.RolloutClient.update_weights`; ``push`` is async."""
+        if (push is None) == (weights_path is None):
+            raise ValueError("give exactly one of push and weights_path")
+        job_id = await self._send(Endpoints.weight_update(version, mode=mode,
+                                                          weights_path=weights_path,
+                                                          timeout_s=timeout_s))
+        if push is not None:
+            deadline = _now() + timeout_s
+            while not waiting_for_weights(job := await self.job(job_id)):
+                if job.done or _now() >= deadline:
+                    return await self.wait_job(job_id, timeout_s=timeout_s)
+                await asyncio.sleep(0.02)
+            try:
+                await push()
+            finally:
+                await self._send(Endpoints.weight_update_done(job_id))
+        return await self.wait_job(job_id, timeout_s=timeout_s)
 
     async def set_weight_version(self, version: str) -> str | None:
         return await self._send(Endpoints.set_weight_version(version))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -21,7 +21,7 @@ from gateway.client._base import (
     pending,
 )
 from gateway.client.errors import GatewayClientError, JobFailed, NotFoundError, WaitTimeout
-from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo
+from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, waiting_for_weights
 from gateway.store.samples import Sample
 
 T = TypeVar("T")
@@ -157,8 +157,34 @@ class RolloutClient:
         With ``wait_idle`` the answer comes once nothing is in flight (``idle`` says if)."""
         return self._send(Endpoints.pause(mode=mode, wait_idle=wait_idle, timeout_s=timeout_s))
 
-    def resume(self) -> dict[str, Any]:
-        return self._send(Endpoints.resume())
+    def resume(self, weight_version: str | None = None) -> dict[str, Any]:
+        """Open the gate; with ``weight_version``, set it (and tell paused engines) first."""
+        return self._send(Endpoints.resume(weight_version))
+
+    def update_weights(self, version: str, *, push: Callable[[], object] | None = None,
+                       weights_path: str | None = None, mode: str = "abort-and-continue",
+                       timeout_s: float = 600.0) -> JobInfo:
+        """One weight update on every engine: pause (``mode``: ``wait``, ``keep`` or
+        ``abort-and-continue``), then either the engines reload ``weights_path`` or
+        ``push()`` runs (the trainer sends the weights itself), then ``version`` is set
+        and the engines resume. Returns the finished job (phases with timings); raises
+        :class:`JobFailed` if a step failed (the gateway resumed with the old version)."""
+        if (push is None) == (weights_path is None):
+            raise ValueError("give exactly one of push and weights_path")
+        job_id = self._send(Endpoints.weight_update(version, mode=mode,
+                                                    weights_path=weights_path,
+                                                    timeout_s=timeout_s))
+        if push is not None:
+            deadline = time.monotonic() + timeout_s
+            while not waiting_for_weights(job := self.job(job_id)):
+                if job.done or time.monotonic() >= deadline:
+                    return self.wait_job(job_id, timeout_s=timeout_s)
+                time.sleep(0.02)
+            try:
+                push()
+            finally:  # the job resumes either way; if push raised, it raises here
+                self._send(Endpoints.weight_update_done(job_id))
+        return self.wait_job(job_id, timeout_s=timeout_s)
 
     def set_weight_version(self, version: str) -> str | None:
         """Stamp calls dispatched from now on with ``version``; returns the previous one."""
@@ -233,3 +259,4 @@ class RolloutClient:
                 if time.monotonic() >= deadline:
                     raise
             time.sleep(0.1)
+

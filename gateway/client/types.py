@@ -90,6 +90,11 @@ class JobInfo:
                    status=JobStatus(d["status"]), errors=list(d.get("errors") or []), raw=d)
 
 
+def waiting_for_weights(job: JobInfo) -> bool:
+    """A weight-update job has paused the engines and waits for the new weights."""
+    return any(p.get("name") == "update" for p in job.raw.get("phases") or ())
+
+
 def sample_from_json(d: dict[str, Any]) -> Sample:
     """Rebuild the gateway's ``Sample`` from the JSON of ``/trajectories/{id}/sample``."""
     return Sample(
@@ -100,6 +105,7 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
         calls=[_known(CallSpan, c) for c in d.get("calls") or []],
         mismatches=[_known(Mismatch, m) for m in d.get("mismatches") or []],
         metadata=d.get("metadata"), attempt=int(d.get("attempt") or 0),
+        max_staleness=d.get("max_staleness"),
     )
 
 

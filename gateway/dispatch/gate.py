@@ -18,6 +18,8 @@ from gateway.config import DispatchSettings
 from gateway.errors import Paused
 
 PauseMode = Literal["wait", "reject"]
+#: What the engines are told on pause (None: nothing, they keep generating).
+EngineMode = Literal["wait", "keep", "abort-and-continue"]
 
 
 class CapacitySource(Protocol):
@@ -40,16 +42,33 @@ class PauseGate:
         self._open.set()
         self.paused_at: float | None = None
         self.mode: PauseMode | None = None
+        #: The engine mode of the current (or, until the next pause, the last) pause:
+        #: an ``abort`` from an engine is continued while it is ``abort-and-continue``.
+        self.engine_mode: EngineMode | None = None
+
+    @property
+    def continuing(self) -> bool:
+        return self.engine_mode == "abort-and-continue"
+
+    async def wait_open(self, timeout_s: float) -> None:
+        """Return once the gate is open; ``Paused`` (429) after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout_s)
+        except TimeoutError:
+            raise Paused(f"the pool stayed paused for over {timeout_s:.0f} s",
+                         retry_after_s=5.0) from None
 
     @property
     def paused(self) -> bool:
         return not self._open.is_set()
 
-    def pause(self, mode: PauseMode | None = None) -> None:
+    def pause(self, mode: PauseMode | None = None, engine_mode: EngineMode | None = None
+              ) -> None:
         """Close the gate; ``mode`` overrides the settings' pause mode for this pause."""
         if not self.paused:
             self.paused_at = time.time()
         self.mode = mode
+        self.engine_mode = engine_mode
         self._open.clear()
 
     def resume(self) -> float:

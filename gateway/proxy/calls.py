@@ -13,6 +13,8 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.capture import Capture
+from gateway.proxy.doors import Translation
+from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.tools import after_last_assistant
@@ -37,6 +39,10 @@ class CallContext:
     first_byte: float | None = None
     retries: int = 0
     finished: bool = field(default=False)
+    door: Translation | None = None  # a front door answering in its own wire format
+    #: (first completion token, weight version) for each continuation after an abort.
+    segments: list[tuple[int, str]] = field(default_factory=list)
+    continuations: int = 0
 
     def view(self) -> CallView:
         st = self.state
@@ -48,6 +54,11 @@ class CallContext:
         self.dispatched_at = time.monotonic()
         if lease.priority is not None:
             self.body["priority"] = lease.priority
+
+    def mark_version(self, version: str) -> None:
+        """Tokens from here on come from ``version`` (a streamed call frozen by ``keep``:
+        the boundary is what the gateway had relayed at resume)."""
+        self.segments.append((len(self.capture.completion(0).token_ids), version))
 
     def payload(self) -> bytes:
         return orjson.dumps(self.body)
@@ -66,6 +77,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     if ctx.finished or ctx.lease is None:
         return
     ctx.finished = True
+    live_calls(rt).remove(ctx.id)
     status = _status(error)
     ctx.lease.release(ok=status != "error")
     now = time.monotonic()
@@ -93,12 +105,33 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
         prompt_tokens=_usage(ctx.capture.usage, "prompt_tokens"),
         completion_tokens=_usage(ctx.capture.usage, "completion_tokens"),
     )
+    rec.weight_segments = weight_segments(ctx.weight_version, ctx.segments,
+                                          len(cap.token_ids))
     if delta is not None:
         rec.prompt_offset, rec.prompt_delta, rec.mismatch_pos = (
             delta.offset, delta.delta, delta.mismatch_pos)
     _attach_text(rt, ctx, rec)
     rt.writer.submit(rec)
     _observe(rt, ctx, rec)
+
+
+def weight_segments(first: str, later: list[tuple[int, str]], total: int
+                    ) -> list[list[Any]] | None:
+    """``[[start, end, version], ...]`` over ``total`` completion tokens; None if the
+    version at dispatch produced them all."""
+    if not later:
+        return None
+    starts = [(0, first), *sorted(later, key=lambda s: s[0])]
+    out: list[list[Any]] = []
+    for i, (start, version) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else total
+        if end <= start:
+            continue
+        if out and out[-1][2] == version:
+            out[-1][1] = end
+        else:
+            out.append([start, end, version])
+    return out if any(seg[2] != first for seg in out) else None
 
 
 def _attach_text(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:

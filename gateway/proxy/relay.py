@@ -45,7 +45,19 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.sse import SSEDecoder, error_event
+from gateway.proxy.continuation import (
+    HoldingDecoder,
+    continue_stream,
+    continue_whole,
+    should_continue,
+    stream_head,
+)
+from gateway.proxy.doors import DoorStream, Translation
+from gateway.proxy.doors.memory import ResponseMemory
+from gateway.proxy.doors.messages import MessagesCall
+from gateway.proxy.doors.responses import ResponsesCall
+from gateway.proxy.live import live_calls
+from gateway.proxy.sse import error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
@@ -60,10 +72,32 @@ class Endpoint:
     name: str
     path: str
     chat: bool
+    door: str | None = None  # a front door translated to chat completions upstream
+
+    @property
+    def upstream(self) -> str:
+        return CHAT.path if self.door else self.path
 
 
 CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
 COMPLETIONS = Endpoint("completions", "/v1/completions", chat=False)
+RESPONSES = Endpoint("responses", "/v1/responses", chat=True, door="responses")
+MESSAGES = Endpoint("messages", "/v1/messages", chat=True, door="messages")
+
+
+def parse_door(raw: bytes) -> dict[str, Any]:
+    """A front door's body: a JSON object with a model (the door checks the rest)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    return body
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -159,6 +193,7 @@ class Proxy:
         self.breaker = CircuitBreaker(rt.settings.upstream)
         server = rt.settings.server
         self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
+        self.memory = ResponseMemory(server.response_store_size, server.response_store_ttl_s)
         rt.metrics.add_collector(self.admission.collect)
 
     async def handle(
@@ -178,10 +213,17 @@ class Proxy:
                       path_traj: str | None, path_group: str | None) -> Response:
         arrived = time.monotonic()
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
-        body = parse_request(raw, endpoint)
+        door: Translation | None = None
+        if endpoint.door is None:
+            body = client_body = parse_request(raw, endpoint)
+        else:
+            client_body = parse_door(raw)
+            door = (ResponsesCall(client_body, self.memory) if endpoint.door == "responses"
+                    else MessagesCall(client_body, self.memory))
+            body = door.chat_body
         ident = identify(
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
-            body=body, api_keys_enabled=bool(self.rt.settings.api_keys),
+            body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
         self.rt.dispatcher.check_model(body["model"])
         if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
@@ -192,6 +234,8 @@ class Proxy:
             state.model = body["model"]
             state.auto = ident.generated
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
+        if door is not None:
+            outcomes = door.adjust_outcomes(outcomes)
         seq = self.rt.tracker.call_arrived(state, outcomes, time.time())
         self.rt.dispatcher.scheduler.call_arrived(state)
         ctx = CallContext(
@@ -199,7 +243,7 @@ class Proxy:
             seq=seq,
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
-            headers={"x-trajectory-id": ident.trajectory_id},
+            headers={"x-trajectory-id": ident.trajectory_id}, door=door,
         )
         return await _unless_disconnected(request, self._run(ctx, endpoint, slot))
 
@@ -238,10 +282,12 @@ class Proxy:
                     raise last from None
                 raise
             ctx.bind(lease, rt.weight_version)
+            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+                               ctx.mark_version if ctx.stream else None)
             rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
             try:
                 upstream = await open_upstream(
-                    rt.session, lease.backend.url + endpoint.path, ctx.payload(),
+                    rt.session, lease.backend.url + endpoint.upstream, ctx.payload(),
                     UPSTREAM_HEADERS, limits, deadline,
                 )
             except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
@@ -267,6 +313,7 @@ class Proxy:
 
     def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str]) -> None:
         lease.release(ok=False)
+        live_calls(self.rt).remove(ctx.id)
         tried.append(lease.backend.id)
         ctx.lease = None
         ctx.state.in_flight -= 1
@@ -279,8 +326,13 @@ class Proxy:
         finally:
             upstream.close()
         status = upstream.status if upstream.status < 500 else 502
-        finish_call(self.rt, ctx, error=UpstreamError(f"upstream answered {upstream.status}: "
-                                                       f"{data[:300].decode(errors='replace')}"))
+        error = UpstreamError(f"upstream answered {upstream.status}: "
+                              f"{data[:300].decode(errors='replace')}")
+        finish_call(self.rt, ctx, error=error)
+        if ctx.door is not None:  # the engine's message, in the door's error shape
+            error.message = _upstream_message(data) or error.message
+            error.status_code = status
+            data = ctx.door.error_body(error)
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 
@@ -295,6 +347,11 @@ class Proxy:
             payload = orjson.loads(data)
             if ctx.capture.feed(payload, stream=False):
                 data = orjson.dumps(payload)
+            if should_continue(self.rt, ctx):
+                await continue_whole(self.rt, ctx, payload)
+                data = orjson.dumps(payload)
+            if ctx.door is not None:
+                data = ctx.door.whole(payload)
         except BaseException as exc:
             upstream.close()
             finish_call(self.rt, ctx, error=exc)
@@ -309,26 +366,54 @@ class Proxy:
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
-        decoder = SSEDecoder(ctx.capture)
+        decoder = HoldingDecoder(self.rt, ctx)
+        door = DoorStream(ctx.door) if ctx.door is not None else None
         error: BaseException | None = None
         try:
             async for chunk in upstream.chunks():
                 out = decoder.feed(chunk)
+                if door is not None and out:
+                    out = door.feed(out)
                 if out:
                     if ctx.first_byte is None:
                         ctx.first_byte = time.monotonic()
                     yield out
             tail = decoder.flush()
+            if door is not None and tail:
+                tail = door.feed(tail) + door.flush()
             if tail:
                 yield tail
+            if decoder.held:  # the engine aborted it for a weight update: finish it
+                upstream.close()
+                async for out in continue_stream(self.rt, ctx,
+                                                 decoder.head or stream_head(ctx, None)):
+                    if door is not None:
+                        out = door.feed(out)
+                    if out:
+                        yield out
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:
                 self._broke(ctx.lease.backend, exc)
-            yield error_event(exc)
+            yield error_event(exc) if ctx.door is None else ctx.door.error_event(exc)
         except BaseException as exc:  # client went away (cancelled) or a bug: record it
             error = exc
             raise
         finally:
             upstream.close()
             finish_call(self.rt, ctx, error=error)
+
+
+def _upstream_message(data: bytes) -> str | None:
+    """The message of an engine's error body (OpenAI's or vLLM's shape), if any."""
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    return None

@@ -25,6 +25,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("loss_mask", pa.list_(pa.int8())),
     ("logprobs", pa.list_(pa.float32())),
     ("weight_versions", pa.list_(pa.string())),
+    ("max_staleness", pa.int32()),
     ("num_calls", pa.int32()),
     ("num_mismatches", pa.int32()),
     ("metadata", pa.string()),
@@ -36,7 +37,8 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "trajectory_id": s.trajectory_id, "attempt": s.attempt, "group_id": s.group_id,
         "reward": s.reward,
         "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-        "weight_versions": s.weight_versions, "num_calls": len(s.calls),
+        "weight_versions": s.weight_versions, "max_staleness": s.max_staleness,
+        "num_calls": len(s.calls),
         "num_mismatches": len(s.mismatches),
         "metadata": orjson.dumps(s.metadata).decode() if s.metadata is not None else None,
     }

@@ -101,3 +101,4 @@ class Call(Base):
     extra_choices: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     request_messages: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     completion_text: Mapped[str | None] = mapped_column(Text)
+    weight_segments: Mapped[list[Any] | None] = mapped_column(JSON)

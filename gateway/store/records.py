@@ -39,3 +39,6 @@ class CallRecord:
     request_messages: list[Any] | None = None
     completion_text: str | None = None
     attempt: int = 0
+    #: [[start, end, weight_version], ...] over the completion tokens when the call ran
+    #: across a weight update (None: every token from ``weight_version``).
+    weight_segments: list[list[Any]] | None = None

@@ -26,6 +26,9 @@ class CallSpan:
     weight_version: str
     backend_id: str | None
     tp: int | None
+    #: [[start, end, version], ...] relative to the call's completion, when the call ran
+    #: across a weight update (``weight_version`` is then the first segment's).
+    weight_segments: list[list[Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +51,9 @@ class Sample:
     mismatches: list[Mismatch] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
     attempt: int = 0
+    #: Versions behind ``current`` of the oldest completion token (numeric versions
+    #: only; None when a version is not an integer or there is no completion).
+    max_staleness: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,13 +88,40 @@ def _append_call(sample: Sample, call: Call) -> None:
     sample.loss_mask += [1] * len(completion)
     sample.logprobs += logprobs
     sample.calls.append(CallSpan(call.seq, call.id, start, mid, len(sample.token_ids),
-                                 call.weight_version, call.backend_id, call.tp))
+                                 call.weight_version, call.backend_id, call.tp,
+                                 call.weight_segments))
+
+
+def _span_versions(span: CallSpan) -> list[str]:
+    n = span.completion_end - span.completion_start
+    out = [span.weight_version] * n
+    for start, end, version in span.weight_segments or ():
+        out[start:min(end, n)] = [version] * max(0, min(end, n) - start)
+    return out
+
+
+def staleness(versions: Sequence[str], current: str | None) -> int | None:
+    """How many versions behind ``current`` (default: the newest here) the oldest is."""
+    used = {v for v in versions if v}
+    if not used:
+        return None
+    try:
+        numbers = [int(v) for v in used]
+        newest = int(current) if current is not None else max(numbers)
+    except ValueError:
+        return None
+    return max(0, newest - min(numbers))
 
 
 def build_sample(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
-                 record: TrajectoryAttempt | None = None) -> Sample:
+                 record: TrajectoryAttempt | None = None,
+                 current_version: str | None = None) -> Sample:
     """The single training sequence of one attempt of a trajectory (successful calls, in
-    order); by default its latest attempt. ``record`` gives an older attempt's reward."""
+    order); by default its latest attempt. ``record`` gives an older attempt's reward.
+
+    ``weight_versions`` has one entry per token (``""`` for prompt tokens), split inside a
+    call where it ran across a weight update; ``max_staleness`` is measured against
+    ``current_version`` (default: the newest version in the sample)."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
@@ -103,7 +136,8 @@ def build_sample(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int 
             _append_call(sample, call)
     versions: list[str] = []
     for span in sample.calls:
-        versions += ["" ] * (span.completion_start - len(versions))
-        versions += [span.weight_version] * (span.completion_end - span.completion_start)
+        versions += [""] * (span.completion_start - len(versions))
+        versions += _span_versions(span)
     sample.weight_versions = versions
+    sample.max_staleness = staleness(versions, current_version)
     return sample

@@ -55,7 +55,7 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
     return row
 
 
-_JSON_COLUMNS = frozenset({"extra_choices", "request_messages"})
+_JSON_COLUMNS = frozenset({"extra_choices", "request_messages", "weight_segments"})
 _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1, $2, $3) "
                 "ON CONFLICT (id) DO NOTHING")
 #: A call of a newer attempt moves the trajectory row on to it (its finish is not yet known).
@@ -158,6 +158,11 @@ class TraceWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._high_water = asyncio.Event()
+        # drain's watermark: records accepted so far, and records the writer has finished
+        # with (written, or spilled), counted in the order the writer takes them
+        self._accepted = 0
+        self._settled = 0
+        self._progress = asyncio.Event()
         self.written = 0
         self.dropped = 0
         self.rejected = 0
@@ -195,19 +200,37 @@ class TraceWriter:
                 return False
             self._overflow.append(record)
         self._pending += 1
+        self._accepted += 1
         self._idle.clear()
         if self._queue.qsize() * 2 >= self._queue.maxsize:
             self._high_water.set()
         return True
 
     async def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything submitted so far is in the database. False on timeout."""
+        """Wait until everything submitted so far is in the database. False on timeout.
+
+        Records submitted after the call are not waited for: under a steady load the
+        writer is rarely idle, and a reader must not wait for calls that ended after it
+        asked. (While records sit in the overflow buffer or the spool, their order is not
+        the submission order, and this waits for the writer to be idle instead.)
+        """
+        target = self._accepted
         try:
             async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
+                while not self._idle.is_set() and not self._reached(target):
+                    self._progress.clear()
+                    await self._progress.wait()
         except TimeoutError:
             return False
         return True
+
+    def _reached(self, target: int) -> bool:
+        return self._settled >= target and not self._overflow and not self.spool_bytes
+
+    def _settle(self, n: int) -> None:
+        self._pending -= n
+        self._settled += n
+        self._progress.set()
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to ``timeout_s``); spool the rest; stop."""
@@ -262,7 +285,7 @@ class TraceWriter:
         while True:
             self._inflight = batch = await self._next_batch()
             if await self._try_write(batch):
-                self._pending -= len(batch)
+                self._settle(len(batch))
                 self._inflight = []
             else:
                 self._inflight = []
@@ -273,6 +296,7 @@ class TraceWriter:
     def _mark_idle(self) -> None:
         if self._pending == 0 and not self.spool_bytes:
             self._idle.set()
+        self._progress.set()
 
     async def _try_write(self, batch: Sequence[CallRecord]) -> bool:
         """Write ``batch``; False if the database is unreachable (the batch is not lost)."""
@@ -313,11 +337,11 @@ class TraceWriter:
                     break
                 await asyncio.sleep(min(self._settings.retry_backoff_s * 2**attempt,
                                         self._settings.retry_backoff_max_s))
-            self._pending -= len(records)
+            self._settle(len(records))
             return
         kept = await asyncio.to_thread(self._spool.append, records)
         self.spooled += kept
-        self._pending -= len(records)
+        self._settle(len(records))
         lost = len(records) - kept
         if lost:
             self.dropped += lost

@@ -4,7 +4,8 @@ Sources, first match wins:
 
 1. the path: ``/t/{trajectory}/v1/...`` or ``/g/{group}/t/{trajectory}/v1/...``;
 2. headers ``X-Trajectory-Id``, then ``X-Session-ID`` (and ``X-Group-Id``);
-3. ``Authorization: Bearer <session id>`` when API keys are off, unless the key is one
+3. ``Authorization: Bearer <session id>`` (or ``x-api-key``, as Anthropic clients send
+   it) when API keys are off, unless the key is one
    of the placeholders harnesses send when they have no key (``EMPTY``, ``sk-...``);
 4. the body: ``metadata.session_id`` (and ``metadata.group_id``), then ``user``.
 
@@ -49,9 +50,12 @@ def _bearer_session(headers: Mapping[str, str], api_keys_enabled: bool) -> str |
     if api_keys_enabled:
         return None
     auth = headers.get("authorization", "")
-    if not auth.lower().startswith("bearer "):
+    if auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+    elif headers.get("x-api-key"):  # how Anthropic clients send their key
+        key = headers["x-api-key"].strip()
+    else:
         return None
-    key = auth[7:].strip()
     if key.lower() in PLACEHOLDER_KEYS or key.startswith("sk-"):
         return None
     return key

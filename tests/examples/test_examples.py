@@ -25,12 +25,14 @@ EXAMPLES = ROOT / "examples"
 
 
 def run_example(script: str, *args: str, base_url: str | None = None,
-                timeout: float = 90) -> dict[str, Any]:
+                timeout: float = 90, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``examples/<script>``; return the JSON summary it prints last."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "LANGSMITH_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OPENAI_", "LANGSMITH_", "ANTHROPIC_"))}
     env["OPENAI_API_KEY"] = "EMPTY"
     if base_url is not None:
         env["OPENAI_BASE_URL"] = base_url
+    env.update(env_extra or {})
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -113,3 +115,25 @@ def test_grpo_driver_pulls_token_exact_batches(gateway: GatewayFactory, sqlite_u
     # the weight sync between the steps: step 1 ran on the bumped version only
     assert summary["steps"][0]["weight_versions"] == ["0"]
     assert summary["steps"][1]["weight_versions"] == [f"{run}-v1"]
+
+
+def test_agents_sdk_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: str) -> None:
+    """The Agents SDK's default model speaks the Responses API through the gateway."""
+    traj, group = _ids("agents-sdk")
+    with gateway(sqlite_url) as gw:
+        summary = run_example("agents_sdk_agent.py", base_url=f"{gw}/g/{group}/t/{traj}/v1")
+        detail = check_trace(gw, traj, min_calls=2)
+    assert summary["model"] == MODEL and summary["tool_calls"] >= 1 and summary["answer"]
+    assert {c["endpoint"] for c in detail["calls"]} == {"responses"}
+    assert detail["group_id"] == group
+
+
+def test_anthropic_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: str) -> None:
+    """A Messages-API tool loop configured only by ANTHROPIC_BASE_URL / _API_KEY."""
+    traj, _ = _ids("anthropic")
+    with gateway(sqlite_url) as gw:
+        summary = run_example("anthropic_agent.py", "--model", MODEL, env_extra={
+            "ANTHROPIC_BASE_URL": f"{gw}/t/{traj}", "ANTHROPIC_API_KEY": "sk-ant-none"})
+        detail = check_trace(gw, traj, min_calls=3)
+    assert summary["turns"] == 3 and summary["tool_calls"] >= 2 and summary["answer"]
+    assert [c["finish_reason"] for c in detail["calls"]][:2] == ["tool_calls"] * 2

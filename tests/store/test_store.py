@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from pathlib import Path
@@ -98,4 +99,37 @@ async def test_a_batch_written_twice_is_stored_once(db_url: str):
                 Call.trajectory_id == tid))
         assert n == 3
     finally:
+        await engine.dispose()
+
+
+async def test_drain_waits_for_what_was_submitted_not_for_an_idle_writer(sqlite_url: str):
+    """Under a steady stream of records the writer is never idle; a reader (``GET
+    /trajectories/{id}``) that drains must still get its records at once."""
+    engine = make_engine(sqlite_url)
+    sm = make_sessionmaker(engine)
+    writer = TraceWriter(sm, TraceSettings(flush_interval_s=0.02))
+    writer.start()
+    stop = asyncio.Event()
+
+    async def steady() -> None:
+        i = 0
+        while not stop.is_set():
+            writer.submit(_rec(f"bg-{i}", 0, 0, [1], [2]))
+            i += 1
+            await asyncio.sleep(0.001)
+
+    feeder = asyncio.create_task(steady())
+    try:
+        await asyncio.sleep(0.2)
+        assert writer.submit(_rec("mine", 0, 0, [1, 2], [3]))
+        started = time.monotonic()
+        assert await writer.drain(5)
+        waited = time.monotonic() - started
+        async with sm() as session:
+            assert [c.seq for c in await queries.get_calls(session, trajectory_id="mine")] == [0]
+        assert waited < 2, waited  # the old idle wait ran to the 5 s timeout here
+    finally:
+        stop.set()
+        await feeder
+        await writer.close()
         await engine.dispose()

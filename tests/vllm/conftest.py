@@ -58,6 +58,7 @@ def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path) -> LocalVLLML
         served_model_name=SERVED_NAME,
         device="cpu",
         extra_args=("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"),
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause, /resume, weight-version routes
         start_timeout_s=180,
         log_dir=log_dir,
     )

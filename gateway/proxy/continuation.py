@@ -1,0 +1,275 @@
+"""Abort-and-continue: finish a call that an engine aborted for a weight update.
+
+When ``POST /admin/pause`` runs in ``abort-and-continue`` mode the engines abort what they
+are generating (vLLM ``/pause?mode=abort``): each request ends with ``finish_reason:
+"abort"`` and the tokens it had. The relay does not pass that end to the client. It holds
+the client's request open, waits for ``/admin/resume``, and sends the same engine a
+token-in continuation on ``/v1/completions``: the prompt token ids plus the completion
+token ids so far as the prompt, ``max_tokens`` reduced by what was already generated.
+The continuation's output is reshaped into the client's wire format (chat chunks or a
+chat message for chat calls) under the original response id, so the client sees one
+answer with every token exactly once. Token-in is exact; re-tokenizing the text is not.
+
+Not every call can be continued that way: tool-call parsing, structured output
+(``response_format``, guided decoding), ``n > 1`` and ``echo`` depend on the engine
+seeing the whole generation in one request. For those the engine holding them is paused
+with ``keep`` instead (see :mod:`gateway.proxy.live`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+
+from gateway.errors import UpstreamError
+from gateway.proxy.calls import CallContext
+from gateway.proxy.client import UpstreamResponse, open_upstream
+from gateway.proxy.live import continuable
+from gateway.proxy.sse import SSEDecoder
+from gateway.runtime import Runtime
+
+#: Sampling fields carried over to the continuation unchanged.
+CARRIED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                  "ignore_eos", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "priority", "skip_special_tokens",
+                  "include_stop_str_in_output", "spaces_between_special_tokens", "user")
+_DONE = b"data: [DONE]\n\n"
+
+
+def should_continue(rt: Runtime, ctx: CallContext) -> bool:
+    """The engine aborted this call's generation: continue it (True) or pass the abort on."""
+    cap = ctx.capture.completion(0)
+    return (cap.finish_reason == "abort" and rt.dispatcher.gate.continuing
+            and continuable(ctx.body) and ctx.capture.prompt_ids is not None
+            and ctx.lease is not None)
+
+
+def continuation_body(ctx: CallContext) -> dict[str, Any] | None:
+    """The token-in request that finishes ``ctx``; None if its token budget is spent."""
+    body = ctx.body
+    prompt = list(ctx.capture.prompt_ids or ())
+    done = ctx.capture.completion(0).token_ids
+    out: dict[str, Any] = {"model": body["model"], "prompt": prompt + done,
+                           "return_token_ids": True, "stream": ctx.stream}
+    for key in CARRIED_FIELDS:
+        if key in body:
+            out[key] = body[key]
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(limit, int):
+        if limit - len(done) <= 0:
+            return None
+        out["max_tokens"] = limit - len(done)
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - len(done))
+    if ctx.endpoint == "chat":
+        out["logprobs"] = int(body.get("top_logprobs") or 0)
+    else:
+        out["logprobs"] = body.get("logprobs", 0)
+    if ctx.stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def _chat_logprobs(lp: Any) -> dict[str, Any] | None:
+    if not isinstance(lp, dict):
+        return None
+    tokens = lp.get("tokens") or []
+    values = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or []
+    content = []
+    for i, token in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        content.append({
+            "token": token, "logprob": values[i] if i < len(values) else None,
+            "bytes": list(str(token).encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(str(t).encode())}
+                             for t, v in top.items()]})
+    return {"content": content}
+
+
+def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
+             *, stream: bool) -> dict[str, Any]:
+    """A continuation payload (``/v1/completions``) in the shape of the original call."""
+    out: dict[str, Any] = {**payload, **head}
+    out.pop("prompt_token_ids", None)
+    choices = []
+    for ch in payload.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        ch = {k: v for k, v in ch.items() if k != "prompt_token_ids"}
+        if ctx.endpoint == "chat":
+            text = ch.pop("text", "") or ""
+            if stream:
+                ch["delta"] = {"content": text} if text else {}
+            else:
+                ch["message"] = {"role": "assistant", "content": text}
+            ch["logprobs"] = _chat_logprobs(ch.get("logprobs"))
+        choices.append(ch)
+    out["choices"] = choices
+    if isinstance(payload.get("usage"), dict):
+        prompt = len(ctx.capture.prompt_ids or ())
+        gen = len(ctx.capture.completion(0).token_ids) + sum(
+            len(ch.get("token_ids") or ()) for ch in choices)
+        out["usage"] = {"prompt_tokens": prompt, "completion_tokens": gen,
+                        "total_tokens": prompt + gen}
+    return out
+
+
+async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any]) -> UpstreamResponse:
+    """Wait for resume, then send ``body`` to the engine that ran the call."""
+    gate = rt.dispatcher.gate
+    await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
+    assert ctx.lease is not None
+    ctx.segments.append((len(ctx.capture.completion(0).token_ids), rt.weight_version))
+    ctx.continuations += 1
+    ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
+    limits = rt.settings.upstream
+    upstream = await open_upstream(
+        rt.session, ctx.lease.backend.url + "/v1/completions", orjson.dumps(body),
+        {"content-type": "application/json", "accept": "application/json"}, limits,
+        time.monotonic() + limits.total_timeout_s)
+    if upstream.status != 200:
+        data = await upstream.read()
+        upstream.close()
+        raise UpstreamError(f"continuation answered {upstream.status}: "
+                            f"{data[:300].decode(errors='replace')}")
+    return upstream
+
+
+def _strip_abort(payload: dict[str, Any]) -> bool:
+    """Remove an ``abort`` finish from ``payload``'s choices; True if there was one."""
+    found = False
+    for ch in payload.get("choices") or ():
+        if isinstance(ch, dict) and ch.get("finish_reason") == "abort":
+            ch["finish_reason"] = None
+            ch.pop("stop_reason", None)
+            found = True
+    return found
+
+
+class HoldingDecoder(SSEDecoder):
+    """The relay's SSE decoder that keeps an ``abort`` end (and what follows it: the usage
+    chunk, ``[DONE]``) from the client while a continuation may follow."""
+
+    def __init__(self, rt: Runtime, ctx: CallContext) -> None:
+        super().__init__(ctx.capture)
+        self._rt, self._ctx = rt, ctx
+        self.held = False
+        self.head: dict[str, Any] | None = None
+
+    def _event(self, event: bytes) -> bytes:
+        if self.held:
+            return b""
+        out = super()._event(event)
+        if self.head is None and out.startswith(b"data: {"):
+            self.head = stream_head(self._ctx, orjson.loads(out[6:]))
+        if not should_continue(self._rt, self._ctx) or not out.startswith(b"data: {"):
+            return out
+        payload = orjson.loads(out[6:])
+        self.held = True
+        if _strip_abort(payload):
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
+        return out
+
+
+async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
+                          ) -> AsyncGenerator[bytes, None]:
+    """The rest of an aborted stream, as chunks of the original call; ends with [DONE]."""
+    while True:
+        body = continuation_body(ctx)
+        if body is None:  # nothing left to generate: end where the budget ended
+            ctx.capture.completion(0).finish_reason = "length"
+            yield _final_chunk(ctx, head, "length")
+            yield _DONE
+            return
+        upstream = await _open(rt, ctx, body)
+        aborted, buf = False, b""
+        try:
+            async for chunk in upstream.chunks():
+                buf += chunk.replace(b"\r\n", b"\n")
+                *events, buf = buf.split(b"\n\n")
+                for ev in events:
+                    if not ev.startswith(b"data: {"):
+                        continue
+                    payload = _reshape(ctx, orjson.loads(ev[6:]), head, stream=True)
+                    ctx.capture.feed(payload, stream=True)
+                    if ctx.capture.completion(0).finish_reason == "abort":
+                        aborted = True
+                        if not _strip_abort(payload):
+                            continue
+                    elif aborted:
+                        continue  # the aborted continuation's usage chunk
+                    yield b"data: " + orjson.dumps(payload) + b"\n\n"
+        finally:
+            upstream.close()
+        if not aborted:
+            yield _DONE
+            return
+        if not should_continue(rt, ctx):
+            yield _final_chunk(ctx, head, "abort")
+            yield _DONE
+            return
+
+
+def _final_chunk(ctx: CallContext, head: dict[str, Any], reason: str) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    if ctx.endpoint == "chat":
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+
+
+def stream_head(ctx: CallContext, first: dict[str, Any] | None) -> dict[str, Any]:
+    """id/object/created/model of the original response, for continuation chunks."""
+    first = first or {}
+    obj = "chat.completion.chunk" if ctx.endpoint == "chat" else "text_completion"
+    return {"id": first.get("id", f"cont-{ctx.id}"), "object": first.get("object", obj),
+            "created": first.get("created", int(time.time())),
+            "model": first.get("model", ctx.body.get("model"))}
+
+
+async def continue_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any]) -> None:
+    """Finish a non-streamed aborted call in place: ``payload`` is what goes to the client."""
+    head: dict[str, Any] = {k: payload[k] for k in ("id", "object", "created", "model")
+                            if k in payload}
+    target = payload["choices"][0]
+    while should_continue(rt, ctx):
+        body = continuation_body(ctx)
+        if body is None:
+            target["finish_reason"] = ctx.capture.completion(0).finish_reason = "length"
+            break
+        upstream = await _open(rt, ctx, body)
+        try:
+            more = _reshape(ctx, orjson.loads(await upstream.read()), head, stream=False)
+        finally:
+            upstream.close()
+        ctx.capture.feed(more, stream=False)
+        _merge(ctx, target, more["choices"][0] if more.get("choices") else {})
+        if isinstance(more.get("usage"), dict):
+            payload["usage"] = more["usage"]
+
+
+def _merge(ctx: CallContext, target: dict[str, Any], more: dict[str, Any]) -> None:
+    if ctx.endpoint == "chat":
+        msg = target.setdefault("message", {"role": "assistant", "content": ""})
+        msg["content"] = (msg.get("content") or "") + (more.get("message") or {}).get(
+            "content", "")
+        if isinstance(target.get("logprobs"), dict) and isinstance(more.get("logprobs"), dict):
+            target["logprobs"]["content"] += more["logprobs"].get("content") or []
+    else:
+        shift = len(target.get("text") or "")
+        target["text"] = (target.get("text") or "") + (more.get("text") or "")
+        lp, extra = target.get("logprobs"), more.get("logprobs")
+        if isinstance(lp, dict) and isinstance(extra, dict):
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                lp[key] = (lp.get(key) or []) + (extra.get(key) or [])
+            lp["text_offset"] = (lp.get("text_offset") or []) + [
+                o + shift for o in extra.get("text_offset") or []]
+    if "token_ids" in more and "token_ids" in target:
+        target["token_ids"] = target["token_ids"] + more["token_ids"]
+    target["finish_reason"] = more.get("finish_reason")
+    target["stop_reason"] = more.get("stop_reason")

@@ -1,0 +1,105 @@
+"""The simulated server's pause/resume/version routes, as vLLM 0.32 answers them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from backends.sim.runner import start_sim_servers
+from backends.sim.state import SimServerConfig
+
+MODEL = "qwen3-14b"
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with start_sim_servers([SimServerConfig(speed=5, tick_real_s=0.005)]) as found:
+        yield found[0]
+
+
+def _body(n: int, stream: bool = False) -> dict[str, object]:
+    return {"model": MODEL, "prompt": "hello there", "max_tokens": n, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+
+
+async def test_abort_finishes_in_flight_with_partial_tokens_and_holds_new_work(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json=_body(2000)))
+        await asyncio.sleep(0.3)
+        t0 = asyncio.get_running_loop().time()
+        r = await http.post("/pause", params={"mode": "abort"})
+        assert r.json() == {"status": "paused"}
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        out = (await call).json()["choices"][0]
+        assert out["finish_reason"] == "abort"
+        assert 0 < len(out["token_ids"]) < 2000
+        assert out["text"] == "".join(f" {w}" for w in out["text"].split())  # whole words
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        later = asyncio.create_task(http.post("/v1/completions", json=_body(5)))
+        await asyncio.sleep(0.2)
+        assert not later.done()  # queued while paused
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert len((await later).json()["choices"][0]["token_ids"]) == 5
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_abort_ends_a_stream_with_an_abort_chunk(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async def read() -> tuple[list[int], list[str | None]]:
+            ids: list[int] = []
+            finishes: list[str | None] = []
+            async with http.stream("POST", "/v1/completions", json=_body(2000, True)) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+
+                        for ch in orjson.loads(line[6:])["choices"]:
+                            ids += ch.get("token_ids") or []
+                            finishes.append(ch.get("finish_reason"))
+            return ids, finishes
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.3)
+        await http.post("/pause", params={"mode": "abort"})
+        ids, finishes = await task
+        assert finishes[-1] == "abort" and 0 < len(ids) < 2000
+        await http.post("/resume")
+
+
+async def test_keep_freezes_and_resume_finishes_every_token(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json=_body(300)))
+        await asyncio.sleep(0.2)
+        await http.post("/pause", params={"mode": "keep"})
+        stats = (await http.get("/sim/stats")).json()
+        await asyncio.sleep(0.3)
+        assert not call.done() and stats["running"] == 1
+        await http.post("/resume")
+        out = (await call).json()["choices"][0]
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 300
+
+
+async def test_wait_returns_after_in_flight_calls_finish(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json=_body(100)))
+        await asyncio.sleep(0.1)
+        await http.post("/pause", params={"mode": "wait"})
+        assert call.done()
+        assert (await call).json()["choices"][0]["finish_reason"] == "length"
+        await http.post("/resume")
+
+
+async def test_version_routes_and_bad_input(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.get("/weight_info")).json() == {"weight_version": ""}
+        r = await http.post("/update_weight_version", json={"new_version": "v7"})
+        assert r.json() == {"success": True, "new_version": "v7"}
+        assert (await http.get("/weight_info")).json() == {"weight_version": "v7"}
+        bad = await http.post("/pause", params={"mode": "later"})
+        assert bad.status_code == 400 and "mode" in bad.json()["error"]["message"]
+        assert (await http.post("/update_weight_version", json={})).status_code == 400
+        rpc = await http.post("/collective_rpc", json={"method": "reload_weights"})
+        assert rpc.status_code == 200
