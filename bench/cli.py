@@ -35,7 +35,9 @@ def sim(
     tp: Annotated[int, typer.Option(help="uniform TP of the baseline policies")] = 1,
     prompts: Annotated[int | None, typer.Option(help="fewer prompts (quick runs)")] = None,
     group_size: Annotated[int | None, typer.Option()] = None,
-    cap_per_gpu: Annotated[int, typer.Option(help="gateway concurrency cap per GPU")] = 16,
+    cap_per_gpu: Annotated[int | None, typer.Option(
+        help="gateway concurrency cap per GPU (default: none; the engine admits up to "
+             "max_num_seqs=256 per instance, by token budget and KV room)")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
@@ -43,12 +45,13 @@ def sim(
 
     from bench.reports.sim_table import table
     from bench.simulator.run import Bench, Scenario
-    from gateway.policies.registry import POLICY_NAMES
+    from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
-    names = policy or ["slime", "heddle", "libra", "ours", "oracle"]
-    unknown = [n for n in names if n not in POLICY_NAMES]
+    names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
+    unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
-        raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}")
+        raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
+                                 " and static layouts such as slime-tp4, verl-tp8")
     sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu)
     console = Console()
     if not console.is_terminal:
@@ -68,6 +71,58 @@ def sim(
                "scenario": sc.__dict__ if hasattr(sc, "__dict__") else _fields(sc),
                "trajectories": len(bench.specs),
                "results": {r.policy: r.as_dict() for r in results}}
+        json_out.write_text(json.dumps(doc, indent=2))
+
+
+@bench_app.command("steps")
+def steps(
+    workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
+    policy: Annotated[list[str] | None, typer.Option(
+        help="repeatable; default: static slime/verl TP1-TP8, heddle, libra, ours, "
+             "ours-perfect")] = None,
+    gpus: Annotated[int, typer.Option()] = 64,
+    steps_: Annotated[int, typer.Option("--steps", help="RL steps per run")] = 5,
+    seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
+    per_gpu: Annotated[int | None, typer.Option(
+        help="trajectories per GPU (sets the prompts per step)")] = None,
+    group_size: Annotated[int | None, typer.Option()] = None,
+    jobs: Annotated[int, typer.Option(help="seeds in parallel processes")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """K-step RL runs over a resampled prompt pool, several seeds, 95% intervals."""
+    from bench.simulator.steps import StepScenario, run_seeds, summarize
+    from bench.workloads import load_workloads
+    from gateway.policies.registry import ALL_NAMES
+
+    names = policy or [*(f"{b}-tp{t}" for b in ("slime", "verl") for t in (1, 2, 4, 8)),
+                       "heddle", "libra", "ours", "ours-perfect"]
+    unknown = [n for n in names if n not in ALL_NAMES]
+    if unknown:
+        raise typer.BadParameter(f"unknown policy {unknown}")
+    table = load_workloads()
+    if workload not in table:
+        raise typer.BadParameter(f"unknown workload {workload!r}")
+    size = group_size or table[workload]["group_size"]
+    prompts = max(1, per_gpu * gpus // size) if per_gpu else None
+    base = StepScenario(workload, names[0], steps=steps_, gpus=gpus, prompts=prompts,
+                        group_size=group_size)
+    res = summarize(run_seeds(base, names, range(1, seeds + 1), jobs))
+    static = {n: r for n, r in res.items() if "-tp" in n}
+    best = min(static, key=lambda n: static[n]["mean_s"]) if static else None
+    lines = [f"{workload}, {gpus} GPUs, {steps_} steps (steps 2-{steps_} reported), "
+             f"{seeds} seeds; mean makespan per step +- 95% t-interval"]
+    for n, r in sorted(res.items(), key=lambda kv: kv[1]["mean_s"]):
+        vs = (f"  best static/this {res[best]['mean_s'] / r['mean_s']:.2f}x"
+              if best else "")
+        lines.append(f"  {n:14s} {r['mean_s']:8.1f} +- {r['ci95_s']:6.1f} s{vs}")
+    any_r = next(iter(res.values()))
+    bind = "critical path" if any_r["lb_critical_s"] >= any_r["lb_work_s"] else "total work"
+    lines.append(f"  lower bound: critical path {any_r['lb_critical_s']:.1f} s, total work / "
+                 f"capacity {any_r['lb_work_s']:.1f} s ({bind} binds)")
+    typer.echo("\n".join(lines))
+    if json_out is not None:
+        doc = {"command": " ".join(["rollout-gateway", "bench", "steps", *sys.argv[3:]]),
+               "best_static": best, "results": res}
         json_out.write_text(json.dumps(doc, indent=2))
 
 

@@ -14,6 +14,7 @@ at 64 engines x thousands of requests).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -81,23 +82,34 @@ class KVCache:
         """
         if not self.enable_prefix_caching:
             return 0, 0
-        n = 0
-        in_lru = 0
-        for h in hashes[:max_blocks]:
-            refs = self._ref.get(h)
-            if refs is None:
+        # Same walk as block-by-block (stop at the first miss), done in chunks with C-level
+        # loops: long agentic contexts are thousands of blocks and this ran per admission
+        # attempt (about half the simulator's time at 64 GPUs).
+        get = self._ref.get
+        n = in_lru = 0
+        limit = min(max_blocks, len(hashes))
+        chunk = 64
+        while n < limit:
+            refs = list(map(get, hashes[n:min(limit, n + chunk)]))
+            try:
+                stop = refs.index(None)
+            except ValueError:
+                stop = len(refs)
+            in_lru += refs[:stop].count(0)
+            n += stop
+            if stop < len(refs):
                 break
-            n += 1
-            in_lru += refs == 0
+            chunk = min(chunk * 4, 4096)
         return n, in_lru
 
     def acquire_cached(self, hashes: Sequence[int]) -> None:
         """Take ownership of cached blocks found by :meth:`match_prefix`."""
-        for h in hashes:
-            refs = self._ref[h]
-            if refs == 0:
-                del self._lru[h]
-            self._ref[h] = refs + 1
+        # bulk form of: per block, leave the LRU if free, take a reference (chain hashes
+        # are distinct within one request, so no block appears twice)
+        refs = list(map(self._ref.__getitem__, hashes))
+        for h in itertools.compress(hashes, [r == 0 for r in refs]):
+            del self._lru[h]
+        self._ref.update(zip(hashes, [r + 1 for r in refs], strict=True))
 
     def allocate(self, n: int) -> bool:
         """Take ``n`` unhashed blocks, evicting least recently freed cached ones if needed."""
@@ -134,11 +146,10 @@ class KVCache:
         recently freed part and is evicted last (shared prefixes survive longest).
         """
         self._free_plain += num_plain
-        for h in reversed(hashes):
-            refs = self._ref[h] - 1
-            self._ref[h] = refs
-            if refs == 0:
-                self._lru[h] = None
+        tail_first = hashes[::-1]
+        refs = [r - 1 for r in map(self._ref.__getitem__, tail_first)]
+        self._ref.update(zip(tail_first, refs, strict=True))
+        self._lru.update(dict.fromkeys(itertools.compress(tail_first, [r == 0 for r in refs])))
 
     def check_invariants(self, owned_plain: int) -> None:
         """Assert block conservation (tests): every block is free, cached or owned."""

@@ -12,14 +12,19 @@ decode sequence, ``Q`` the quadratic attention of prefill chunks over their unca
 tokens. The constants ship with the package (``data/latency_constants.json``) so a
 wheel install can plan pools without the repository's shared data.
 
-``tp_penalty`` exists because Libra's measurement (arXiv 2606.03077) shows a stronger TP
-trade-off than the fitted constants suggest under equal load: at TP > 1 the fixed
-per-step cost (``T0``) and the per-token cost (``K``) are multiplied by
-``1 + tp_penalty * log2(tp)``, i.e. all-reduce overhead that grows with the number of
-participants. ``DEFAULT_TP_PENALTY`` is calibrated by ``bench/runners/fidelity.py``: under the
-load documented there (many short requests at fixed per-instance concurrency; few long
-ones) most of Libra's trade-off comes from load, and a small penalty (0.02-0.1 all fit
-within 13%) finishes the job.
+At TP > 1 every step also pays the tensor-parallel all-reduces, additively
+(``tp_comm_ms``): two per layer (after attention and after the MLP), each a fixed
+launch/sync latency (``ALLREDUCE_US``, ~10 us on NVLink) plus a ring all-reduce of the
+step's activations, ``2*(tp-1)/tp * tokens * hidden * 2 bytes`` over ``LINK_GBPS``. With
+that term and vLLM-like admission (``max_num_seqs`` per instance, not per GPU) the fitted
+constants reproduce Libra's 8xTP1-vs-1xTP8 numbers (arXiv 2606.03077) at the loads it
+measured, and the trade-off moves with load as it should: at a few sequences per instance
+high TP wins (weight streaming dominates, split 8 ways); at tens to hundreds TP1 wins
+(weights are amortized, and TP pays the all-reduces and a worse compute efficiency).
+See ``docs/fidelity.md`` (``bench/runners/fidelity.py``).
+
+``tp_penalty`` (a multiplier ``1 + tp_penalty*log2(tp)`` on ``T0`` and ``K``) is kept for
+calibration sweeps; it defaults to 0 now that the all-reduce is modelled explicitly.
 """
 
 from __future__ import annotations
@@ -31,8 +36,15 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-#: Calibrated against Libra's 8xTP1-vs-1xTP8 Qwen3-14B numbers (see docs/fidelity.md).
-DEFAULT_TP_PENALTY = 0.08
+#: The all-reduce term replaced the old multiplicative penalty (was 0.08).
+DEFAULT_TP_PENALTY = 0.0
+#: Fixed cost of one all-reduce (launch + sync), microseconds.
+ALLREDUCE_US = 10.0
+#: Achieved all-reduce bus bandwidth, GB/s (NVLink-class).
+LINK_GBPS = 260.0
+#: (layers, hidden size) per model, for the all-reduce volume.
+ARCH = {"qwen3-14b": (40, 5120), "qwen3-8b": (36, 4096), "llama3.1-8b": (32, 4096),
+        "qwen3-32b": (64, 5120), "qwen2.5-32b": (64, 5120), "tiny": (2, 64)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +62,10 @@ class LatencyProfile:
     kv_capacity_tokens: int
     block_size: int = 16
     tp_penalty: float = 0.0
+    layers: int = 40
+    hidden: int = 5120
+    allreduce_us: float = ALLREDUCE_US
+    link_gbps: float = LINK_GBPS
     request_overhead_ms: float = 5.0
     placeholder: bool = False
 
@@ -65,6 +81,14 @@ class LatencyProfile:
     def tp_factor(self) -> float:
         """Multiplier on the TP-sensitive costs (1.0 at TP1 or with no penalty)."""
         return 1.0 + self.tp_penalty * math.log2(self.tp) if self.tp > 1 else 1.0
+
+    def tp_comm_ms(self, num_tokens: int) -> float:
+        """All-reduce time of one step over ``num_tokens`` tokens (0 at TP1)."""
+        if self.tp <= 1:
+            return 0.0
+        nbytes = 2.0 * (self.tp - 1) / self.tp * num_tokens * self.hidden * 2
+        one_us = self.allreduce_us + nbytes / (self.link_gbps * 1e3)
+        return 2 * self.layers * one_us / 1000.0
 
     def step_ms(
         self, *, num_tokens: int, decode_ctx_tokens: int = 0, prefill_attn: float = 0.0
@@ -82,6 +106,7 @@ class LatencyProfile:
             + math.sqrt(self.W_ms * self.W_ms + k_n * k_n)
             + self.A_ms_per_1k_ctx * decode_ctx_tokens / 1000.0
             + self.Q_ms_per_1e6 * prefill_attn / 1e6
+            + self.tp_comm_ms(num_tokens)
         )
 
 
@@ -118,6 +143,7 @@ def load_profile(
     key = by_lower[wanted]
     c = _constants()[key]
     name_model, name_gpu, _ = key.split("/")
+    layers, hidden = ARCH.get(name_model.lower(), (40, 5120))
     return LatencyProfile(
         model=name_model,
         gpu=name_gpu,
@@ -129,6 +155,8 @@ def load_profile(
         Q_ms_per_1e6=float(c["Q_ms_per_1e6"]),
         kv_capacity_tokens=int(c["kv_capacity_tokens"]),
         tp_penalty=DEFAULT_TP_PENALTY if tp_penalty is None else tp_penalty,
+        layers=layers,
+        hidden=hidden,
         request_overhead_ms=float(c.get("request_overhead_ms", 5.0)),
         placeholder=bool(c.get("placeholder", False)),
     )

@@ -84,7 +84,7 @@ def live(
     names = policy or ["slime", "ours"]
     bad = [n for n in names if n not in LIVE_POLICIES]
     if bad:
-        raise typer.BadParameter(f"{bad} cannot run live (the oracle needs hidden lengths); "
+        raise typer.BadParameter(f"{bad} cannot run live (ours-perfect needs hidden lengths); "
                                  f"choose from {', '.join(LIVE_POLICIES)}")
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu)
     console = Console(width=None if Console().is_terminal else 180)

@@ -8,6 +8,16 @@ busy engine by a step end elsewhere waits at most that long for the batch bounda
 The gateway side is modelled as in ``gateway/dispatch``: a queue, a per-instance
 concurrency cap, the policy's priority stamped on every request, prewarms
 (``max_tokens: 1``) for migrations, drain-and-restart for layout changes.
+
+Admission is the engine's, as in vLLM: the gateway cap defaults to the engine's
+``max_num_seqs`` per *instance* (whatever its TP), and the engine itself admits by its
+token budget per step and free KV blocks, queueing the rest. (A per-GPU gateway cap kept
+TP1 instances far below their compute knee and made high TP win at every load.)
+
+Policies see what a live gateway sees: a trajectory appears (in the snapshot and its
+group) when its first call arrives, and it is known to be finished only when the client
+says so (``/finish``, one request overhead after its last call returned); until then a
+trajectory whose last call returned is in its tool gap like any other.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from gateway.policies.base import (
     TrajectoryView,
 )
 
-READY, PLAN, UP = 0, 1, 2
+READY, PLAN, UP, FINISH = 0, 1, 2, 3
 OVERHEAD_S = 0.005  # API server + tokenization per request (profile.request_overhead_ms)
 
 
@@ -43,7 +53,9 @@ class SimConfig:
     gpus: int
     profiles: dict[int, LatencyProfile]
     speeds: dict[int, TPSpeed]
-    cap_per_gpu: int = 16
+    cap_per_gpu: int | None = None  # None: the engine's max_num_seqs per instance
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
     restart_s: float = 10.8
     max_fuse_s: float = 1.0
     seed: int = 0
@@ -65,15 +77,12 @@ class Simulator:
     """Run one batch of ``specs`` under ``policy``; see :meth:`run`."""
 
     def __init__(self, specs: list[TrajectorySpec], policy: Policy, cfg: SimConfig,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, start_s: float = 0.0) -> None:
         self.cfg, self.policy, self.progress = cfg, policy, progress
         self.trajs = {s.id: Traj(s, i) for i, s in enumerate(specs)}
-        self.live: dict[str, Traj] = dict(self.trajs)
+        self.live: dict[str, Traj] = {}  # arrived and not finished (what policies see)
+        self.finished = 0
         self.groups: dict[str, GroupView] = {}
-        for s in specs:
-            g = self.groups.get(s.group_id)
-            members = (*g.members, s.id) if g else (s.id,)
-            self.groups[s.group_id] = GroupView(s.group_id, members)
         self.instances: dict[str, Instance] = {}
         self.pending: dict[str, PendingCall] = {}
         self.ext: list[tuple[float, int, int, object]] = []
@@ -81,7 +90,7 @@ class Simulator:
         self.outputs: dict[str, StepOutput] = {}
         self.req_owner: dict[str, str] = {}  # request id -> trajectory id (prewarm: "")
         self.relayouts: dict[int, tuple[Relayout, set[str]]] = {}
-        self.now = 0.0
+        self.now = self.start_s = start_s  # a later RL step continues the clock
         self.stats = SimStats()
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -91,9 +100,12 @@ class Simulator:
 
     # ------------------------------------------------------------------ setup
     def _start_instance(self, tp: int) -> Instance:
-        engine = EngineCore(self.cfg.profiles[tp], scheduling_policy="priority",
-                            seed=self.cfg.seed)
-        inst = Instance(f"i{next(self._ids)}-tp{tp}", tp, engine, self.cfg.cap_per_gpu * tp)
+        cfg = self.cfg
+        engine = EngineCore(cfg.profiles[tp], scheduling_policy="priority", seed=cfg.seed,
+                            max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens)
+        cap = cfg.max_num_seqs if cfg.cap_per_gpu is None else cfg.cap_per_gpu * tp
+        inst = Instance(f"i{next(self._ids)}-tp{tp}", tp, engine, cap)
         self.instances[inst.id] = inst
         return inst
 
@@ -101,17 +113,18 @@ class Simulator:
         heapq.heappush(self.ext, (t, next(self._seq), kind, payload))
 
     def run(self) -> float:
-        """Simulate until every trajectory finished; returns the makespan (seconds)."""
+        """Simulate until every trajectory finished; returns the time the last one ended
+        (the makespan when ``start_s`` is 0)."""
         layout = self.policy.initial_layout(self.cfg.gpus)
         if sum(layout) != self.cfg.gpus:
             raise ValueError(f"layout {layout} does not use {self.cfg.gpus} GPUs")
         for tp in layout:
             self._start_instance(tp)
         for tr in self.trajs.values():
-            self._push(tr.spec.setup_s, READY, tr)
+            self._push(self.start_s + tr.spec.setup_s, READY, tr)
         if self.policy.plan_interval_s:
-            self._push(self.policy.plan_interval_s, PLAN, None)
-        while self.live:
+            self._push(self.start_s + self.policy.plan_interval_s, PLAN, None)
+        while self.finished < len(self.trajs):
             self._next_event()
         return max(t.finished_at or 0.0 for t in self.trajs.values())
 
@@ -128,6 +141,10 @@ class Simulator:
         if kind == READY:
             assert isinstance(payload, Traj)
             self._ready(payload)
+        elif kind == FINISH:
+            assert isinstance(payload, Traj)
+            self._finish(payload)
+            self._dirty = True
         elif kind == PLAN:
             self._plan()
             self._dirty = True
@@ -144,7 +161,7 @@ class Simulator:
             self._snap = Snapshot(
                 self.now, self.cfg.gpus, tuple(i.view() for i in self.instances.values()),
                 _Views(self.live), self.groups, self.cfg.speeds, self.cfg.restart_s,
-                len(self.trajs) - len(self.live))
+                self.finished)
         return self._snap
 
     def _changed(self, tr: Traj) -> None:
@@ -157,6 +174,12 @@ class Simulator:
         """A call becomes ready: first call after setup, or the next after a tool gap."""
         if tr.turn == 0:
             tr.started_at = self.now
+            self.live[tr.spec.id] = tr
+            g = self.groups.get(tr.spec.group_id)
+            self.groups[tr.spec.group_id] = (
+                GroupView(tr.spec.group_id, (tr.spec.id,)) if g is None else
+                GroupView(g.id, (*g.members, tr.spec.id), g.finished_lengths,
+                          g.finished_turns))
         else:
             prev = tr.spec.turns[tr.turn - 1]
             tr.outcomes.append(prev.tool_state)
@@ -225,26 +248,33 @@ class Simulator:
         inst.running -= 1
         inst.served += 1
         last = tr.turn == len(tr.spec.turns)
-        tr.phase = Phase.FINISHED if last else Phase.TOOL
+        # the gateway cannot tell a last call from any other: the trajectory is in its
+        # tool gap until the client's /finish arrives
+        tr.phase = Phase.TOOL
         self._changed(tr)
-        if last:
-            self._finish(tr)
-            return
         self.policy.observe(tr.view(), self.groups, self.now)
-        self._push(self.now + turn.tool_s + OVERHEAD_S, READY, tr)
+        if last:
+            tr.finished_at = self.now  # the rollout's own end (makespan)
+            self._push(self.now + OVERHEAD_S, FINISH, tr)
+        else:
+            self._push(self.now + turn.tool_s + OVERHEAD_S, READY, tr)
         mig = self.policy.on_tool_gap(self.snapshot(), tr.view())
         if mig is not None:
             self._migrate(tr, mig.target)
 
     def _finish(self, tr: Traj) -> None:
-        tr.finished_at = self.now
+        """The client's /finish: now the gateway (and the policy) knows it is over."""
+        tr.phase = Phase.FINISHED
+        tr.touch()
+        self._snap = None
         del self.live[tr.spec.id]
+        self.finished += 1
         g = self.groups[tr.spec.group_id]
         self.groups[tr.spec.group_id] = GroupView(
             g.id, g.members, (*g.finished_lengths, tr.generated), (*g.finished_turns, tr.turn))
         self.policy.observe(tr.view(), self.groups, self.now)
         if self.progress is not None:
-            self.progress(len(self.trajs) - len(self.live))
+            self.progress(self.finished)
 
     def _migrate(self, tr: Traj, target: str) -> None:
         """Prewarm ``target`` with the trajectory's context while its tool runs."""

@@ -23,7 +23,7 @@ class Scenario:
     tp: int = 1  # uniform TP of the baselines
     prompts: int | None = None  # shrink the batch (smoke tests); None = the workload's
     group_size: int | None = None
-    cap_per_gpu: int = 16
+    cap_per_gpu: int | None = None  # None: engine admission (max_num_seqs per instance)
     tp_penalty: float | None = None
 
 
@@ -43,7 +43,7 @@ class Bench:
 
     def run(self, name: str, progress: Callable[[int], None] | None = None) -> Result:
         sc = self.sc
-        truth = self._truth if name == "oracle" else None  # the only door to hidden lengths
+        truth = self._truth if name == "ours-perfect" else None  # the only door to hidden lengths
         policy = get_policy(name, tp=sc.tp, seed=sc.seed, oracle_truth=truth)
         cfg = SimConfig(sc.gpus, self.profiles, self.speeds, cap_per_gpu=sc.cap_per_gpu,
                         seed=sc.seed)

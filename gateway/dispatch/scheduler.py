@@ -389,6 +389,20 @@ class Scheduler:
             if self.on_migrate is not None:
                 self.on_migrate(state, move)
 
+    def call_arrived(self, state: TrajectoryState) -> None:
+        """A call arrived (its prompt may carry new tool results): the policy learns them
+        before the call is queued, as the simulator does when a tool gap ends."""
+        if state.auto or state.finished_at is not None:
+            return
+        try:
+            self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+        except Exception:  # learning is best effort; the call itself goes on
+            log.exception("policy %s failed to observe a call of trajectory %r",
+                          self.policy.name, state.id)
+            self.faults += 1
+            if self.on_fault is not None:
+                self.on_fault("observe")
+
     def trajectory_finished(self, state: TrajectoryState) -> None:
         self.trajectory_ended(state.id)
         try:

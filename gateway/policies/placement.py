@@ -1,6 +1,7 @@
 """Queue order (prioritizers) and where calls go (placers).
 
-Sources: FCFS / least-loaded (slime, SGLang router), sticky (verl), sticky with
+Sources: FCFS / least-loaded (contrast baseline), cache-aware (slime: the SGLang router
+it starts, ``sgl-router`` ``cache_aware`` policy), sticky (verl), sticky with
 rebalance (verl*, as described by Heddle section 2), least-attained-service (Autellix,
 arXiv 2502.13965), progressive priority and presorted-DP placement (Heddle, arXiv
 2603.28101, sections 4-5), C-MLFQ buckets (Libra, arXiv 2606.03077, section 4).
@@ -71,6 +72,68 @@ class LeastLoadedPlacer(_Base):
         return least_loaded(slots, snap)
 
 
+class CacheAwarePlacer(_Base):
+    """slime's routing: the SGLang router's ``cache_aware`` policy (sgl-router defaults).
+
+    The router keeps an approximate prefix tree per worker of the requests it sent there.
+    If the pool is imbalanced (max - min running > ``balance_abs`` *and* max > min *
+    ``balance_rel``) the call goes to the least-loaded worker. Otherwise it goes to the
+    worker with the longest prefix match if ``matched / prompt > cache_threshold``, else
+    to the worker whose tree is smallest (most cache room). The tree is modelled from what
+    the gateway sees: a trajectory's earlier prompts (its context) and its group's shared
+    first prompt, per worker; no engine state is read.
+    """
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs: int = 64,
+                 balance_rel: float = 1.5) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self._traj: dict[str, dict[str, int]] = {}  # worker -> trajectory -> tokens sent
+        self._group: dict[str, set[str]] = {}  # worker -> prompt ids sent there
+        self._prompt_len: dict[str, int] = {}  # prompt id -> first prompt's tokens
+        self._size: dict[str, int] = {}  # worker -> tokens in its tree
+
+    def _match(self, iid: str, call: PendingCall, traj: TrajectoryView) -> int:
+        own = self._traj.get(iid, {}).get(traj.id, 0)
+        shared = (self._prompt_len.get(traj.prompt_id, 0)
+                  if traj.prompt_id in self._group.get(iid, ()) else 0)
+        return min(call.context_tokens, max(own, shared))
+
+    def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+               slots: Slots, snap: Snapshot) -> str | None:
+        up = [i for i in snap.instances if i.state == "up"]
+        if not up:
+            return None
+        loads = [i.running for i in up]
+        hi, lo = max(loads), min(loads)
+        target: str | None
+        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+            target = least_loaded(slots, snap)
+        else:
+            best = max(up, key=lambda i: (self._match(i.id, call, traj), i.id))
+            rate = self._match(best.id, call, traj) / max(1, call.context_tokens)
+            if rate > self.cache_threshold:
+                target = best.id
+            else:
+                target = min(up, key=lambda i: (self._size.get(i.id, 0), i.running,
+                                                i.id)).id
+            if target not in slots.free:
+                target = least_loaded(slots, snap)
+        if target is not None:
+            self._insert(target, call, traj)
+        return target
+
+    def _insert(self, iid: str, call: PendingCall, traj: TrajectoryView) -> None:
+        self._prompt_len.setdefault(traj.prompt_id, call.context_tokens)
+        sent = self._traj.setdefault(iid, {})
+        before = sent.get(traj.id, 0)
+        grew = max(0, call.context_tokens - max(before, self._match(iid, call, traj)))
+        sent[traj.id] = max(before, call.context_tokens)
+        self._group.setdefault(iid, set()).add(traj.prompt_id)
+        self._size[iid] = self._size.get(iid, 0) + grew
+
+
 class RoundRobinPlacer(_Base):
     """Next instance (by id order) that has a free slot."""
 
@@ -84,7 +147,8 @@ class RoundRobinPlacer(_Base):
 
 
 class StickyPlacer(_Base):
-    """verl: a trajectory stays where its first call went (prefix cache reuse).
+    """verl: a trajectory stays where its first call went (prefix cache reuse); new
+    trajectories are dealt round robin.
 
     With ``rebalance`` (verl*), it leaves its instance when that one is full and the
     max/min load gap exceeds the threshold; otherwise it waits for its instance.
@@ -92,12 +156,16 @@ class StickyPlacer(_Base):
 
     def __init__(self, rebalance: int | None = None) -> None:
         self.rebalance = rebalance
+        self._counter = itertools.count()
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
         home = snap.instance(traj.instance)
         if home is None or home.state != "up":
-            return least_loaded(slots, snap)
+            # a new trajectory (or one whose instance left): round robin, as verl's
+            # async rollout manager assigns new requests to servers
+            ids = sorted(slots.free)
+            return ids[next(self._counter) % len(ids)] if ids else None
         if home.id in slots.free:
             return home.id
         if self.rebalance is None:
@@ -145,7 +213,8 @@ class CMLFQPlacer(_Base):
     New trajectories start in the smallest bucket. When a fresh prediction is available
     (after each tool return), the buckets of its mean and of its P90 are computed; the
     trajectory moves only when both agree and differ from its current bucket (moves may
-    skip levels, up or down). Within a bucket: least-loaded. A full bucket holds the call.
+    skip levels, up or down). Within a bucket: least-loaded. A full bucket falls back to
+    the other buckets (nearest first), then to the least-loaded instance anywhere.
     """
 
     def __init__(self, thresholds: Mapping[int, int]) -> None:
@@ -184,5 +253,8 @@ class CMLFQPlacer(_Base):
                 ids = {i.id for i in snap.instances if i.tp == tp and i.state == "up"}
                 if traj.instance in ids and traj.instance in slots.free:
                     return traj.instance
-                return least_loaded(slots, snap, ids)
+                got = least_loaded(slots, snap, ids)
+                if got is not None:
+                    return got
+        # every bucket full: the least-loaded instance anywhere (Libra's router fallback)
         return least_loaded(slots, snap)

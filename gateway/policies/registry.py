@@ -1,8 +1,12 @@
 """Named policies: ``get_policy(name)`` builds a fresh :class:`ComposedPolicy`.
 
 Each name is a combination of mechanisms from ``placement``, ``resources`` and the
-predictors; see ``docs/policies.md`` for the table. Only ``oracle`` may be given the
-truth, through ``oracle_truth``, and it is labelled as an upper bound.
+predictors; see ``docs/policies.md`` for the table. Only ``ours-perfect`` (ours with a
+perfect length predictor) may be given the truth, through ``oracle_truth``; it is *not*
+an upper bound (it knows nothing about tool time and still schedules online).
+
+Static layouts: a baseline name with a ``-tpN`` suffix (``slime-tp4``, ``verl-tp8``) runs
+that routing on a uniform TP-N pool, whatever ``tp`` says.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from gateway.policies.libra import LibraPlanner
 from gateway.policies.ours import BlendPredictor
 from gateway.policies.placement import (
     FCFS,
+    CacheAwarePlacer,
     CMLFQPlacer,
     LeastAttainedService,
     LeastLoadedPlacer,
@@ -30,24 +35,31 @@ from gateway.policies.tree import CausalTree
 
 #: Libra's example thresholds for Qwen3-14B (remaining tokens per bucket).
 LIBRA_THRESHOLDS = {1: 4000, 2: 12000, 4: 30000}
-LIBRA_INITIAL = {1: 0.5, 2: 0.25, 4: 0.25}
+#: Libra's layout per 8-GPU node, instances [1, 1, 2, 4]: a quarter of the GPUs at TP1,
+#: a quarter at TP2, half at TP4 (at 64 GPUs: 16 TP1 + 8 TP2 + 8 TP4 instances).
+LIBRA_INITIAL = {1: 0.25, 2: 0.25, 4: 0.5}
 OURS_INITIAL = {4: 0.25}
 
 POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
-                "heddle-learned", "libra", "ours", "oracle")
+                "heddle-learned", "libra", "ours", "ours-perfect")
+BASELINES = ("slime", "verl", "verl-star", "round-robin", "las")
+STATIC_TPS = (1, 2, 4, 8)
+#: Every static-layout name (``slime-tp1`` ... ``verl-tp8``) ``get_policy`` accepts.
+STATIC_NAMES = tuple(f"{b}-tp{t}" for b in BASELINES for t in STATIC_TPS)
+ALL_NAMES = POLICY_NAMES + STATIC_NAMES
 
 
-def _baseline(name: str, tp: int) -> ComposedPolicy:
+def _baseline(name: str, tp: int, label: str | None = None) -> ComposedPolicy:
     planner = UniformPlanner(tp)
     if name == "slime":
-        return ComposedPolicy(name, FCFS(), LeastLoadedPlacer(), planner)
+        return ComposedPolicy(label or name, FCFS(), CacheAwarePlacer(), planner)
     if name == "verl":
-        return ComposedPolicy(name, FCFS(), StickyPlacer(), planner)
+        return ComposedPolicy(label or name, FCFS(), StickyPlacer(), planner)
     if name == "verl-star":
-        return ComposedPolicy(name, FCFS(), StickyPlacer(rebalance=4), planner)
+        return ComposedPolicy(label or name, FCFS(), StickyPlacer(rebalance=4), planner)
     if name == "round-robin":
-        return ComposedPolicy(name, FCFS(), RoundRobinPlacer(), planner)
-    return ComposedPolicy(name, LeastAttainedService(), LeastLoadedPlacer(), planner)
+        return ComposedPolicy(label or name, FCFS(), RoundRobinPlacer(), planner)
+    return ComposedPolicy(label or name, LeastAttainedService(), LeastLoadedPlacer(), planner)
 
 
 def _heddle(name: str, seed: int) -> ComposedPolicy:
@@ -65,8 +77,11 @@ def _libra() -> ComposedPolicy:
 def get_policy(name: str, *, tp: int = 1, seed: int = 0,
                oracle_truth: Callable[[str, int], int] | None = None) -> Policy:
     """A fresh policy object by name; ``tp`` is the uniform TP of the baselines."""
-    if name in ("slime", "verl", "verl-star", "round-robin", "las"):
+    if name in BASELINES:
         return _baseline(name, tp)
+    base, _, suffix = name.rpartition("-tp")
+    if base in BASELINES and suffix.isdigit() and int(suffix) in STATIC_TPS:
+        return _baseline(base, int(suffix), name)
     if name in ("heddle", "heddle-learned"):
         return _heddle(name, seed)
     if name == "libra":
@@ -75,11 +90,11 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return ComposedPolicy("ours", ProgressivePriority(), PresortedDPPlacer(),
                               JointPlanner(OURS_INITIAL), BlendPredictor(),
                               GainMigrator(locality=True))
-    if name == "oracle":
+    if name == "ours-perfect":
         if oracle_truth is None:
-            raise ValueError("the oracle policy needs oracle_truth (benchmark hints)")
-        return ComposedPolicy("oracle", ProgressivePriority(), PresortedDPPlacer(),
+            raise ValueError("ours-perfect needs oracle_truth (the benchmark's hidden lengths)")
+        return ComposedPolicy("ours-perfect", ProgressivePriority(), PresortedDPPlacer(),
                               JointPlanner(OURS_INITIAL), OraclePredictor(oracle_truth),
                               GainMigrator(locality=True),
-                              label="oracle (upper bound)")
+                              label="ours + perfect predictor")
     raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")

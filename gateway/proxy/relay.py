@@ -236,9 +236,11 @@ class Proxy:
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
         if door is not None:
             outcomes = door.adjust_outcomes(outcomes)
+        seq = self.rt.tracker.call_arrived(state, outcomes, time.time())
+        self.rt.dispatcher.scheduler.call_arrived(state)
         ctx = CallContext(
             id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
-            seq=self.rt.tracker.call_arrived(state, outcomes, time.time()),
+            seq=seq,
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
             headers={"x-trajectory-id": ident.trajectory_id}, door=door,

@@ -117,7 +117,43 @@ def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway
         assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"
-        assert httpx.put(f"{gw}/admin/policy", json={"policy": "oracle"},
+        assert httpx.put(f"{gw}/admin/policy", json={"policy": "ours-perfect"},
                          headers=hdr).status_code == 400
         assert httpx.put(f"{gw}/admin/policy", json={"policy": "slime"}).status_code == 401
         assert call(99) == 200
+
+
+class _Spy:
+    """Wraps a policy; records every view ``observe`` is given."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.seen: list[tuple[str, tuple[str, ...], str]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def observe(self, traj, groups, now) -> None:  # type: ignore[no-untyped-def]
+        self.seen.append((traj.id, traj.outcomes, traj.phase.value))
+        self.inner.observe(traj, groups, now)  # type: ignore[attr-defined]
+
+
+def test_policy_learns_tool_results_when_the_call_arrives_and_at_finish():
+    """The relay hands each arriving call's parsed tool results to the scheduler, which
+    lets the policy observe them before the call is queued (as the simulator does when
+    a tool gap ends); the final observe still sees the outcomes."""
+    from gateway.trajectories.tools import ToolOutcome
+
+    sched, _, tracker = _scheduler()
+    spy = _Spy(sched.policy)
+    sched.policy = spy  # type: ignore[assignment]
+    st = tracker.touch("t", "g", time.time())
+    tracker.call_arrived(st, [], time.time())
+    sched.call_arrived(st)
+    result = ToolOutcome("bash", 900, "medium", "failure")
+    tracker.call_arrived(st, [result], time.time())
+    sched.call_arrived(st)
+    assert spy.seen[-1][:2] == ("t", (result.state,))
+    tracker.finish("t", 1.0, time.time())
+    sched.trajectory_finished(st)
+    assert spy.seen[-1] == ("t", (result.state,), "finished")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.policies.base import Dispatch, Policy
+from gateway.policies.base import Dispatch, PendingCall, Policy
 from gateway.policies.registry import POLICY_NAMES, get_policy
 from tests.policies.fakes import call, inst, snapshot, traj
 
@@ -27,13 +27,46 @@ def test_every_policy_dispatches_each_call_at_most_once_and_within_caps(name: st
     assert len(out) == 6  # every free slot used: no policy idles GPUs with work queued
 
 
-def test_slime_is_fcfs_and_least_loaded() -> None:
+def test_slime_is_fcfs_and_starts_on_the_emptiest_cache() -> None:
     policy = get_policy("slime")
     snap = snapshot(10.0, [inst("a", running=3), inst("b", running=1)],
                     [traj("late"), traj("early")])
     out = policy.schedule(snap, [call("late", t=9.0), call("early", t=1.0)])
     assert out[0] == Dispatch("early#0", "b", 1)
     assert [d.key for d in out] == ["early#0", "late#0"]
+
+
+def test_slime_routes_by_prefix_match_until_the_pool_is_imbalanced() -> None:
+    """sgl-router cache_aware: follow-up calls and group siblings go where their prefix
+    was sent, even to the busier worker; past |max-min| > 64 and max > 1.5 min, the call
+    goes to the least-loaded worker instead."""
+    policy = get_policy("slime")
+    pool = [inst("a", cap=256), inst("b", running=2, cap=256)]
+    first = policy.schedule(snapshot(0.0, pool, [traj("t")]), [call("t")])
+    assert first == [Dispatch("t#0", "a", 0)]
+    busy_a = [inst("a", running=30, cap=256), inst("b", running=2, cap=256)]
+    follow = PendingCall("t#1", "t", 1, 1600, 5.0)  # context 1000 + tool result
+    snap = snapshot(5.0, busy_a, [traj("t", turns=1, instance="a"), traj("sib")])
+    out = policy.schedule(snap, [follow, call("sib", t=6.0)])
+    assert [(d.key, d.instance) for d in out] == [("t#1", "a"), ("sib#0", "a")]
+    # a prompt nobody has seen goes to the worker with the smallest tree
+    fresh = policy.schedule(snapshot(7.0, busy_a, [traj("new", group="g9")]), [call("new")])
+    assert fresh[0].instance == "b"
+    imbalanced = [inst("a", running=100, cap=256), inst("b", running=20, cap=256)]
+    again = PendingCall("t#2", "t", 2, 2400, 9.0)
+    out = policy.schedule(snapshot(9.0, imbalanced, [traj("t", turns=2, instance="a")]),
+                          [again])
+    assert out[0].instance == "b"
+
+
+def test_static_layout_names_fix_the_pool_tp() -> None:
+    for base in ("slime", "verl"):
+        for tp in (1, 2, 4, 8):
+            p = get_policy(f"{base}-tp{tp}")
+            assert p.initial_layout(64) == (tp,) * (64 // tp)
+            assert p.name == f"{base}-tp{tp}"
+    with pytest.raises(ValueError):
+        get_policy("slime-tp3")
 
 
 def test_verl_sticks_and_waits_for_its_instance() -> None:
@@ -71,7 +104,16 @@ def test_unknown_policy_lists_names() -> None:
         get_policy("nope")
 
 
-def test_oracle_needs_truth() -> None:
+def test_perfect_predictor_needs_truth_and_is_not_called_a_bound() -> None:
     with pytest.raises(ValueError, match="oracle_truth"):
-        get_policy("oracle")
-    assert "upper bound" in _policy("oracle").label
+        get_policy("ours-perfect")
+    label = _policy("ours-perfect").label
+    assert label == "ours + perfect predictor" and "bound" not in label
+
+
+def test_verl_deals_new_trajectories_round_robin() -> None:
+    """New trajectories go round robin (least-loaded would put both on ``a``)."""
+    policy = get_policy("verl")
+    snap = snapshot(0.0, [inst("a"), inst("b", running=3)], [traj("x"), traj("y")])
+    out = policy.schedule(snap, [call("x", t=0.0), call("y", t=1.0)])
+    assert sorted(d.instance for d in out) == ["a", "b"]

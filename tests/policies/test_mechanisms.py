@@ -83,6 +83,18 @@ def test_cmlfq_moves_only_when_mean_and_p90_buckets_agree() -> None:
                          snap) == "t4"
 
 
+def test_cmlfq_falls_back_to_the_nearest_bucket_then_anywhere_when_full() -> None:
+    """Libra's router: a full bucket does not hold the call; it goes to the nearest
+    bucket with room, and when every bucket is full to the least-loaded instance."""
+    placer = CMLFQPlacer({1: 4000, 2: 12000, 4: 30000})
+    full_t1 = [inst("t1", 1, running=4), inst("t2", 2, running=1), inst("t4", 4, running=3)]
+    snap = snapshot(0.0, full_t1, [traj("x")])
+    assert placer.choose(call("x"), traj("x"), None, Slots.of(snap), snap) == "t2"
+    only_t4 = [inst("t1", 1, running=4), inst("t2", 2, running=4), inst("t4", 4, running=3)]
+    snap = snapshot(0.0, only_t4, [traj("y")])
+    assert placer.choose(call("y"), traj("y"), None, Slots.of(snap), snap) == "t4"
+
+
 def test_dp_gives_the_longest_trajectories_the_fastest_instance() -> None:
     speeds = [SPEEDS[4], SPEEDS[1], SPEEDS[1]]
     units = units_of([30000.0, 2000.0, 1500.0, 1000.0, 900.0])

@@ -166,4 +166,5 @@ def test_natural_length_stops_with_eos_reason() -> None:
 def test_unknown_profile_lists_the_available_ones() -> None:
     with pytest.raises(ValueError, match=r"available: .*qwen3-14b/H100/tp1"):
         load_profile("gpt-5", "H100", 1)
-    assert load_profile("QWEN3-14B", "h100", 8).tp_factor > 1.0
+    tp8 = load_profile("QWEN3-14B", "h100", 8)
+    assert tp8.tp_comm_ms(1) > 0.0 == load_profile("qwen3-14b", "H100", 1).tp_comm_ms(1)

@@ -1,0 +1,153 @@
+"""How RL runs: K steps over a resampled prompt pool, several seeds, intervals.
+
+A step is one rollout batch: ``prompts`` prompts drawn from a pool of ``pool_factor x
+prompts`` (without replacement within a step, independently across steps), each sampled
+``group_size`` times. A prompt keeps its difficulty and prompt length across steps (it is
+the same task), its samples are new every step, and trajectory ids are reused the way an
+RL loop reuses them (``<prompt>-<sample>``), so a policy meets the same ids and prompt ids
+again. One policy object serves all K steps of a run (predictor history, Libra's tree,
+router trees carry over); each step starts from the policy's initial layout on a clock
+that continues where the last step ended.
+
+``run_seeds`` runs seeds in parallel processes and reports, per policy, the mean makespan
+over steps 2..K (step 1 is cold) with a 95% Student-t interval across seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from bench.simulator.des import SimConfig, Simulator
+from bench.simulator.metrics import critical_path, gpu_work
+from bench.simulator.speeds import profiles, speeds
+from bench.workloads import TrajectorySpec, _turns, draw, load_workloads
+from gateway.policies.registry import get_policy
+
+#: two-sided 95% Student-t quantiles by degrees of freedom (df > 30: normal)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(df: int) -> float:
+    if df <= 0:
+        return math.inf
+    best = max(k for k in T95 if k <= df) if df <= 30 else 0
+    return T95[best] if best else 1.96
+
+
+def interval(xs: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval); half-width inf for one sample."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.inf
+    return m, t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def generate_step(name: str, seed: int, step: int, *, prompts: int | None = None,
+                  group_size: int | None = None, pool_factor: int = 4,
+                  max_context: int = 65536) -> list[TrajectorySpec]:
+    """Step ``step`` (0-based) of a run: prompts drawn from the seed's pool."""
+    table = load_workloads()
+    if name not in table:
+        raise ValueError(f"unknown workload {name!r}; available: {', '.join(sorted(table))}")
+    w = table[name]
+    n_prompts = prompts or w["prompts"]
+    size = group_size or w["group_size"]
+    picks = random.Random(f"{seed}:{name}:step{step}").sample(
+        range(n_prompts * pool_factor), n_prompts)
+    out: list[TrajectorySpec] = []
+    for p in sorted(picks):
+        task = random.Random(f"{seed}:{name}:{p}")  # the prompt itself: same every step
+        u = math.exp(0.5 * task.gauss(0.0, 1.0))
+        prompt = max(16, round(draw(task, w["prompt_tokens"])[0]))
+        rng = random.Random(f"{seed}:{name}:{p}:{step}")  # this step's samples
+        for m in range(size):
+            setup = draw(rng, w["setup_s"])[0] if "setup_s" in w else 0.0
+            reward = draw(rng, w["reward_s"])[0] if "reward_s" in w else 0.0
+            out.append(TrajectorySpec(
+                id=f"{name}-p{p}-m{m}", group_id=f"g{p}", prompt_id=f"{name}-prompt-{p}",
+                prompt_index=p, prompt_tokens=prompt, setup_s=setup, reward_s=reward,
+                turns=_turns(rng, name, w, u, prompt, max_context)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepScenario:
+    workload: str
+    policy: str
+    seed: int = 1
+    steps: int = 5
+    gpus: int = 64
+    model: str = "qwen3-14b"
+    gpu: str = "H100"
+    prompts: int | None = None
+    group_size: int | None = None
+    pool_factor: int = 4
+
+
+@dataclass(slots=True)
+class StepRun:
+    scenario: StepScenario
+    makespans: list[float] = field(default_factory=list)
+    lb_critical: list[float] = field(default_factory=list)  # longest trajectory, best TP
+    lb_work: list[float] = field(default_factory=list)  # total work / GPUs
+    migrations: int = 0
+    reconfigurations: int = 0
+
+
+def run_steps(sc: StepScenario) -> StepRun:
+    """One seed: K steps under one policy object."""
+    max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
+    profs = profiles(sc.model, sc.gpu, None, max_tp)
+    cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed)
+    truth: dict[str, int] = {}
+    oracle = (lambda tid, gen: truth[tid] - gen) if sc.policy == "ours-perfect" else None
+    policy = get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle)
+    run, t0 = StepRun(sc), 0.0
+    for k in range(sc.steps):
+        specs = generate_step(sc.workload, sc.seed, k, prompts=sc.prompts,
+                              group_size=sc.group_size, pool_factor=sc.pool_factor)
+        truth.clear()
+        truth.update({s.id: s.total_output for s in specs})
+        sim = Simulator(specs, policy, cfg, start_s=t0)
+        end = sim.run()
+        run.makespans.append(end - t0)
+        run.lb_critical.append(max(min(critical_path(s, p) for p in profs.values())
+                                   for s in specs))
+        run.lb_work.append(sum(gpu_work(s, profs[1]) for s in specs) / sc.gpus)
+        run.migrations += sim.stats.migrations
+        run.reconfigurations += sim.stats.reconfigurations
+        t0 = end + 1.0  # the trainer's step (not modelled) separates rollouts
+    return run
+
+
+def run_seeds(base: StepScenario, policies: Sequence[str], seeds: Sequence[int],
+              jobs: int = 2) -> dict[str, list[StepRun]]:
+    todo = [replace(base, policy=p, seed=s) for p in policies for s in seeds]
+    with ProcessPoolExecutor(max_workers=jobs) as ex:
+        runs = list(ex.map(run_steps, todo))
+    out: dict[str, list[StepRun]] = {p: [] for p in policies}
+    for r in runs:
+        out[r.scenario.policy].append(r)
+    return out
+
+
+def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[str, float]]:
+    """Per policy: mean makespan over steps ``skip+1..K`` per seed, then mean and 95% CI
+    across seeds; the lower bound's two components likewise."""
+    out: dict[str, dict[str, float]] = {}
+    for name, rs in runs.items():
+        per_seed = [statistics.fmean(r.makespans[skip:] or r.makespans) for r in rs]
+        crit = [statistics.fmean(r.lb_critical[skip:] or r.lb_critical) for r in rs]
+        work = [statistics.fmean(r.lb_work[skip:] or r.lb_work) for r in rs]
+        m, h = interval(per_seed)
+        out[name] = {"mean_s": m, "ci95_s": h, "seeds": len(rs),
+                     "lb_critical_s": statistics.fmean(crit), "lb_work_s": statistics.fmean(work),
+                     "migrations": statistics.fmean(r.migrations for r in rs),
+                     "reconfigurations": statistics.fmean(r.reconfigurations for r in rs)}
+    return out
