@@ -38,6 +38,12 @@ def sim(
     cap_per_gpu: Annotated[int | None, typer.Option(
         help="gateway concurrency cap per GPU (default: none; the engine admits up to "
              "max_num_seqs=256 per instance, by token budget and KV room)")] = None,
+    weight_update_every: Annotated[float | None, typer.Option(
+        help="simulate a weight update every N seconds (default: none)")] = None,
+    weight_update_mode: Annotated[str, typer.Option(
+        help="wait | keep | abort-and-continue (docs/weight-updates.md)")] = "wait",
+    weight_update_s: Annotated[float, typer.Option(
+        help="seconds the update itself takes, engines paused (an assumption)")] = 5.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
@@ -45,6 +51,7 @@ def sim(
 
     from bench.reports.sim_table import table
     from bench.simulator.run import Bench, Scenario
+    from bench.simulator.weights import check_schedule
     from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
     names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
@@ -52,7 +59,13 @@ def sim(
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
                                  " and static layouts such as slime-tp4, verl-tp8")
-    sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu)
+    try:
+        check_schedule(weight_update_every, weight_update_mode, weight_update_s)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu,
+                  weight_update_every_s=weight_update_every,
+                  weight_update_mode=weight_update_mode, weight_update_s=weight_update_s)
     console = Console()
     if not console.is_terminal:
         console = Console(width=170)
