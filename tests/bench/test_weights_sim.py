@@ -117,3 +117,17 @@ def test_cli_reports_weight_updates(tmp_path: Path) -> None:
     bad = CliRunner().invoke(bench_app, ["sim", "--weight-update-every", "20",
                                          "--weight-update-mode", "nope"])
     assert bad.exit_code != 0 and "weight update mode" in bad.output
+
+
+def test_steps_carry_the_schedule() -> None:
+    from bench.simulator.steps import StepScenario, run_steps, summarize
+
+    sc = StepScenario("math-code", "slime", steps=2, gpus=8, prompts=2, group_size=2,
+                      weight_update_every_s=20.0, weight_update_mode="abort-and-continue")
+    run = run_steps(sc)
+    assert len(run.weights) == 2 and all(w["updates"] >= 1 for w in run.weights)
+    row = summarize({"slime": [run]})["slime"]
+    assert row["w_updates"] == run.weights[1]["updates"]
+    off = run_steps(replace(sc, weight_update_every_s=None))
+    assert off.weights == [] and all(
+        a < b for a, b in zip(off.makespans, run.makespans, strict=True))
