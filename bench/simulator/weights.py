@@ -74,7 +74,7 @@ class WeightStats:
     updates: int = 0  # completed updates (resumes) before the batch ended
     paused_s: float = 0.0  # gate closed, pause to resume, summed
     drain_s: float = 0.0  # pause to every engine idle, summed
-    resubmitted: int = 0  # requests recomputed (keep) or continued (abort) at a resume
+    resubmitted: int = 0  # running requests recomputed (keep), calls resubmitted (abort)
 
 
 @dataclass(slots=True)

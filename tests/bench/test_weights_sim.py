@@ -131,3 +131,24 @@ def test_steps_carry_the_schedule() -> None:
     off = run_steps(replace(sc, weight_update_every_s=None))
     assert off.weights == [] and all(
         a < b for a, b in zip(off.makespans, run.makespans, strict=True))
+
+
+def test_recompute_all_frees_kv_and_requests_finish_exactly() -> None:
+    from backends.sim.engine import EngineCore
+    from backends.sim.profiles import load_profile
+    from backends.sim.request import SimRequest
+
+    eng = EngineCore(load_profile("qwen3-14b", "H100", 1))
+    for i in range(2):
+        eng.add_request(SimRequest(f"r{i}", list(range(1, 100)), 50, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    before = {r.id: n for r, n in eng.live_requests()}
+    assert before == {"r0": 10, "r1": 10}
+    assert eng.recompute_all() == 2 and eng.num_running == 0 and eng.num_waiting == 2
+    assert eng.kv.reset_prefix_cache() and eng.kv.num_free == eng.kv.num_blocks
+    emitted: dict[str, int] = {}
+    while eng.has_work:
+        for rid, k in eng.step().emitted.items():
+            emitted[rid] = emitted.get(rid, 0) + k
+    assert emitted == {"r0": 40, "r1": 40}  # the rest, nothing repeated or lost
