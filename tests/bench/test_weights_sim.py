@@ -53,10 +53,10 @@ def test_every_mode_costs_makespan_and_counts_updates(runs: dict[str, Result]) -
     # keep and abort freeze at once (one step at most), so no update is ever late:
     # one per EVERY seconds that started before the batch ended
     for mode in ("keep", "abort-and-continue"):
-        w = runs[mode].weights
-        assert w is not None
-        assert w["updates"] == math.ceil(runs[mode].makespan_s / EVERY) - 1
-        assert w["drain_s"] < 0.2 * w["updates"]
+        ws = runs[mode].weights
+        assert ws is not None
+        assert ws["updates"] == math.ceil(runs[mode].makespan_s / EVERY) - 1
+        assert ws["drain_s"] < 0.2 * ws["updates"]
 
 
 def test_staleness_by_mode(runs: dict[str, Result]) -> None:
