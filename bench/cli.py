@@ -38,6 +38,12 @@ def sim(
     cap_per_gpu: Annotated[int | None, typer.Option(
         help="gateway concurrency cap per GPU (default: none; the engine admits up to "
              "max_num_seqs=256 per instance, by token budget and KV room)")] = None,
+    weight_update_every: Annotated[float | None, typer.Option(
+        help="simulate a weight update every N seconds (default: none)")] = None,
+    weight_update_mode: Annotated[str, typer.Option(
+        help="wait | keep | abort-and-continue (docs/weight-updates.md)")] = "wait",
+    weight_update_s: Annotated[float, typer.Option(
+        help="seconds the update itself takes, engines paused (an assumption)")] = 5.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
@@ -45,6 +51,7 @@ def sim(
 
     from bench.reports.sim_table import table
     from bench.simulator.run import Bench, Scenario
+    from bench.simulator.weights import check_schedule
     from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
     names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
@@ -52,7 +59,13 @@ def sim(
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
                                  " and static layouts such as slime-tp4, verl-tp8")
-    sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu)
+    try:
+        check_schedule(weight_update_every, weight_update_mode, weight_update_s)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu,
+                  weight_update_every_s=weight_update_every,
+                  weight_update_mode=weight_update_mode, weight_update_s=weight_update_s)
     console = Console()
     if not console.is_terminal:
         console = Console(width=170)
@@ -87,10 +100,17 @@ def steps(
         help="trajectories per GPU (sets the prompts per step)")] = None,
     group_size: Annotated[int | None, typer.Option()] = None,
     jobs: Annotated[int, typer.Option(help="seeds in parallel processes")] = 2,
+    weight_update_every: Annotated[float | None, typer.Option(
+        help="simulate a weight update every N seconds of each step (default: none)")] = None,
+    weight_update_mode: Annotated[str, typer.Option(
+        help="wait | keep | abort-and-continue (docs/weight-updates.md)")] = "wait",
+    weight_update_s: Annotated[float, typer.Option(
+        help="seconds the update itself takes, engines paused (an assumption)")] = 5.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """K-step RL runs over a resampled prompt pool, several seeds, 95% intervals."""
     from bench.simulator.steps import StepScenario, run_seeds, summarize
+    from bench.simulator.weights import check_schedule
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES
 
@@ -99,13 +119,18 @@ def steps(
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}")
+    try:
+        check_schedule(weight_update_every, weight_update_mode, weight_update_s)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     table = load_workloads()
     if workload not in table:
         raise typer.BadParameter(f"unknown workload {workload!r}")
     size = group_size or table[workload]["group_size"]
     prompts = max(1, per_gpu * gpus // size) if per_gpu else None
     base = StepScenario(workload, names[0], steps=steps_, gpus=gpus, prompts=prompts,
-                        group_size=group_size)
+                        group_size=group_size, weight_update_every_s=weight_update_every,
+                        weight_update_mode=weight_update_mode, weight_update_s=weight_update_s)
     res = summarize(run_seeds(base, names, range(1, seeds + 1), jobs))
     static = {n: r for n, r in res.items() if "-tp" in n}
     best = min(static, key=lambda n: static[n]["mean_s"]) if static else None
@@ -114,7 +139,10 @@ def steps(
     for n, r in sorted(res.items(), key=lambda kv: kv[1]["mean_s"]):
         vs = (f"  best static/this {res[best]['mean_s'] / r['mean_s']:.2f}x"
               if best else "")
-        lines.append(f"  {n:14s} {r['mean_s']:8.1f} +- {r['ci95_s']:6.1f} s{vs}")
+        ws = (f"  updates {r['w_updates']:.1f}, paused {r['w_paused_s']:.0f} s, staleness "
+              f"mean {r['w_mean_staleness']:.2f} max {r['w_max_staleness']:.1f}, stale tokens "
+              f"{r['w_stale_token_frac']:.0%}" if "w_updates" in r else "")
+        lines.append(f"  {n:14s} {r['mean_s']:8.1f} +- {r['ci95_s']:6.1f} s{vs}{ws}")
     any_r = next(iter(res.values()))
     bind = "critical path" if any_r["lb_critical_s"] >= any_r["lb_work_s"] else "total work"
     lines.append(f"  lower bound: critical path {any_r['lb_critical_s']:.1f} s, total work / "

@@ -135,6 +135,19 @@ class EngineCore:
         self.num_aborted += 1
         return True
 
+    def live_requests(self) -> list[tuple[SimRequest, int]]:
+        """Every request not yet finished, with the tokens it has generated so far."""
+        return [(s.req, s.num_output) for s in self._by_id.values()]
+
+    def recompute_all(self) -> int:
+        """Send every running request back to waiting with its KV freed (it recomputes
+        prompt + tokens so far when scheduled again); returns how many were running."""
+        victims = list(self._running)
+        out = StepOutput(duration_s=0.0)
+        for seq in reversed(victims):  # pushed to the front: keep their order
+            self._preempt(seq, {}, out)
+        return len(victims)
+
     # ------------------------------------------------------------------ stepping
     def step(self, horizon_s: float = 0.0) -> StepOutput:
         """Run one scheduling step and report it; an idle engine returns a zero step.

@@ -151,6 +151,18 @@ class KVCache:
         self._ref.update(zip(tail_first, refs, strict=True))
         self._lru.update(dict.fromkeys(itertools.compress(tail_first, [r == 0 for r in refs])))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (new weights make old KV invalid).
+
+        Like vLLM's ``reset_prefix_cache``, refuses (False) while requests own blocks.
+        """
+        if len(self._lru) != len(self._ref):
+            return False
+        self._free_plain += len(self._lru)
+        self._lru.clear()
+        self._ref.clear()
+        return True
+
     def check_invariants(self, owned_plain: int) -> None:
         """Assert block conservation (tests): every block is free, cached or owned."""
         total = self._free_plain + len(self._ref) + owned_plain

@@ -31,6 +31,7 @@ from backends.sim.engine import EngineCore
 from backends.sim.profiles import LatencyProfile
 from backends.sim.request import SimRequest, StepOutput
 from bench.simulator.state import Instance, Traj
+from bench.simulator.weights import DEFAULT_UPDATE_S, WeightUpdater
 from bench.workloads import TrajectorySpec
 from gateway.policies.base import (
     GroupView,
@@ -44,7 +45,7 @@ from gateway.policies.base import (
     TrajectoryView,
 )
 
-READY, PLAN, UP, FINISH = 0, 1, 2, 3
+READY, PLAN, UP, FINISH, PAUSE, RESUME = 0, 1, 2, 3, 4, 5
 OVERHEAD_S = 0.005  # API server + tokenization per request (profile.request_overhead_ms)
 
 
@@ -59,6 +60,10 @@ class SimConfig:
     restart_s: float = 10.8
     max_fuse_s: float = 1.0
     seed: int = 0
+    # weight updates (bench/simulator/weights.py): every N s of the batch, None = off
+    weight_update_every_s: float | None = None
+    weight_update_mode: str = "wait"  # wait | keep | abort-and-continue
+    weight_update_s: float = DEFAULT_UPDATE_S  # the update itself, engines paused
 
 
 @dataclass(slots=True)
@@ -97,6 +102,9 @@ class Simulator:
         self._snap: Snapshot | None = None
         self._dirty = True
         self.bs = next(iter(cfg.profiles.values())).block_size
+        self.weights = (None if cfg.weight_update_every_s is None else WeightUpdater(
+            cfg.weight_update_every_s, cfg.weight_update_mode, cfg.weight_update_s,
+            start_s + cfg.weight_update_every_s))
 
     # ------------------------------------------------------------------ setup
     def _start_instance(self, tp: int) -> Instance:
@@ -124,6 +132,8 @@ class Simulator:
             self._push(self.start_s + tr.spec.setup_s, READY, tr)
         if self.policy.plan_interval_s:
             self._push(self.start_s + self.policy.plan_interval_s, PLAN, None)
+        if self.weights is not None:
+            self.push_pause(self.weights.next_due)
         while self.finished < len(self.trajs):
             self._next_event()
         return max(t.finished_at or 0.0 for t in self.trajs.values())
@@ -148,6 +158,8 @@ class Simulator:
         elif kind == PLAN:
             self._plan()
             self._dirty = True
+        elif kind in (PAUSE, RESUME):
+            self._weight_event(kind)
         else:
             assert isinstance(payload, tuple)
             for tp in payload:
@@ -205,7 +217,7 @@ class Simulator:
         # (a call arrives or ends, a trajectory moves, the layout changes): engine steps
         # alone do not free gateway slots, and re-sorting a long queue per step made
         # large batches quadratic.
-        if not self.pending or not self._dirty:
+        if not self.pending or not self._dirty or (self.weights and self.weights.gate_closed):
             return
         self._dirty = False
         snap = self.snapshot()
@@ -294,7 +306,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ engines
     def _kick(self, inst: Instance) -> None:
-        if inst.busy or not inst.engine.has_work:
+        if inst.busy or not inst.engine.has_work or (self.weights and self.weights.engines_paused):
             return
         horizon = self.cfg.max_fuse_s
         if self.ext:
@@ -308,6 +320,11 @@ class Simulator:
         inst.busy = False
         out = self.outputs.pop(inst.id)
         self.stats.preemptions += len(out.preempted)
+        if self.weights is not None:
+            for rid, n in out.emitted.items():
+                owner = self.req_owner[rid]
+                if owner:
+                    self.weights.record(owner, self.trajs[owner].turn, n)
         for rid, _ in out.finished:
             owner = self.req_owner.pop(rid)
             if owner:
@@ -319,6 +336,28 @@ class Simulator:
         self._schedule()
         if inst.state is InstanceState.UP:
             self._kick(inst)
+        if self.weights is not None:
+            self.weights.check_idle(self)
+
+    # ------------------------------------------------------------------ weight updates
+    def push_pause(self, t: float) -> None:
+        self._push(t, PAUSE, None)
+
+    def push_resume(self, t: float) -> None:
+        self._push(t, RESUME, None)
+
+    def _weight_event(self, kind: int) -> None:
+        assert self.weights is not None
+        if kind == PAUSE:
+            self.weights.pause(self)
+        else:
+            self.weights.resume(self)
+            self._dirty = True
+            for inst in self.instances.values():
+                self._kick(inst)
+        for inst in list(self.instances.values()):
+            if inst.state is InstanceState.DRAINING:
+                self._maybe_stopped(inst)
 
     # ------------------------------------------------------------------ layout
     def _plan(self) -> None:
@@ -347,6 +386,8 @@ class Simulator:
     def _maybe_stopped(self, inst: Instance) -> None:
         if inst.busy or inst.engine.has_work or inst.relayout is None:
             return
+        if self.weights is not None and self.weights.holds(inst.id):
+            return  # an aborted call is continued here after the resume
         change, left = self.relayouts[inst.relayout]
         left.discard(inst.id)
         del self.instances[inst.id]

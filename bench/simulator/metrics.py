@@ -33,6 +33,7 @@ class Result:
     rank_corr: float | None
     tail_recall: float | None
     wall_s: float
+    weights: dict[str, float] | None = None  # weight updates, when simulated (weights.py)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -129,4 +130,5 @@ def summarize(sim: Simulator, makespan: float, lb: float, wall_s: float) -> Resu
         durations[len(durations) // 2], durations[min(len(durations) - 1,
                                                       int(0.99 * len(durations)))],
         lb, sim.stats.migrations, sim.stats.reconfigurations, sim.stats.preemptions,
-        h / q if q else 0.0, corr, recall, wall_s)
+        h / q if q else 0.0, corr, recall, wall_s,
+        sim.weights.summary() if sim.weights is not None else None)

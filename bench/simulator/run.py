@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import Result, lower_bound, summarize
 from bench.simulator.speeds import profiles, speeds
+from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, generate
 from gateway.policies.registry import get_policy
 
@@ -25,6 +26,9 @@ class Scenario:
     group_size: int | None = None
     cap_per_gpu: int | None = None  # None: engine admission (max_num_seqs per instance)
     tp_penalty: float | None = None
+    weight_update_every_s: float | None = None  # bench/simulator/weights.py; None = off
+    weight_update_mode: str = "wait"
+    weight_update_s: float = DEFAULT_UPDATE_S
 
 
 class Bench:
@@ -46,7 +50,9 @@ class Bench:
         truth = self._truth if name == "ours-perfect" else None  # the only door to hidden lengths
         policy = get_policy(name, tp=sc.tp, seed=sc.seed, oracle_truth=truth)
         cfg = SimConfig(sc.gpus, self.profiles, self.speeds, cap_per_gpu=sc.cap_per_gpu,
-                        seed=sc.seed)
+                        seed=sc.seed, weight_update_every_s=sc.weight_update_every_s,
+                        weight_update_mode=sc.weight_update_mode,
+                        weight_update_s=sc.weight_update_s)
         started = time.perf_counter()
         sim = Simulator(self.specs, policy, cfg, progress)
         makespan = sim.run()

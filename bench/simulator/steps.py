@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path, gpu_work
 from bench.simulator.speeds import profiles, speeds
+from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, _turns, draw, load_workloads
 from gateway.policies.registry import get_policy
 
@@ -88,6 +89,9 @@ class StepScenario:
     prompts: int | None = None
     group_size: int | None = None
     pool_factor: int = 4
+    weight_update_every_s: float | None = None  # per step, from its start (weights.py)
+    weight_update_mode: str = "wait"
+    weight_update_s: float = DEFAULT_UPDATE_S
 
 
 @dataclass(slots=True)
@@ -98,13 +102,16 @@ class StepRun:
     lb_work: list[float] = field(default_factory=list)  # total work / GPUs
     migrations: int = 0
     reconfigurations: int = 0
+    weights: list[dict[str, float]] = field(default_factory=list)  # per step, when simulated
 
 
 def run_steps(sc: StepScenario) -> StepRun:
     """One seed: K steps under one policy object."""
     max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
     profs = profiles(sc.model, sc.gpu, None, max_tp)
-    cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed)
+    cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed,
+                    weight_update_every_s=sc.weight_update_every_s,
+                    weight_update_mode=sc.weight_update_mode, weight_update_s=sc.weight_update_s)
     truth: dict[str, int] = {}
     oracle = (lambda tid, gen: truth[tid] - gen) if sc.policy == "ours-perfect" else None
     policy = get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle)
@@ -122,6 +129,8 @@ def run_steps(sc: StepScenario) -> StepRun:
         run.lb_work.append(sum(gpu_work(s, profs[1]) for s in specs) / sc.gpus)
         run.migrations += sim.stats.migrations
         run.reconfigurations += sim.stats.reconfigurations
+        if sim.weights is not None:
+            run.weights.append(sim.weights.summary())
         t0 = end + 1.0  # the trainer's step (not modelled) separates rollouts
     return run
 
@@ -150,4 +159,8 @@ def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[s
                      "lb_critical_s": statistics.fmean(crit), "lb_work_s": statistics.fmean(work),
                      "migrations": statistics.fmean(r.migrations for r in rs),
                      "reconfigurations": statistics.fmean(r.reconfigurations for r in rs)}
+        if rs and rs[0].weights:  # per step, averaged over the reported steps and seeds
+            out[name].update({f"w_{k}": statistics.fmean(
+                w[k] for r in rs for w in (r.weights[skip:] or r.weights))
+                for k in rs[0].weights[0]})
     return out
