@@ -19,13 +19,13 @@ hidden length: the inputs are finished trajectories' observed counters.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from gateway.policies.base import (
     GroupView,
-    Phase,
     PendingCall,
+    Phase,
     Prediction,
     Relayout,
     Slots,
@@ -34,6 +34,7 @@ from gateway.policies.base import (
     TrajectoryView,
 )
 from gateway.policies.compose import least_loaded
+from gateway.policies.placement import FCFS, CacheAwarePlacer, ProgressivePriority
 from gateway.policies.resources import uniform_layout
 
 
@@ -51,6 +52,7 @@ class LanePlacer:
     def __init__(self, k: int = 8, planner: LanePlanner | None = None) -> None:
         self.k = k
         self.planner = planner  # when given, its ``lane_on`` switches the lane off
+        self.plain = CacheAwarePlacer()  # without a lane: exactly the slime baseline's routing
         self._lane: str | None = None
         self._members: set[str] = set()
 
@@ -72,14 +74,15 @@ class LanePlacer:
                 and snap.trajectories[t].phase is not Phase.FINISHED]
         live.sort(key=lambda t: (-preds[t].mean, t))
         self._members = set(live[:self.k])
+        if self.planner is not None:
+            for tid in self._members:
+                self.planner.joined_lane(tid, snap.trajectories[tid].generated_tokens)
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
         lane = self._lane
         if lane is None or snap.instance(lane) is None:
-            if traj.instance in slots.free:
-                return traj.instance
-            return least_loaded(slots, snap)
+            return self.plain.choose(call, traj, pred, slots, snap)
         if traj.id in self._members and lane in slots.free:
             return lane
         lane_view = snap.instance(lane)
@@ -103,6 +106,33 @@ class StepLoad:
     tokens: int = 0  # generated tokens, all trajectories
     longest_tokens: int = 0  # generated tokens of the trajectory that ran longest
     longest_tool_s: float = 0.0
+    last_id: str = ""  # the trajectory that finished last (it set the makespan)
+    last_tokens: int = 0
+    lane_joins: dict[str, int] = field(default_factory=dict)  # id -> tokens when it joined
+
+    @property
+    def lane_caught_straggler(self) -> bool:
+        """The trajectory that finished last joined the lane with at least half of its
+        tokens still to generate."""
+        joined = self.lane_joins.get(self.last_id)
+        return joined is not None and joined <= self.last_tokens / 2
+
+
+class LanePriority:
+    """Longest predicted remaining first (Heddle's progressive priority) while the lane is
+    on; arrival order (the baselines' FCFS) when the planner switched it off, so a pool
+    without a lane is scheduled exactly as the slime baseline schedules it."""
+
+    def __init__(self, planner: LanePlanner) -> None:
+        self.planner = planner
+        self.lpt = ProgressivePriority()
+        self.fcfs = FCFS()
+
+    def key(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
+            now: float) -> float:
+        if self.planner.lane_on:
+            return self.lpt.key(call, traj, pred, now)
+        return self.fcfs.key(call, traj, pred, now)
 
 
 def lane_layout(gpus: int, bulk_tp: int) -> tuple[int, ...]:
@@ -118,46 +148,65 @@ def lane_layout(gpus: int, bulk_tp: int) -> tuple[int, ...]:
     return (lane,) + (uniform_layout(rest, min(bulk_tp, rest)) if rest else ())
 
 
-def estimate_makespan(layout: Sequence[int], load: StepLoad, speeds: Mapping[int, TPSpeed],
-                      lane_k: int | None) -> float:
-    """Crude makespan of ``load`` on ``layout``: max(straggler path, work / throughput).
+def bounds(load: StepLoad, gpus: int, speeds: Mapping[int, TPSpeed],
+           cap: int = 256) -> tuple[float, float]:
+    """(straggler, work) lower-bound estimates of a step like ``load`` on ``gpus`` GPUs.
 
-    The straggler decodes its tokens at its instance's step time: on the lane (the first
-    instance, ``lane_k`` given and more than one instance) with ``lane_k`` in its batch,
-    on a uniform pool alone on the fastest instance (the bulk ends long before it: the
-    optimistic case for the uniform layout, so the lane must win clearly to be chosen).
-    The work term is total tokens over the summed per-instance throughput ``n / step(n)``
-    at the bulk's even share per instance.
+    Straggler: the longest trajectory's tokens at the fastest lone decode, plus its tool
+    time. Work: all tokens over the pool's best throughput, each TP at its per-instance
+    share of the trajectories (at most ``cap``, the engine's ``max_num_seqs``), with the
+    fitted linear interference ``n / step(n)``. Both are what ``bench steps`` prints as
+    the lower bound, from observed counters instead of the hidden lengths.
     """
-    if not layout or any(tp not in speeds for tp in layout):
-        return math.inf
-    laned = lane_k is not None and len(layout) > 1
-    bulk = list(layout[1:] if laned else layout)
-    lane_n = min(lane_k or 0, load.trajectories) if laned else 0
-    per_inst = max(1, round((load.trajectories - lane_n) / len(bulk)))
-    if laned:
-        straggler = load.longest_tokens * speeds[layout[0]].step_s(max(1, lane_n))
-    else:
-        straggler = load.longest_tokens * speeds[max(bulk)].step_s(1)
-    rate = sum(per_inst / speeds[tp].step_s(per_inst) for tp in bulk)
-    if lane_n:
-        rate += lane_n / speeds[layout[0]].step_s(lane_n)
-    return max(straggler + load.longest_tool_s, load.tokens / rate)
+    straggler = load.longest_tokens * min(s.step_s(1) for s in speeds.values())
+    rates = []
+    for tp, sp in speeds.items():
+        if tp > gpus:
+            continue
+        n = max(1, min(cap, round(load.trajectories * tp / gpus)))
+        rates.append(gpus // tp * n / sp.step_s(n))
+    work = load.tokens / max(rates) if rates else math.inf
+    return straggler + load.longest_tool_s, work
+
+
+def work_layout(gpus: int, speeds: Mapping[int, TPSpeed], per_gpu: float,
+                cap: int = 256) -> tuple[int, ...]:
+    """The uniform layout with the highest fitted throughput at ``per_gpu`` load."""
+    def rate(tp: int) -> float:
+        n = max(1, min(cap, round(per_gpu * tp)))
+        return gpus // tp * n / speeds[tp].step_s(n)
+    best = max((tp for tp in speeds if tp <= gpus), key=lambda tp: (rate(tp), tp))
+    return uniform_layout(gpus, best)
 
 
 class LanePlanner:
-    """Per-step layout: the lane layout or a uniform one, from the last step's load.
+    """Per-step layout from the last step's observed load (``observe`` counts finished
+    trajectories; a new step is detected when ``initial_layout`` is called again, as the
+    driver starts each batch with it).
 
-    ``observe`` is fed by the policy when a trajectory finishes; a new step is
-    detected when ``initial_layout`` is called again (the driver starts each batch with
-    it). Step 1 (nothing learned) takes the lane layout. No relayout inside a step: the
-    lane is already the high-TP instance the straggler needs.
+    The default is the lane layout (:func:`lane_layout`: all GPUs at the highest TP, the
+    first instance the lane): with nothing learned, and whenever the last step's
+    straggler bound was at least its work bound, because one high-TP instance serves a
+    straggler fastest (with 8 GPUs this *is* the best static layout, so the policy cannot
+    lose to it there by more than its priorities cost). Only when the work bound exceeded
+    the straggler bound by ``work_margin`` (2x: the fitted linear interference
+    over-states step time at large batches, so the work estimate runs high) does it
+    switch to the uniform layout with the best fitted throughput at the observed load
+    (TP1/TP2 at high load). No relayout inside a step.
+
+    The lane itself is tried in the first step and kept only while it pays its way: if
+    the trajectory that finished last in the last step did not join the lane with at
+    least half of its tokens still to generate, the predictions could not find the
+    straggler in time, and the next step runs as a plain pool (``lane_on`` False: FCFS
+    and slime's cache-aware routing, i.e. exactly the static baseline on that layout).
     """
 
-    def __init__(self, k: int = 8, bulk_tp: int = 2, plan_interval_s: float = 2.0) -> None:
+    def __init__(self, k: int = 8, bulk_tp: int = 8, plan_interval_s: float = 2.0,
+                 work_margin: float = 2.0) -> None:
         self.k = k
         self.bulk_tp = bulk_tp
         self.plan_interval_s = plan_interval_s
+        self.work_margin = work_margin
         self.speeds: Mapping[int, TPSpeed] = {}
         self.current = StepLoad()
         self.last: StepLoad | None = None
@@ -174,24 +223,26 @@ class LanePlanner:
         if traj.generated_tokens > cur.longest_tokens:
             cur.longest_tokens = traj.generated_tokens
             cur.longest_tool_s = traj.tool_time_s
+        cur.last_id, cur.last_tokens = traj.id, traj.generated_tokens
+
+    def joined_lane(self, trajectory_id: str, generated_tokens: int) -> None:
+        """The placer put ``trajectory_id`` on the lane (first time counts)."""
+        self.current.lane_joins.setdefault(trajectory_id, generated_tokens)
 
     def initial_layout(self, gpus: int) -> tuple[int, ...]:
         if self.current.trajectories:
             self.last, self.current = self.current, StepLoad()
-        lane = lane_layout(gpus, self.bulk_tp)
-        if self.last is None or not self.speeds:
-            self.choice, self.lane_on = lane, True
-            return lane
-        best = (estimate_makespan(lane, self.last, self.speeds, self.k), lane, True)
-        for tp in (1, 2, 4, 8):
-            if tp <= gpus and tp in self.speeds:
-                lay = uniform_layout(gpus, tp)
-                cand = (estimate_makespan(lay, self.last, self.speeds, None), lay, False)
-                if cand[0] < best[0]:
-                    best = cand
-        _, self.choice, self.lane_on = best
+        self.choice, self.lane_on = lane_layout(gpus, self.bulk_tp), True
+        if self.last is not None:
+            # keep the lane only if it caught last step's straggler in time
+            self.lane_on = self.last.lane_caught_straggler
+        if self.last is not None and self.speeds:
+            straggler, work = bounds(self.last, gpus, self.speeds)
+            if work > self.work_margin * straggler:
+                self.choice = work_layout(gpus, self.speeds, self.last.trajectories / gpus)
+                self.lane_on = False
         return self.choice
 
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
-        self.speeds = snap.speeds
+        self.speeds = snap.speeds  # the fitted speeds, for the next step's layout
         return None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from gateway.policies.base import Policy
 from gateway.policies.compose import ComposedPolicy
-from gateway.policies.lane import LanePlacer, LanePlanner
+from gateway.policies.lane import LanePlacer, LanePlanner, LanePriority
 from gateway.policies.learned import LearnedPredictor
 from gateway.policies.libra import LibraPlanner
 from gateway.policies.ours import BlendPredictor
@@ -95,7 +95,7 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
                               GainMigrator(locality=True))
     if name == "ours-lane":
         lane = LanePlanner(LANE_K)
-        return ComposedPolicy("ours-lane", ProgressivePriority(), LanePlacer(LANE_K, lane),
+        return ComposedPolicy("ours-lane", LanePriority(lane), LanePlacer(LANE_K, lane),
                               lane, BlendPredictor(),
                               GainMigrator(locality=True),
                               label="ours + straggler lane")
