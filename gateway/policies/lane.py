@@ -7,18 +7,17 @@ straggler decodes inside a batch of every other sequence (at 128 in flight a TP8
 to run longest on one high-TP instance with at most ``k`` of them, so their steps stay
 close to a lone decode, while the bulk packs on the other instances.
 
-Layout choice (:class:`LanePlanner`): the pool is one lane instance of TP
-``min(8, gpus // 2)`` plus the rest at ``bulk_tp``, unless what the policy learned in
-earlier steps says the lane cannot pay. After each step the planner compares, with the
-fitted speeds, the lane layout and the best uniform layout on the last step's observed
-load (trajectory count, tokens generated, the longest trajectory's tokens and tool
-time); ``initial_layout`` of the next step takes the cheaper. Nothing here reads a
-hidden length: the inputs are finished trajectories' observed counters.
+Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
+(``min(8, gpus)``); the first instance is the lane. With 8 GPUs that is one TP8 instance,
+the best static layout, and there is no lane. The lane is tried in the first step and
+kept for later steps only if it caught the trajectory that finished last early enough;
+otherwise the policy runs that layout exactly as the slime baseline would (FCFS,
+cache-aware routing). Nothing here reads a hidden length: the inputs are observed
+counters of trajectories and the predictor's estimates.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,7 +29,6 @@ from gateway.policies.base import (
     Relayout,
     Slots,
     Snapshot,
-    TPSpeed,
     TrajectoryView,
 )
 from gateway.policies.compose import least_loaded
@@ -103,9 +101,6 @@ class StepLoad:
     """What one finished step looked like, from observed counters only."""
 
     trajectories: int = 0
-    tokens: int = 0  # generated tokens, all trajectories
-    longest_tokens: int = 0  # generated tokens of the trajectory that ran longest
-    longest_tool_s: float = 0.0
     last_id: str = ""  # the trajectory that finished last (it set the makespan)
     last_tokens: int = 0
     lane_joins: dict[str, int] = field(default_factory=dict)  # id -> tokens when it joined
@@ -148,51 +143,18 @@ def lane_layout(gpus: int, bulk_tp: int) -> tuple[int, ...]:
     return (lane,) + (uniform_layout(rest, min(bulk_tp, rest)) if rest else ())
 
 
-def bounds(load: StepLoad, gpus: int, speeds: Mapping[int, TPSpeed],
-           cap: int = 256) -> tuple[float, float]:
-    """(straggler, work) lower-bound estimates of a step like ``load`` on ``gpus`` GPUs.
-
-    Straggler: the longest trajectory's tokens at the fastest lone decode, plus its tool
-    time. Work: all tokens over the pool's best throughput, each TP at its per-instance
-    share of the trajectories (at most ``cap``, the engine's ``max_num_seqs``), with the
-    fitted linear interference ``n / step(n)``. Both are what ``bench steps`` prints as
-    the lower bound, from observed counters instead of the hidden lengths.
-    """
-    straggler = load.longest_tokens * min(s.step_s(1) for s in speeds.values())
-    rates = []
-    for tp, sp in speeds.items():
-        if tp > gpus:
-            continue
-        n = max(1, min(cap, round(load.trajectories * tp / gpus)))
-        rates.append(gpus // tp * n / sp.step_s(n))
-    work = load.tokens / max(rates) if rates else math.inf
-    return straggler + load.longest_tool_s, work
-
-
-def work_layout(gpus: int, speeds: Mapping[int, TPSpeed], per_gpu: float,
-                cap: int = 256) -> tuple[int, ...]:
-    """The uniform layout with the highest fitted throughput at ``per_gpu`` load."""
-    def rate(tp: int) -> float:
-        n = max(1, min(cap, round(per_gpu * tp)))
-        return gpus // tp * n / speeds[tp].step_s(n)
-    best = max((tp for tp in speeds if tp <= gpus), key=lambda tp: (rate(tp), tp))
-    return uniform_layout(gpus, best)
-
-
 class LanePlanner:
-    """Per-step layout from the last step's observed load (``observe`` counts finished
-    trajectories; a new step is detected when ``initial_layout`` is called again, as the
+    """Per-step layout and lane switch (``observe`` counts finished trajectories and
+    notes the last to finish; a new step is detected when ``initial_layout`` is called again, as the
     driver starts each batch with it).
 
-    The default is the lane layout (:func:`lane_layout`: all GPUs at the highest TP, the
-    first instance the lane): with nothing learned, and whenever the last step's
-    straggler bound was at least its work bound, because one high-TP instance serves a
-    straggler fastest (with 8 GPUs this *is* the best static layout, so the policy cannot
-    lose to it there by more than its priorities cost). Only when the work bound exceeded
-    the straggler bound by ``work_margin`` (2x: the fitted linear interference
-    over-states step time at large batches, so the work estimate runs high) does it
-    switch to the uniform layout with the best fitted throughput at the observed load
-    (TP1/TP2 at high load). No relayout inside a step.
+    Every step starts with the lane layout (:func:`lane_layout`: all GPUs at the highest
+    TP, the first instance the lane), because one high-TP instance serves a straggler
+    fastest; with 8 GPUs this *is* the best static layout. No relayout inside a step.
+    (A switch to the best-throughput uniform layout when the last step looked
+    work-bound, scored with the fitted speeds, was tried and removed: the fitted linear
+    interference put math-code's work at 3.5x its true bound at 64 trajectories per GPU,
+    so it moved to 2xTP4 and lost; see ``docs/policies.md``.)
 
     The lane itself is tried in the first step and kept only while it pays its way: if
     the trajectory that finished last in the last step did not join the lane with at
@@ -201,13 +163,10 @@ class LanePlanner:
     and slime's cache-aware routing, i.e. exactly the static baseline on that layout).
     """
 
-    def __init__(self, k: int = 8, bulk_tp: int = 8, plan_interval_s: float = 2.0,
-                 work_margin: float = 2.0) -> None:
+    def __init__(self, k: int = 8, bulk_tp: int = 8, plan_interval_s: float = 2.0) -> None:
         self.k = k
         self.bulk_tp = bulk_tp
         self.plan_interval_s = plan_interval_s
-        self.work_margin = work_margin
-        self.speeds: Mapping[int, TPSpeed] = {}
         self.current = StepLoad()
         self.last: StepLoad | None = None
         self.choice: tuple[int, ...] = ()
@@ -219,10 +178,6 @@ class LanePlanner:
             return
         cur = self.current
         cur.trajectories += 1
-        cur.tokens += traj.generated_tokens
-        if traj.generated_tokens > cur.longest_tokens:
-            cur.longest_tokens = traj.generated_tokens
-            cur.longest_tool_s = traj.tool_time_s
         cur.last_id, cur.last_tokens = traj.id, traj.generated_tokens
 
     def joined_lane(self, trajectory_id: str, generated_tokens: int) -> None:
@@ -236,13 +191,7 @@ class LanePlanner:
         if self.last is not None:
             # keep the lane only if it caught last step's straggler in time
             self.lane_on = self.last.lane_caught_straggler
-        if self.last is not None and self.speeds:
-            straggler, work = bounds(self.last, gpus, self.speeds)
-            if work > self.work_margin * straggler:
-                self.choice = work_layout(gpus, self.speeds, self.last.trajectories / gpus)
-                self.lane_on = False
         return self.choice
 
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
-        self.speeds = snap.speeds  # the fitted speeds, for the next step's layout
-        return None
+        return None  # the layout is chosen per step; the placer's refresh does the rest

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from gateway.policies.base import Phase, Prediction, Slots
 from gateway.policies.compose import ComposedPolicy
-from gateway.policies.lane import LanePlacer, LanePlanner, StepLoad, bounds, lane_layout
+from gateway.policies.lane import LanePlacer, LanePlanner, lane_layout
 from gateway.policies.registry import get_policy
-from tests.policies.fakes import SPEEDS, call, inst, snapshot, traj
+from tests.policies.fakes import call, inst, snapshot, traj
 
 
 def _finish(policy: ComposedPolicy, tid: str, generated: int, now: float) -> None:
@@ -42,7 +42,6 @@ def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
     assert isinstance(policy, ComposedPolicy)
     planner = policy.planner
     assert isinstance(planner, LanePlanner)
-    policy.plan(snapshot(0.0, [inst("a", tp=8), inst("b", tp=8)], []))  # learns the speeds
     assert policy.initial_layout(16) == (8, 8) and planner.lane_on  # step 1: try the lane
     planner.joined_lane("early", 0)
     _finish(policy, "early", 500, 10.0)
@@ -53,17 +52,3 @@ def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
     planner.joined_lane("late2", 1000)
     _finish(policy, "late2", 16000, 200.0)
     assert policy.initial_layout(16) == (8, 8) and planner.lane_on
-
-
-def test_work_bound_steps_switch_to_the_highest_throughput_layout() -> None:
-    planner = LanePlanner()
-    planner.speeds = SPEEDS
-    heavy = StepLoad(trajectories=512, tokens=40_000_000, longest_tokens=8000)
-    straggler, work = bounds(heavy, 8, SPEEDS)
-    assert work > 2 * straggler
-    planner.last = heavy
-    layout = planner.initial_layout(8)
-    assert not planner.lane_on and layout != (8,) and sum(layout) == 8
-    light = StepLoad(trajectories=128, tokens=300_000, longest_tokens=16000)
-    planner.last, planner.current = light, StepLoad()
-    assert planner.initial_layout(8) == (8,)
