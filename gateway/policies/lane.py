@@ -3,9 +3,10 @@
 Why: on a small pool a batch's makespan is bound by its longest trajectory's critical
 path (``bench steps`` lower bound by component), and on a static all-TP8 pool that
 straggler decodes inside a batch of every other sequence (at 128 in flight a TP8 step is
-~4.7x a lone one under the fitted speeds). A lane keeps the few trajectories predicted
-to run longest on one high-TP instance with at most ``k`` of them, so their steps stay
-close to a lone decode, while the bulk packs on the other instances.
+~4.7x a lone one under the fitted speeds; the engine's own step time grows less, which
+is one reason the lane measured no gain: ``docs/policies.md``). A lane keeps the few
+trajectories predicted to run longest on one high-TP instance with at most ``k`` of
+them, so their steps stay close to a lone decode, while the bulk packs on the others.
 
 Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
 (``min(8, gpus)``); the first instance is the lane. With 8 GPUs that is one TP8 instance,
@@ -40,7 +41,8 @@ class LanePlacer:
     """Top-``k`` predicted-remaining trajectories to the lane, the rest to the bulk.
 
     The lane is the up instance with the highest TP (ties: smallest id) when the pool has
-    more than one instance; with one instance everything goes there. A bulk trajectory
+    more than one instance; with one instance, or with the lane switched off, routing is
+    slime's cache-aware router (``plain``). A bulk trajectory
     keeps its instance while it has a slot (prefix cache), else goes to the least-loaded
     bulk instance; a bulk call is held, not sent to the lane, when the bulk is full, so
     the lane stays light. A trajectory that fell out of the top-k stays on the lane while
