@@ -104,6 +104,9 @@ class ComposedPolicy:
         (Heddle's progressive priority: re-predicted at every turn and tool return)."""
         if self.predictor is not None:
             self.predictor.observe(traj, groups, now)
+        learn = getattr(self.planner, "observe", None)  # planners that learn across steps
+        if learn is not None:
+            learn(traj, groups, now)
         self.predictions.pop(traj.id, None)
 
     def predict(self, traj: TrajectoryView, snap: Snapshot) -> Prediction | None:

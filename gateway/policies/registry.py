@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from gateway.policies.base import Policy
 from gateway.policies.compose import ComposedPolicy
+from gateway.policies.lane import LanePlacer, LanePlanner, LanePriority
 from gateway.policies.learned import LearnedPredictor
 from gateway.policies.libra import LibraPlanner
 from gateway.policies.ours import BlendPredictor
@@ -39,9 +40,11 @@ LIBRA_THRESHOLDS = {1: 4000, 2: 12000, 4: 30000}
 #: a quarter at TP2, half at TP4 (at 64 GPUs: 16 TP1 + 8 TP2 + 8 TP4 instances).
 LIBRA_INITIAL = {1: 0.25, 2: 0.25, 4: 0.5}
 OURS_INITIAL = {4: 0.25}
+#: trajectories kept on the straggler lane (``ours-lane``)
+LANE_K = 8
 
 POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
-                "heddle-learned", "libra", "ours", "ours-perfect")
+                "heddle-learned", "libra", "ours", "ours-lane", "ours-perfect")
 BASELINES = ("slime", "verl", "verl-star", "round-robin", "las")
 STATIC_TPS = (1, 2, 4, 8)
 #: Every static-layout name (``slime-tp1`` ... ``verl-tp8``) ``get_policy`` accepts.
@@ -90,6 +93,12 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return ComposedPolicy("ours", ProgressivePriority(), PresortedDPPlacer(),
                               JointPlanner(OURS_INITIAL), BlendPredictor(),
                               GainMigrator(locality=True))
+    if name == "ours-lane":
+        lane = LanePlanner(LANE_K)
+        return ComposedPolicy("ours-lane", LanePriority(lane), LanePlacer(LANE_K, lane),
+                              lane, BlendPredictor(),
+                              GainMigrator(locality=True),
+                              label="ours + straggler lane")
     if name == "ours-perfect":
         if oracle_truth is None:
             raise ValueError("ours-perfect needs oracle_truth (the benchmark's hidden lengths)")

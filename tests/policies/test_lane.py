@@ -1,0 +1,54 @@
+"""The straggler lane (``ours-lane``): lane routing and the per-step layout it learns."""
+
+from __future__ import annotations
+
+from gateway.policies.base import Phase, Prediction, Slots
+from gateway.policies.compose import ComposedPolicy
+from gateway.policies.lane import LanePlacer, LanePlanner, lane_layout
+from gateway.policies.registry import get_policy
+from tests.policies.fakes import call, inst, snapshot, traj
+
+
+def _finish(policy: ComposedPolicy, tid: str, generated: int, now: float) -> None:
+    done = traj(tid, generated=generated, phase=Phase.FINISHED)
+    policy.observe(done, {}, now)
+
+
+def test_top_predicted_trajectory_goes_to_the_lane_and_the_bulk_stays_off_it() -> None:
+    planner = LanePlanner(k=1)
+    placer = LanePlacer(k=1, planner=planner)
+    a, b = inst("a-tp8", tp=8, cap=256), inst("b-tp8", tp=8, running=100, cap=256)
+    long_, short = traj("long", turns=1), traj("short", turns=1)
+    snap = snapshot(0.0, [a, b], [long_, short])
+    placer.refresh(snap, {"long": Prediction(9000, 12000), "short": Prediction(300, 400)})
+    assert placer.lane == "a-tp8" and placer.members == {"long"}
+    slots = Slots.of(snap)
+    # the lane is emptier, but only the predicted straggler may use it
+    assert placer.choose(call("long"), long_, None, slots, snap) == "a-tp8"
+    assert placer.choose(call("short"), short, None, slots, snap) == "b-tp8"
+    assert placer.target_of("long") == "a-tp8" and placer.target_of("short") is None
+    # the planner remembers the straggler joined with all of its tokens to go
+    assert planner.current.lane_joins == {"long": 0}
+
+
+def test_small_pool_starts_as_the_best_static_layout_and_larger_pools_split_a_lane() -> None:
+    assert lane_layout(8, 8) == (8,)
+    assert lane_layout(16, 8) == (8, 8)
+    assert lane_layout(12, 2) == (8, 2, 2)
+
+
+def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
+    policy = get_policy("ours-lane")
+    assert isinstance(policy, ComposedPolicy)
+    planner = policy.planner
+    assert isinstance(planner, LanePlanner)
+    assert policy.initial_layout(16) == (8, 8) and planner.lane_on  # step 1: try the lane
+    planner.joined_lane("early", 0)
+    _finish(policy, "early", 500, 10.0)
+    _finish(policy, "late", 16000, 90.0)  # finished last, never on the lane
+    assert policy.initial_layout(16) == (8, 8) and not planner.lane_on
+    assert planner.last is not None and planner.last.last_id == "late"
+    # a step where it caught the last finisher early keeps the lane for the next one
+    planner.joined_lane("late2", 1000)
+    _finish(policy, "late2", 16000, 200.0)
+    assert policy.initial_layout(16) == (8, 8) and planner.lane_on
