@@ -318,10 +318,13 @@ class Scheduler:
                 out.append(d)
         return out  # calls left over are placed by the next pass (a call end or a tick)
 
-    def _fail(self, w: Waiter, stage: str, error: Exception) -> None:
+    def _count_fault(self, stage: str) -> None:
         self.faults += 1
         if self.on_fault is not None:
             self.on_fault(stage)
+
+    def _fail(self, w: Waiter, stage: str, error: Exception) -> None:
+        self._count_fault(stage)
         if not w.future.done():
             w.future.set_exception(error)
 
@@ -368,9 +371,7 @@ class Scheduler:
         except Exception:
             log.exception("policy %s failed after a call of trajectory %r", self.policy.name,
                           state.id)
-            self.faults += 1
-            if self.on_fault is not None:
-                self.on_fault("observe")
+            self._count_fault("observe")
 
     def _after_call(self, state: TrajectoryState) -> None:
         view = trajectory_view(state)
@@ -399,9 +400,7 @@ class Scheduler:
         except Exception:  # learning is best effort; the call itself goes on
             log.exception("policy %s failed to observe a call of trajectory %r",
                           self.policy.name, state.id)
-            self.faults += 1
-            if self.on_fault is not None:
-                self.on_fault("observe")
+            self._count_fault("observe")
 
     def trajectory_finished(self, state: TrajectoryState) -> None:
         self.trajectory_ended(state.id)
@@ -410,9 +409,7 @@ class Scheduler:
         except Exception:  # learning is best effort; the finish itself has landed
             log.exception("policy %s failed to observe the end of trajectory %r",
                           self.policy.name, state.id)
-            self.faults += 1
-            if self.on_fault is not None:
-                self.on_fault("observe")
+            self._count_fault("observe")
         self.kick()
 
     async def _plan(self) -> None:
@@ -420,9 +417,7 @@ class Scheduler:
             change = self.policy.plan(self.snapshot())
         except Exception:  # a planner bug must not stop the scheduler
             log.exception("policy %s failed to plan", self.policy.name)
-            self.faults += 1
-            if self.on_fault is not None:
-                self.on_fault("plan")
+            self._count_fault("plan")
             return
         if change is None or self.on_relayout is None:
             return

@@ -119,7 +119,7 @@ class Capture:
             cap.text.append(msg["content"])
         for call in msg.get("tool_calls") or ():
             if isinstance(call, dict):
-                _merge_tool_call(cap.tool_calls, call)
+                merge_tool_call(cap.tool_calls, call)
 
     def completion(self, index: int = 0) -> ChoiceCapture:
         return self.choices.get(index) or ChoiceCapture()
@@ -135,7 +135,7 @@ def _collect_logprobs(lp: dict[str, Any], out: list[float], *, chat: bool) -> No
         out.append(float(value) if value is not None else 0.0)
 
 
-def _merge_tool_call(acc: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+def merge_tool_call(acc: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
     idx = int(delta.get("index", len(acc)))
     cur = acc.setdefault(idx, {"id": None, "type": "function", "function": {"name": "",
                                                                            "arguments": ""}})

@@ -87,6 +87,13 @@ MESSAGES = Endpoint("messages", "/v1/messages", chat=True, door="messages")
 
 def parse_door(raw: bytes) -> dict[str, Any]:
     """A front door's body: a JSON object with a model (the door checks the rest)."""
+    body = _json_body(raw)
+    _check_stream(body)
+    return body
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object naming a model, or a 400 that says what is wrong."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -95,9 +102,12 @@ def parse_door(raw: bytes) -> dict[str, Any]:
         raise BadRequest("request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    return body
+
+
+def _check_stream(body: dict[str, Any]) -> None:
     if "stream" in body and not isinstance(body["stream"], bool | None):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    return body
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -115,22 +125,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The body as a dict, or a 400 that names the offending field."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    body = _json_body(raw)
     if endpoint.chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("'messages' must be a non-empty array of objects", param="messages")
     elif not isinstance(body.get("prompt"), str | list):
         raise BadRequest("'prompt' is required (string or array)", param="prompt")
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+    _check_stream(body)
     n = body.get("n", 1)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise BadRequest("'n' must be a positive integer", param="n")

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest, GatewayError, NotFound, openai_error_body
+from gateway.proxy.capture import merge_tool_call
 from gateway.proxy.doors import sse, text_of
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.trajectories.tools import ToolOutcome
@@ -236,7 +237,7 @@ class ResponsesCall:
                                 output_index=0, content_index=0, delta=text, logprobs=[])
             for tc in delta.get("tool_calls") or ():
                 if isinstance(tc, dict):
-                    _merge(self._calls, tc)
+                    merge_tool_call(self._calls, tc)
             if ch.get("finish_reason"):
                 self._finish = ch["finish_reason"]
         return out
@@ -282,19 +283,6 @@ class ResponsesCall:
 
     def error_event(self, exc: GatewayError) -> bytes:
         return self._ev("error", code=exc.code, message=exc.message, param=exc.param)
-
-
-def _merge(acc: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
-    idx = int(delta.get("index", len(acc)))
-    cur = acc.setdefault(idx, {"id": None, "type": "function",
-                               "function": {"name": "", "arguments": ""}})
-    if delta.get("id"):
-        cur["id"] = delta["id"]
-    fn = delta.get("function") or {}
-    if fn.get("name"):
-        cur["function"]["name"] += fn["name"]
-    if isinstance(fn.get("arguments"), str):
-        cur["function"]["arguments"] += fn["arguments"]
 
 
 def _usage(u: dict[str, Any] | None) -> dict[str, Any] | None:
