@@ -29,14 +29,13 @@ from starlette.types import Receive, Scope, Send
 from gateway.dispatch.backends import Backend, CircuitBreaker
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import (
-    BadRequest,
     GatewayError,
     NoBackendAvailable,
-    PayloadTooLarge,
     UpstreamError,
     UpstreamTimeout,
 )
 from gateway.proxy.admission import Admission, Slot
+from gateway.proxy.bodies import parse_door, parse_request, read_body, upstream_message
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.client import (
@@ -83,60 +82,6 @@ CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
 COMPLETIONS = Endpoint("completions", "/v1/completions", chat=False)
 RESPONSES = Endpoint("responses", "/v1/responses", chat=True, door="responses")
 MESSAGES = Endpoint("messages", "/v1/messages", chat=True, door="messages")
-
-
-def parse_door(raw: bytes) -> dict[str, Any]:
-    """A front door's body: a JSON object with a model (the door checks the rest)."""
-    body = _json_body(raw)
-    _check_stream(body)
-    return body
-
-
-def _json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object naming a model, or a 400 that says what is wrong."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    return body
-
-
-def _check_stream(body: dict[str, Any]) -> None:
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body over {limit} bytes")
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body over {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    """The body as a dict, or a 400 that names the offending field."""
-    body = _json_body(raw)
-    if endpoint.chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise BadRequest("'messages' must be a non-empty array of objects", param="messages")
-    elif not isinstance(body.get("prompt"), str | list):
-        raise BadRequest("'prompt' is required (string or array)", param="prompt")
-    _check_stream(body)
-    n = body.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise BadRequest("'n' must be a positive integer", param="n")
-    return body
 
 
 async def _watch_disconnect(receive: Receive, handler: asyncio.Task[Any]) -> None:
@@ -217,7 +162,7 @@ class Proxy:
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
         door: Translation | None = None
         if endpoint.door is None:
-            body = client_body = parse_request(raw, endpoint)
+            body = client_body = parse_request(raw, chat=endpoint.chat)
         else:
             client_body = parse_door(raw)
             door = (ResponsesCall(client_body, self.memory) if endpoint.door == "responses"
@@ -332,7 +277,7 @@ class Proxy:
                               f"{data[:300].decode(errors='replace')}")
         finish_call(self.rt, ctx, error=error)
         if ctx.door is not None:  # the engine's message, in the door's error shape
-            error.message = _upstream_message(data) or error.message
+            error.message = upstream_message(data) or error.message
             error.status_code = status
             data = ctx.door.error_body(error)
         return Response(data, status_code=status, media_type="application/json",
@@ -405,17 +350,3 @@ class Proxy:
             upstream.close()
             finish_call(self.rt, ctx, error=error)
 
-
-def _upstream_message(data: bytes) -> str | None:
-    """The message of an engine's error body (OpenAI's or vLLM's shape), if any."""
-    try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])
-        if isinstance(body.get("message"), str):
-            return str(body["message"])
-    return None
