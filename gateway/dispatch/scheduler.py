@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
+from gateway.dispatch.isolation import isolate
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
 from gateway.errors import (
     NoBackendAvailable,
@@ -51,13 +52,6 @@ from gateway.trajectories.tracker import Tracker, TrajectoryState
 log = logging.getLogger(__name__)
 Placed = tuple[Backend, int]
 KvLookup = Callable[[str], float | None]
-
-
-def _free(snap: Snapshot, instance: str) -> int:
-    for i in snap.instances:
-        if i.id == instance:
-            return max(0, i.free_slots)
-    return 0
 
 
 @dataclass(slots=True)
@@ -283,40 +277,22 @@ class Scheduler:
                     f"away while this call waited in the gateway queue"))
 
     def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
-        """The policy raised on the batch: find the calls it raises on alone and fail only
-        those (each logged once, with its context, and counted), then schedule the rest
-        as one batch this same pass, so one bad entry never stops the queue."""
-        survivors: list[PendingCall] = []
-        singles: list[Dispatch] = []
-        for call in sorted(calls, key=lambda c: c.enqueued_at):
-            try:
-                singles.extend(self.policy.schedule(snap, [call]))
-            except Exception as exc:
-                waiter = self._waiting.get(call.key)
-                if waiter is not None:
-                    log.exception("policy %s raised scheduling call %s of trajectory %r "
-                                  "(seq %d); the call fails, the queue goes on",
-                                  self.policy.name, call.key, call.trajectory_id, call.seq)
-                    self._fail(waiter, "policy", SchedulingFailed(
-                        f"the {self.policy.name!r} policy failed to schedule this call of "
-                        f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
-                        "other calls are unaffected"))
-                continue
-            survivors.append(call)
-        if not survivors:
-            return []
-        try:
-            return self.policy.schedule(snap, survivors)
-        except Exception:  # it raises only on a combination: keep the one-call answers
-            log.debug("policy %s raised on a batch but on none of its calls alone",
-                      self.policy.name, exc_info=True)
-        out: list[Dispatch] = []
-        taken: dict[str, int] = {}
-        for d in singles:  # each one-call batch saw every slot free: keep the pass honest
-            if taken.get(d.instance, 0) < _free(snap, d.instance):
-                taken[d.instance] = taken.get(d.instance, 0) + 1
-                out.append(d)
-        return out  # calls left over are placed by the next pass (a call end or a tick)
+        """The policy raised on the batch: fail only the calls it raises on alone (each
+        logged once, with its context, and counted); the rest are placed this pass."""
+
+        def failed(call: PendingCall, exc: Exception) -> None:
+            waiter = self._waiting.get(call.key)
+            if waiter is None:
+                return
+            log.exception("policy %s raised scheduling call %s of trajectory %r (seq %d); "
+                          "the call fails, the queue goes on", self.policy.name, call.key,
+                          call.trajectory_id, call.seq, exc_info=exc)
+            self._fail(waiter, "policy", SchedulingFailed(
+                f"the {self.policy.name!r} policy failed to schedule this call of "
+                f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
+                "other calls are unaffected"))
+
+        return isolate(self.policy, snap, calls, failed)
 
     def _count_fault(self, stage: str) -> None:
         self.faults += 1
