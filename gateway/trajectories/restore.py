@@ -8,13 +8,16 @@ reported as a mismatch), its group, and whether the attempt was finished (a call
 finished attempt opens the next one). Concurrent first calls of one id share one lookup.
 
 The lookup is best effort: with the database unreachable the call goes on as a fresh
-trajectory (logged and counted), never held or failed because of it.
+trajectory (logged and counted), never held or failed because of it; after a failed
+lookup (at most ``timeout_s``) none is tried for ``cooldown_s``, so an outage does not
+add a lookup timeout to every new trajectory's first call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from array import array
 from collections.abc import Callable
 
@@ -30,11 +33,14 @@ log = logging.getLogger(__name__)
 
 class Restorer:
     def __init__(self, tracker: Tracker, sessionmaker: async_sessionmaker[AsyncSession], *,
-                 timeout_s: float = 5.0, db_ok: Callable[[], bool] = lambda: True) -> None:
+                 timeout_s: float = 1.0, cooldown_s: float = 5.0,
+                 db_ok: Callable[[], bool] = lambda: True) -> None:
         self.tracker = tracker
         self.sessionmaker = sessionmaker
         self.timeout_s = timeout_s
         self.db_ok = db_ok
+        self.cooldown_s = cooldown_s
+        self._down_until = 0.0  # after a failed lookup, skip lookups until then
         self.restored = 0
         self.failures = 0
         self._pending: dict[str, asyncio.Task[TrajectoryState | None]] = {}
@@ -43,7 +49,7 @@ class Restorer:
         """The tracker's state for ``trajectory_id``, loaded from the store if the tracker
         does not know it; None when neither knows it (a new trajectory)."""
         state = self.tracker.get(trajectory_id)
-        if state is not None or not self.db_ok():
+        if state is not None or not self.db_ok() or time.monotonic() < self._down_until:
             return state
         task = self._pending.get(trajectory_id)
         if task is None:
@@ -58,6 +64,7 @@ class Restorer:
                 point = await queries.restore_point(session, trajectory_id=trajectory_id)
         except Exception as exc:
             self.failures += 1
+            self._down_until = time.monotonic() + self.cooldown_s  # never stall every call
             log.warning("could not restore trajectory %r from the store (%s: %s); it goes on "
                         "as new", trajectory_id, type(exc).__name__, exc)
             return None
