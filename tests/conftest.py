@@ -8,9 +8,11 @@ skip silently.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,21 @@ settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadli
 settings.register_profile("deep", max_examples=500, stateful_step_count=80, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def closing() -> Iterator[Callable]:
+    """``client = closing(openai.OpenAI(...))``: the SDK client is closed when the test ends.
+
+    An SDK client left to the garbage collector closes its sockets late, inside whichever
+    test happens to run then, and that test fails on the ResourceWarning."""
+    with ExitStack() as stack:
+        yield stack.enter_context
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test() -> Iterator[None]:
+    """A socket or client a test leaves open is collected (and its ResourceWarning
+    raised) in that test's own teardown, not in whichever test the collector next runs."""
+    yield
+    gc.collect()

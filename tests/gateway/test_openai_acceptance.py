@@ -91,10 +91,11 @@ def _check_trace(gw: str, traj: str, asked_ids: list[int]) -> None:
         assert sample["logprobs"][span["completion_start"]] <= 0
 
 
-def test_sync_client_three_turns_mixed_streaming(sim_pool, gateway_at, db_url):
+def test_sync_client_three_turns_mixed_streaming(sim_pool, gateway_at, db_url, closing):
     traj = f"demo-{uuid.uuid4().hex[:6]}"
     with gateway_at(db_url, sim_pool) as gw:
-        client = openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY", max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY",
+                                       max_retries=0))
         messages = [{"role": "system", "content": "You fix bugs."},
                     {"role": "user", "content": "The test in tests/test_x.py fails. Fix it."}]
         first = client.chat.completions.create(
@@ -143,11 +144,12 @@ def test_async_client_three_turns(sim_pool, gateway_at, db_url):
         assert httpx.get(f"{gw}/trajectories/{traj}/sample").json()["reward"] == 0.5
 
 
-def test_changed_tool_list_is_reported_as_a_mismatch(sim_pool, gateway_at, sqlite_url):
+def test_changed_tool_list_is_reported_as_a_mismatch(sim_pool, gateway_at, sqlite_url, closing):
     """Dropping the tools re-renders the system prompt: the drift RL users must see."""
     traj = f"drift-{uuid.uuid4().hex[:6]}"
     with gateway_at(sqlite_url, sim_pool) as gw:
-        client = openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY", max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY",
+                                       max_retries=0))
         messages = [{"role": "user", "content": "fix it"}]
         first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                                max_tokens=20)

@@ -36,11 +36,15 @@ def test_openai_agents_sdk_default_responses_model_with_a_function_tool(scripted
         ran.append(cmd)
         return "a.py b.py"
 
+    async def run():
+        async with AsyncOpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1",
+                               api_key="EMPTY") as client:
+            set_default_openai_client(client, use_for_tracing=False)
+            agent = Agent(name="coder", instructions="Be brief.", model=MODEL, tools=[bash])
+            return await Runner.run(agent, "list the files", max_turns=4)
+
     set_tracing_disabled(True)
-    set_default_openai_client(AsyncOpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1",
-                                          api_key="EMPTY"), use_for_tracing=False)
-    agent = Agent(name="coder", instructions="Be brief.", model=MODEL, tools=[bash])
-    result = asyncio.run(Runner.run(agent, "list the files", max_turns=4))
+    result = asyncio.run(run())
     assert len(ran) == 1 and isinstance(result.final_output, str) and result.final_output
     calls = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
     assert len(calls) == 1

@@ -35,9 +35,9 @@ def _responses_seen(resp) -> tuple[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("chain", ["previous_response_id", "full_input"])
-def test_responses_tool_turn_then_text(scripted_gateway, chain):
+def test_responses_tool_turn_then_text(scripted_gateway, chain, closing):
     traj = _traj()
-    client = openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="EMPTY")
+    client = closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="EMPTY"))
     first = client.responses.create(model=MODEL, instructions="Be brief.",
                                     input="list the files", tools=[FN_TOOL])
     calls = [o for o in first.output if o.type == "function_call"]
@@ -58,10 +58,10 @@ def test_responses_tool_turn_then_text(scripted_gateway, chain):
     check_exact_trace(scripted_gateway, traj, [_responses_seen(first), _responses_seen(second)])
 
 
-def test_responses_streaming_events(scripted_gateway):
+def test_responses_streaming_events(scripted_gateway, closing):
     traj = _traj()
-    client = openai.OpenAI(base_url=f"{scripted_gateway}/v1", api_key="EMPTY",
-                           default_headers={"X-Trajectory-Id": traj})
+    client = closing(openai.OpenAI(base_url=f"{scripted_gateway}/v1", api_key="EMPTY",
+                                   default_headers={"X-Trajectory-Id": traj}))
     kinds, deltas, args = [], [], []
     with client.responses.stream(model=MODEL, input="hi", tools=[FN_TOOL]) as stream:
         for event in stream:
@@ -90,9 +90,10 @@ def _ant_seen(msg) -> tuple[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_messages_tools_and_streaming(scripted_gateway, stream):
+def test_messages_tools_and_streaming(scripted_gateway, stream, closing):
     traj = _traj()
-    client = anthropic.Anthropic(base_url=f"{scripted_gateway}/g/grp-1/t/{traj}", api_key="EMPTY")
+    client = closing(anthropic.Anthropic(base_url=f"{scripted_gateway}/g/grp-1/t/{traj}",
+                                         api_key="EMPTY"))
     msgs = [{"role": "user", "content": "list the files"}]
 
     def ask():
@@ -168,11 +169,12 @@ def test_messages_errors_in_anthropic_shape(scripted_gateway, path, body, needle
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_missing"}, "resp_missing"),
     ({"model": MODEL}, "input"),
 ])
-def test_responses_errors_in_openai_shape(scripted_gateway, body, needle):
+def test_responses_errors_in_openai_shape(scripted_gateway, body, needle, closing):
     traj = _traj()
     r = httpx.post(f"{scripted_gateway}/t/{traj}/v1/responses", json=body)
     assert r.status_code in (400, 404)  # an unknown previous response is a 404, as at OpenAI
     assert needle in r.json()["error"]["message"]
     assert httpx.get(f"{scripted_gateway}/trajectories/{traj}").status_code == 404
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
-        openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x").responses.create(**body)
+        closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x")
+                ).responses.create(**body)

@@ -26,8 +26,8 @@ def _tid(prefix: str) -> str:
 
 def test_responses_sdk_tools_stream_and_previous_response_id(sim_pool, gateway_at, db_url):
     traj = _tid("resp")
-    with gateway_at(db_url, sim_pool) as gw:
-        client = openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY", max_retries=0)
+    with gateway_at(db_url, sim_pool) as gw, openai.OpenAI(
+            base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY", max_retries=0) as client:
         first = client.responses.create(
             model=MODEL, instructions="You fix bugs.", input="tests/test_x.py fails; fix it",
             tools=RESP_TOOLS, tool_choice="required", max_output_tokens=300)
@@ -61,9 +61,8 @@ def test_responses_sdk_tools_stream_and_previous_response_id(sim_pool, gateway_a
 
 def test_messages_sdk_tools_and_streaming(sim_pool, gateway_at, db_url):
     traj = _tid("claude")
-    with gateway_at(db_url, sim_pool) as gw:
-        client = anthropic.Anthropic(base_url=f"{gw}/t/{traj}", api_key="sk-ant-none",
-                                     max_retries=0)
+    with gateway_at(db_url, sim_pool) as gw, anthropic.Anthropic(
+            base_url=f"{gw}/t/{traj}", api_key="sk-ant-none", max_retries=0) as client:
         msgs: list[dict] = [{"role": "user", "content": "tests fail; fix them"}]
         first = client.messages.create(model=MODEL, max_tokens=300, system="You fix bugs.",
                                        messages=msgs, tools=CLAUDE_TOOLS,
@@ -90,8 +89,8 @@ def test_messages_sdk_tools_and_streaming(sim_pool, gateway_at, db_url):
 
 def test_anthropic_key_header_tags_the_trajectory(sim_pool, gateway_at, sqlite_url):
     traj = _tid("keyed")
-    with gateway_at(sqlite_url, sim_pool) as gw:
-        client = anthropic.Anthropic(base_url=gw, api_key=traj, max_retries=0)
+    with gateway_at(sqlite_url, sim_pool) as gw, anthropic.Anthropic(
+            base_url=gw, api_key=traj, max_retries=0) as client:
         client.messages.create(model=MODEL, max_tokens=10,
                                messages=[{"role": "user", "content": "hi"}])
         assert_exact_trace(gw, traj, calls=1)
@@ -116,8 +115,9 @@ def test_messages_unsupported_shapes_get_anthropic_400_and_no_trace(
         assert missing in err["error"]["message"]
         assert httpx.get(f"{gw}/trajectories/{traj}").status_code == 404
         if "max_tokens" in body:  # (the SDK itself refuses a call without it)
-            client = anthropic.Anthropic(base_url=f"{gw}/t/{traj}", api_key="x", max_retries=0)
-            with pytest.raises(anthropic.BadRequestError, match=missing):
+            with anthropic.Anthropic(base_url=f"{gw}/t/{traj}", api_key="x", max_retries=0
+                                     ) as client, \
+                    pytest.raises(anthropic.BadRequestError, match=missing):
                 client.messages.create(model=MODEL, **body)
 
 

@@ -136,10 +136,17 @@ async def test_full_spool_drops_are_counted_and_visible(gateway, scripted, loop_
             stop.set()
             answered, failed = await load
             assert failed == 0
+            # the writer drops the last answered calls' records a moment after they were
+            # answered: read the counters once it has settled
+            dropped, settled = rt.writer.dropped, time.monotonic() + 10
+            while time.monotonic() < settled:
+                await asyncio.sleep(0.5)
+                if rt.writer.dropped == dropped:
+                    break
+                dropped = rt.writer.dropped
             async with httpx.AsyncClient() as http:
                 status = (await http.get(f"{url}/status")).json()["trace_writer"]
                 metrics = (await http.get(f"{url}/metrics")).text
-            dropped = rt.writer.dropped
             assert dropped > 0
             assert status["dropped"] == dropped
             assert _metric(metrics, "rollout_gateway_trace_dropped") == dropped

@@ -44,7 +44,7 @@ def test_hanging_backend_is_timed_out_retried_and_broken(scripted, gateway, sqli
         assert len(good_seen.bodies) == 6
         assert hang_seen.closed_early == 2  # timed-out attempts are closed upstream
         assert all(t < 0.4 + 0.5 for t in times[:2]), times
-        assert all(t < 0.3 for t in times[2:]), times
+        assert all(t < 0.4 for t in times[2:]), times  # none waited for a first-byte timeout
         b_hang = next(b for b in rt.registry if b.url == hang)
         assert b_hang.healthy and b_hang.breaker_state == "open" and not b_hang.routable
         assert all(b.in_flight == 0 for b in rt.registry)
@@ -66,7 +66,8 @@ def test_5xx_opens_the_breaker_and_a_half_open_probe_closes_it(scripted, gateway
     bad_script = Script(mode="error500")
     bad, bad_seen = scripted(bad_script)
     good, _ = scripted(Script())
-    settings = _settings(sqlite_url, [bad, good], breaker_failures=3, breaker_cooldown_s=0.5)
+    # the cool-down is long enough that the first 8 calls end inside it on a loaded machine
+    settings = _settings(sqlite_url, [bad, good], breaker_failures=3, breaker_cooldown_s=2.0)
     with gateway(settings) as (url, rt):
         b_bad = next(b for b in rt.registry if b.url == bad)
         for _ in range(8):
@@ -75,7 +76,7 @@ def test_5xx_opens_the_breaker_and_a_half_open_probe_closes_it(scripted, gateway
         assert len(bad_seen.bodies) == 3
         assert b_bad.breaker_state == "open" and b_bad.breaker_trips == 1
 
-        time.sleep(0.6)  # cool-down over: half-open; the probe fails, so it opens again
+        time.sleep(2.1)  # cool-down over: half-open; the probe fails, so it opens again
         assert b_bad.breaker_state == "half_open"
         for _ in range(4):
             assert _timed_post(url)[0].status_code == 200
@@ -83,7 +84,7 @@ def test_5xx_opens_the_breaker_and_a_half_open_probe_closes_it(scripted, gateway
         assert b_bad.breaker_trips == 2
 
         bad_script.mode = "ok"  # the backend recovers
-        time.sleep(0.6)
+        time.sleep(2.1)
         for _ in range(4):
             assert _timed_post(url)[0].status_code == 200
         assert b_bad.breaker_state == "closed"
