@@ -201,6 +201,7 @@ def soak(
 # place, so that no runner or report module imports this one.
 bench_app.command("overhead")(perf_cli.overhead)
 bench_app.command("store")(perf_cli.store)
+bench_app.command("headroom")(perf_cli.headroom)
 bench_app.command("live")(live_cli.live)
 bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
 bench_app.command("record")(record.record)

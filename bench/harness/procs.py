@@ -98,3 +98,13 @@ def gateway(upstream: str, database_url: str, cpus: str | None, *,
            "--database-url", database_url, "--log-level", "warning"]
     with process(cmd, ready_url=f"{url}/health", cpus=cpus, env=env, log=log, timeout_s=90):
         yield url
+
+
+@contextlib.contextmanager
+def plain_proxy(upstream: str, cpus: str | None, log: Path | None = None) -> Iterator[str]:
+    """``bench.harness.plain_proxy`` (forwards bytes, records nothing); yields its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with process([PY, "-m", "bench.harness.plain_proxy", "--upstream", upstream,
+                  "--port", str(port)], ready_url=f"{url}/health", cpus=cpus, log=log):
+        yield url

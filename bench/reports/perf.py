@@ -39,6 +39,7 @@ def overhead_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
               "| target | rate | p50 | p99 | added p50 | added p99 | added p50 stream | "
               "added p99 stream | errors |", "|---|---|---|---|---|---|---|---|---|"]
     lines += _latency_rows(doc)
+    lines += _references(doc)
     lines += ["", "Targets:", "", "| target | value | status |", "|---|---|---|"]
     t = s["targets"]
     lines += [
@@ -53,6 +54,34 @@ def overhead_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
         f"{_met(t['max_rate_ge_3x_litellm'])} |", ""]
     lines += [f"![{k}]({v})" for k, v in plots.items()]
     return "\n".join(lines) + "\n"
+
+
+def _references(doc: dict[str, Any]) -> list[str]:
+    """The two references: what a bare Python hop costs, and LiteLLM as its users run it."""
+    s, lines = doc["summary"], []
+    own = s.get("gateway_over_plain_ms")
+    if own:
+        lines += ["", "The gateway's own cost (gateway - plain reverse proxy, same rate; "
+                  "the plain proxy forwards bytes and records nothing):", "",
+                  "| rate | added p50 (ms) | added p99 (ms) |", "|---|---|---|"]
+        lines += [f"| {rate} | {_f(_dig(v, 'p50_ms'))} | {_f(_dig(v, 'p99_ms'))} |"
+                  for rate, v in own.items()]
+    lite, info = s.get("litellm_per_core"), doc.get("info", {}).get("litellm", {})
+    if lite:
+        errors = info.get("server_log_errors", {})
+        lines += ["", f"LiteLLM {info.get('version', '?')} as its production guide sets it up "
+                  f"({info.get('workers')} worker(s), one per core it gets; log level ERROR; "
+                  f"master key; custom-callback logging). Its own readiness check before and "
+                  f"after the run: {_dig(info, 'health_before', 'status')} / "
+                  f"{_dig(info, 'health_after', 'status')}; error lines in its output: "
+                  f"{errors.get('count', '?')}. Closed-loop saturation per worker core: "
+                  f"{lite['saturation_rps_per_core']:.0f} req/s (p50 "
+                  f"{_f(lite['saturation_p50_ms'], '{:.0f}')} ms, p99 "
+                  f"{_f(lite['saturation_p99_ms'], '{:.0f}')} ms); its published benchmark "
+                  f"implies {lite['published_rps_per_vcpu']:.0f} req/s per vCPU at p50 "
+                  f"{lite['published_p50_ms']:.0f} ms / p99 {lite['published_p99_ms']:.0f} ms "
+                  f"({lite['source']}): {lite['ratio_to_published']:.2f}x of it per core."]
+    return lines
 
 
 def _latency_rows(doc: dict[str, Any]) -> list[str]:

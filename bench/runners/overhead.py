@@ -42,7 +42,8 @@ class OverheadOptions:
     duration_s: float = 15.0
     search_step_s: float = 4.0
     search_steps: int = 7
-    targets: list[str] = field(default_factory=lambda: ["direct", "gateway", "litellm"])
+    targets: list[str] = field(default_factory=lambda: ["direct", "plain", "gateway",
+                                                         "litellm"])
     server_cpus: str | None = "0"
     side_cpus: str | None = "1"
     pg_admin: str = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -76,13 +77,25 @@ def sustained(step: dict[str, Any]) -> bool:
 
 
 def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of ``pid``'s whole process group (a server with several worker
+    processes, such as LiteLLM's, counts all of them), children already reaped included."""
     if pid is None:
         return 0.0
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        group = os.getpgid(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # fields: state ppid pgrp ... utime(11) stime(12)
+            ticks += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Target:
@@ -198,17 +211,25 @@ def open_target(name: str, upstream: str, opts: OverheadOptions, work: Path,
                 yield Target(name, url, auth, pid), info
                 time.sleep(1.0)  # the writer flushes every 0.25 s
                 info["calls_recorded"] = count_calls(db_url)
+    elif name == "plain":
+        with procs.plain_proxy(upstream, opts.server_cpus, log=work / "plain.log") as url:
+            yield Target(name, url, auth, _server_pid(url)), info
     elif name == "litellm":
         _, took = litellm_env.ensure_venv(opts.litellm_venv)
         info["venv_setup_s"] = took
         info["version"] = litellm_env.version(opts.litellm_venv)
+        info["workers"] = litellm_env.cpus_in(opts.server_cpus)
+        info["published"] = litellm_env.PUBLISHED
         with litellm_env.litellm_proxy(upstream, work / "litellm", opts.server_cpus, key,
                                        opts.litellm_venv) as url:
+            info["health_before"] = litellm_env.readiness(url, key)
             yield Target(name, url, auth, _server_pid(url)), info
+            info["health_after"] = litellm_env.readiness(url, key)
             log = work / "litellm" / "litellm-requests.jsonl"
             info["calls_logged"] = sum(1 for _ in log.open()) if log.exists() else 0
+        info["server_log_errors"] = litellm_env.log_errors(work / "litellm" / "litellm.log")
     else:
-        raise ValueError(f"unknown target {name!r}: direct, gateway or litellm")
+        raise ValueError(f"unknown target {name!r}: direct, plain, gateway or litellm")
 
 
 def _server_pid(url: str) -> int | None:
@@ -288,8 +309,39 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         out["max_rate_ratio_gateway_over_litellm"] = mr["gateway"] / mr["litellm"]
         sat = out["saturation_rps"]
         out["saturation_ratio_gateway_over_litellm"] = sat["gateway"] / sat["litellm"]
+    if "plain" in res and "gateway" in res:
+        out["gateway_over_plain_ms"] = _minus(res["gateway"]["fixed"], res["plain"]["fixed"])
+    lite = doc.get("info", {}).get("litellm")
+    if "litellm" in res and lite:
+        out["litellm_per_core"] = per_core(res["litellm"]["max_rate"]["saturation"], lite)
     out["targets"] = targets_status(out)
     return out
+
+
+def _minus(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Per fixed rate: ``mine`` percentile minus ``base`` percentile (ms), all calls."""
+    out: dict[str, Any] = {}
+    for rate, step in mine.items():
+        other = base.get(rate, {})
+        if "skipped" in step or "skipped" in other or not other:
+            out[rate] = None
+            continue
+        out[rate] = {p: _sub(step["all"][p], other["all"][p]) for p in ("p50_ms", "p99_ms")}
+    return out
+
+
+def per_core(saturation: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """LiteLLM's closed-loop saturation per worker core here, next to the per-vCPU rate
+    its own published benchmark implies (a like-for-like check of the configuration)."""
+    pub = info["published"]
+    here = saturation["achieved_rps"] / max(1, info.get("workers", 1))
+    published = pub["rps"] / pub["vcpus"]
+    return {"saturation_rps_per_core": here, "published_rps_per_vcpu": published,
+            "ratio_to_published": here / published,
+            "saturation_p50_ms": saturation["all"]["p50_ms"],
+            "saturation_p99_ms": saturation["all"]["p99_ms"],
+            "published_p50_ms": pub["p50_ms"], "published_p99_ms": pub["p99_ms"],
+            "source": pub["source"]}
 
 
 def targets_status(s: dict[str, Any]) -> dict[str, Any]:

@@ -14,19 +14,24 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 OVERHEAD_INTRO = """\
-What the gateway adds to one call, against a direct call and against the LiteLLM proxy,
-on the same upstream and the same core. `bench/harness/fast_upstream.py` answers at once in
-vLLM's wire format (16 generated tokens; prompt ids, token ids and logprobs when asked,
-which the gateway always asks and strips); the load generator (`bench/harness/loadgen.py`, its
-own process, aiohttp + uvloop) sends chat calls open-loop at fixed rates, alternating
-streamed and non-streamed, each with `X-Trajectory-Id` (8 calls a trajectory) and a
-bearer key. The gateway runs as `python -m gateway serve` (uvloop + httptools, default
-policy, `DISPATCH__CAP_PER_GPU=4096`) with traces ON into Postgres; LiteLLM runs its
-proxy (one worker) from its own virtualenv with a request-logging callback that writes
-every call to a file. A max-rate step is sustained when every call of the step is
-answered without error and p99 stays under 50 ms. This VM is shared: other sessions'
-processes run on both cores, so absolute numbers move between runs; the ratios are
-measured side by side in one run.
+What the gateway adds to one call, against a direct call, a plain reverse proxy and the
+LiteLLM proxy, on the same upstream and the same core. `bench/harness/fast_upstream.py`
+answers at once in vLLM's wire format (16 generated tokens unless `--max-tokens`; prompt
+ids, token ids and logprobs when asked, which the gateway always asks and strips); the
+load generator (`bench/harness/loadgen.py`, its own process, aiohttp + uvloop) sends chat
+calls open-loop at fixed rates, alternating streamed and non-streamed, each with
+`X-Trajectory-Id` (8 calls a trajectory) and a bearer key. The plain reverse proxy
+(`bench/harness/plain_proxy.py`: aiohttp server and client on uvloop, bytes forwarded and
+relayed chunk by chunk, nothing parsed or recorded) is the floor any Python hop pays. The
+gateway runs as `python -m gateway serve` (uvloop + httptools, default policy,
+`DISPATCH__CAP_PER_GPU=4096`) with traces ON into Postgres; LiteLLM runs its proxy from
+its own virtualenv as its production guide sets it up (one worker per core it gets, log
+level ERROR, master key, no retries) with a custom logging callback that writes every
+call to a file; its own readiness check and error output are read before and after the
+run. A max-rate step is sustained when every call of the step is answered without error
+and p99 stays under 50 ms. This VM is shared: other sessions' processes run on both
+cores, so absolute numbers move between runs; the ratios are measured side by side in
+one run.
 
 Profile (py-spy on the gateway process under load) and what was changed for it: the
 OpenAI routes' API-key dependency was a plain `def`, which FastAPI runs in its thread
@@ -87,7 +92,9 @@ def overhead(
     search_step: Annotated[float, typer.Option(help="seconds per max-rate step")] = 4.0,
     search_steps: Annotated[int, typer.Option(help="max-rate search steps at most")] = 7,
     target: Annotated[list[str] | None, typer.Option(
-        help="direct | gateway | litellm (repeatable; default all three)")] = None,
+        help="direct | plain | gateway | litellm (repeatable; default all four)")] = None,
+    max_tokens: Annotated[int, typer.Option(help="tokens the upstream generates per call "
+                                                 "(streamed calls: one SSE event each)")] = 16,
     server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the server under test "
                                                   "('' = unpinned)")] = "0",
     side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + load generator")] = "1",
@@ -98,14 +105,15 @@ def overhead(
     record_to: Annotated[Path | None, typer.Option(
         "--record", help="write this run's section into this BENCHMARKS.md")] = None,
 ) -> None:
-    """Added latency and max request rate: direct vs gateway vs LiteLLM proxy."""
+    """Added latency and max request rate: direct vs a plain reverse proxy vs gateway vs
+    the LiteLLM proxy."""
     from bench.reports.perf import overhead_markdown, overhead_plots
     from bench.runners.overhead import OverheadOptions, run_overhead
 
     opts = OverheadOptions(out=out, duration_s=duration, search_step_s=search_step,
                            search_steps=search_steps,
                            server_cpus=server_cpus or None, side_cpus=side_cpus or None,
-                           pg_admin=pg_admin)
+                           pg_admin=pg_admin, max_tokens=max_tokens)
     if rate:
         opts.rates = list(rate)
     if target:
@@ -154,3 +162,40 @@ def store(
     _finish(doc, out, "store", store_markdown, store_plots, record_to, STORE_INTRO)
     console.print_json(json.dumps(doc["targets"]))
     console.print(f"report: {out}/store.md")
+
+
+def headroom(
+    workload: Annotated[list[str] | None, typer.Option(
+        help="repeatable; default every workload in workloads.json")] = None,
+    gpus: Annotated[int, typer.Option(help="simulated GPUs for the demand side")] = 64,
+    check_gpus: Annotated[int, typer.Option(
+        help="rerun the first workload at this pool and a proportional batch (0 = skip)")]
+    = 128,
+    pool: Annotated[list[int] | None, typer.Option(
+        help="pool sizes to project to (repeatable; default 512 and 2048)")] = None,
+    policy: Annotated[str, typer.Option(help="the policy the simulator runs")] = "slime",
+    saturation_s: Annotated[float, typer.Option(help="seconds per saturation step")] = 6.0,
+    server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the gateway")] = "0",
+    side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + load generator")] = "1",
+    out: Annotated[Path, typer.Option(help="output directory")] = Path(
+        "artifacts/bench/headroom"),
+) -> None:
+    """Calls per second large pools produce vs what one gateway process sustains."""
+    from bench.runners.headroom import HeadroomOptions, headroom_markdown, run_headroom
+
+    opts = HeadroomOptions(gpus=gpus, check_gpus=check_gpus or None, policy=policy,
+                           saturation_s=saturation_s, server_cpus=server_cpus or None,
+                           side_cpus=side_cpus or None, out=out)
+    if workload:
+        opts.workloads = list(workload)
+    if pool:
+        opts.pools = list(pool)
+    console = Console()
+    prog, say = _progress(console)
+    with prog:
+        doc = run_headroom(opts, say, _command("headroom"))
+    (out / "headroom.json").write_text(json.dumps(doc, indent=2))
+    md = headroom_markdown(doc)
+    (out / "headroom.md").write_text(f"# bench headroom\n\n{md}")
+    console.print(md)
+    console.print(f"report: {out}/headroom.md")

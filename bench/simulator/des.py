@@ -72,6 +72,7 @@ class SimStats:
     reconfigurations: int = 0
     preemptions: int = 0
     calls: int = 0
+    call_times: list[float] = field(default_factory=list)  # when each call became ready
     cache_hit_tokens: int = 0
     cache_query_tokens: int = 0
     predictions: list[tuple[float, int]] = field(default_factory=list)  # (pred, true)
@@ -198,6 +199,7 @@ class Simulator:
             tr.tool_s += prev.tool_s
         tr.phase = Phase.QUEUED
         tr.enqueued_at = self.now
+        self.stats.call_times.append(self.now)
         self._changed(tr)
         self.policy.observe(tr.view(), self.groups, self.now)
         self._record_prediction(tr)

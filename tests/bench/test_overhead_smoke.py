@@ -42,10 +42,11 @@ def _check_target(doc: dict, name: str, rate: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_overhead_direct_and_gateway(tmp_path: Path):
-    doc = _run(tmp_path, 40, "direct", "gateway")
-    for name in ("direct", "gateway"):
+def test_overhead_direct_plain_and_gateway(tmp_path: Path):
+    doc = _run(tmp_path, 40, "direct", "plain", "gateway")
+    for name in ("direct", "plain", "gateway"):
         _check_target(doc, name, 40)
+    assert doc["summary"]["gateway_over_plain_ms"]["40"]["p50_ms"] is not None
     added = doc["summary"]["added_latency_ms"]["gateway"]["40"]
     assert added["all"]["p50_ms"] is not None
     assert doc["info"]["gateway"]["calls_recorded"] > 0  # traces were on, into Postgres
@@ -61,4 +62,8 @@ def test_overhead_direct_and_gateway(tmp_path: Path):
 def test_overhead_litellm(tmp_path: Path):
     doc = _run(tmp_path, 5, "litellm")
     _check_target(doc, "litellm", 5)
-    assert doc["info"]["litellm"]["calls_logged"] > 0  # its request logging was on
+    info = doc["info"]["litellm"]
+    assert info["calls_logged"] > 0  # its request logging was on
+    assert info["health_before"]["status"] == info["health_after"]["status"] == "healthy"
+    assert info["server_log_errors"]["count"] == 0, info["server_log_errors"]
+    assert doc["summary"]["litellm_per_core"]["saturation_rps_per_core"] > 0
