@@ -83,6 +83,12 @@ class RestorePoint:
     calls: Sequence[Call]
 
 
+async def known_trajectories(session: AsyncSession, ids: Sequence[str]) -> set[str]:
+    """Which of ``ids`` the store has a trajectory row for (one query for all of them)."""
+    rows = await session.scalars(select(Trajectory.id).where(Trajectory.id.in_(ids)))
+    return set(rows)
+
+
 async def restore_point(session: AsyncSession, *, trajectory_id: str) -> RestorePoint | None:
     traj = await session.get(Trajectory, trajectory_id)
     if traj is None:

@@ -7,6 +7,11 @@ prompt + completion tokens (so the next prompt is stored as a delta and a diverg
 reported as a mismatch), its group, and whether the attempt was finished (a call on a
 finished attempt opens the next one). Concurrent first calls of one id share one lookup.
 
+Almost every id the gateway has not seen is new (an RL batch starts hundreds of fresh
+trajectories at once), so the lookup starts with one existence query for all the unknown
+ids that arrived within ``batch_window_s`` of each other; only ids the store knows are
+then loaded one by one. A batch start costs one query, not one per trajectory.
+
 The lookup is best effort: with the database unreachable the call goes on as a fresh
 trajectory (logged and counted), never held or failed because of it; after a failed
 lookup (at most ``timeout_s``) none is tried for ``cooldown_s``, so an outage does not
@@ -33,17 +38,21 @@ log = logging.getLogger(__name__)
 
 class Restorer:
     def __init__(self, tracker: Tracker, sessionmaker: async_sessionmaker[AsyncSession], *,
-                 timeout_s: float = 1.0, cooldown_s: float = 5.0,
+                 timeout_s: float = 1.0, cooldown_s: float = 5.0, batch_window_s: float = 0.001,
                  db_ok: Callable[[], bool] = lambda: True) -> None:
         self.tracker = tracker
         self.sessionmaker = sessionmaker
         self.timeout_s = timeout_s
         self.db_ok = db_ok
         self.cooldown_s = cooldown_s
+        self.batch_window_s = batch_window_s
         self._down_until = 0.0  # after a failed lookup, skip lookups until then
         self.restored = 0
         self.failures = 0
+        self.existence_queries = 0
         self._pending: dict[str, asyncio.Task[TrajectoryState | None]] = {}
+        self._asking: dict[str, asyncio.Future[bool]] = {}  # the next existence query
+        self._flusher: asyncio.Task[None] | None = None
 
     async def restore(self, trajectory_id: str) -> TrajectoryState | None:
         """The tracker's state for ``trajectory_id``, loaded from the store if the tracker
@@ -58,8 +67,43 @@ class Restorer:
             task.add_done_callback(lambda _t: self._pending.pop(trajectory_id, None))
         return await asyncio.shield(task)
 
+    async def _known(self, trajectory_id: str) -> bool:
+        """Whether the store has ``trajectory_id``, asked together with the other ids that
+        arrive within the batch window."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._asking[trajectory_id] = fut
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._ask())
+        return await fut
+
+    async def _ask(self) -> None:
+        """Ask for every id waiting, batch after batch, until none waits (ids that come
+        while a query runs go into the next one)."""
+        while self._asking:
+            await asyncio.sleep(self.batch_window_s)
+            asking, self._asking = self._asking, {}
+            try:
+                async with asyncio.timeout(self.timeout_s), self.sessionmaker() as session:
+                    self.existence_queries += 1
+                    known = await queries.known_trajectories(session, list(asking))
+            except BaseException as exc:
+                failed = exc if isinstance(exc, Exception) else RuntimeError(
+                    "restore lookup cancelled")
+                for fut in (*asking.values(), *self._asking.values()):
+                    if not fut.done():
+                        fut.set_exception(failed)
+                self._asking = {}
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            for tid, fut in asking.items():
+                if not fut.done():
+                    fut.set_result(tid in known)
+
     async def _load(self, trajectory_id: str) -> TrajectoryState | None:
         try:
+            if not await self._known(trajectory_id):
+                return self.tracker.get(trajectory_id)  # new (or a call created it meanwhile)
             async with asyncio.timeout(self.timeout_s), self.sessionmaker() as session:
                 point = await queries.restore_point(session, trajectory_id=trajectory_id)
         except Exception as exc:
