@@ -123,13 +123,11 @@ def _relayouts(console: Console, rl: dict[str, Any], speed: float) -> None:
                   f"drain {rl['drain_s'] * speed:.1f} s, stop {rl['stop_s'] * speed:.1f} s, "
                   f"start {rl['start_s'] * speed:.1f} s simulated in all")
     for r in rl["recent"]:
-        if r["job"]:
-            console.print(f"  {'+'.join(r['retire'])} -> TP{'+'.join(map(str, r['launch']))} "
-                          f"({r['reason']}): {r['status']}, drain {r['drain_s'] * speed:.1f} s, "
-                          f"start {r['start_s'] * speed:.1f} s")
-    refused = [r["refused"] for r in rl["recent"] if not r["job"]]
-    if refused:
-        console.print(f"  last refusal: {refused[-1]}")
+        console.print(f"  {'+'.join(r['retire'])} -> TP{'+'.join(map(str, r['launch']))} "
+                      f"({r['reason']}): {r['status']}, drain {r['drain_s'] * speed:.1f} s, "
+                      f"start {r['start_s'] * speed:.1f} s")
+    if rl["last_refusal"]:
+        console.print(f"  last refusal: {rl['last_refusal']['refused']}")
 
 
 async def _sim_lag(http: httpx.AsyncClient, backends: list[dict[str, Any]]) -> float:

@@ -10,14 +10,11 @@ page, the demo summary and ``bench live`` show what a live TP change actually co
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.dispatch.jobs import Job, JobStatus
-
-KEPT = 100  # records kept (the counts cover every proposal)
 
 
 @dataclass(slots=True)
@@ -56,41 +53,46 @@ class RelayoutRecord:
 
 
 class RelayoutLog:
-    """Every proposal counted; the last :data:`KEPT` kept with their jobs."""
+    """Every proposal counted; those a job carried out kept with their jobs (one per pool
+    reconfiguration, so few), the refused ones only as a count and the last reason."""
 
     def __init__(self) -> None:
         self.proposed = 0
         self.refused = 0
-        self.records: deque[RelayoutRecord] = deque(maxlen=KEPT)
+        self.applied: list[RelayoutRecord] = []  # with a job, whatever its outcome
+        self.last_refusal: RelayoutRecord | None = None
 
     def record(self, now: float, retire: Sequence[str], launch: Sequence[int], reason: str,
                *, job: Job | None = None, refused: str | None = None) -> RelayoutRecord:
         rec = RelayoutRecord(now, tuple(retire), tuple(launch), reason, job, refused)
         self.proposed += 1
-        self.refused += job is None
-        self.records.append(rec)
+        if job is None:
+            self.refused += 1
+            self.last_refusal = rec
+        else:
+            self.applied.append(rec)
         return rec
 
-    def summary(self) -> dict[str, Any]:
-        """Counts by outcome and the total drain/stop/start seconds of the applied ones."""
-        jobs = [r for r in self.records if r.job is not None]
-        done = [r for r in jobs if r.job is not None and r.job.status is JobStatus.SUCCEEDED]
+    def summary(self, recent: int = 10) -> dict[str, Any]:
+        """Counts by outcome, the total drain/stop/start seconds of the applied ones, the
+        ``recent`` last ones a job carried out, and the last refusal."""
+        done = [r for r in self.applied if r.job is not None
+                and r.job.status is JobStatus.SUCCEEDED]
+        running = sum(1 for r in self.applied if r.job is not None and not r.job.done)
         return {
-            "proposed": self.proposed, "refused": self.refused,
-            "applied": len(done),
-            "in_progress": sum(1 for r in jobs if r.job is not None and not r.job.done),
-            "failed": sum(1 for r in jobs if r.job is not None and r.job.done
-                          and r.job.status is not JobStatus.SUCCEEDED),
+            "proposed": self.proposed, "refused": self.refused, "applied": len(done),
+            "in_progress": running, "failed": len(self.applied) - len(done) - running,
             "drain_s": round(sum(r.phase_s("drain") for r in done), 3),
             "stop_s": round(sum(r.phase_s("stop") for r in done), 3),
             "start_s": round(sum(r.phase_s("start") for r in done), 3),
-            "recent": [r.to_dict() for r in list(self.records)[-10:]],
+            "recent": [r.to_dict() for r in self.applied[-recent:]],
+            "last_refusal": None if self.last_refusal is None else self.last_refusal.to_dict(),
         }
 
     def spans(self) -> list[tuple[float, float | None, str]]:
         """(started, finished or None, label) of the relayouts a job ran, oldest first."""
         out = []
-        for r in self.records:
+        for r in self.applied:
             if r.job is not None and r.job.started is not None:
                 label = f"{'+'.join(r.retire)} -> TP{'+'.join(map(str, r.launch))}"
                 out.append((r.job.started, r.job.finished, label))

@@ -127,8 +127,10 @@ def test_relayouts_counted_with_their_phase_times_and_marked_on_the_gantt():
     s = log.summary()
     assert (s["proposed"], s["refused"], s["applied"], s["failed"]) == (2, 1, 1, 0)
     assert (s["drain_s"], s["stop_s"], s["start_s"]) == (0.5, 0.1, 1.4)
-    assert s["recent"][1]["status"] == "succeeded" and s["recent"][1]["duration_s"] == 2.0
-    assert s["recent"][0]["status"] == "refused" and s["recent"][0]["job"] is None
+    assert [r["status"] for r in s["recent"]] == ["succeeded"]
+    assert s["recent"][0]["duration_s"] == 2.0 and s["recent"][0]["job"] == "7"
+    assert s["last_refusal"]["status"] == "refused"
+    assert s["last_refusal"]["refused"] == "no managed pool to apply it"
     tracker = Tracker()
     _trajectory(tracker, "t", 8.0, turns=1, tokens=1)
     g = gantt(list(tracker), now=20.0, relayouts=log.spans())
