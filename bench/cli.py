@@ -157,18 +157,22 @@ def steps(
 def demo(
     prompts: Annotated[int, typer.Option(help="GRPO groups (prompts) in the batch")] = 8,
     group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
-    instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1)")] = 8,
+    instances: Annotated[int, typer.Option(help="simulated vLLM servers (TP1 at start)")] = 8,
     speed: Annotated[float, typer.Option(help="time compression of the simulation")] = 15.0,
     workload: Annotated[str, typer.Option(help="swe, search, math-code or tau")] = "swe",
     port: Annotated[int, typer.Option(help="gateway port (a free one if taken)")] = 8000,
     keep: Annotated[bool, typer.Option("--keep", help="keep serving afterwards")] = False,
     seed: Annotated[int, typer.Option()] = 1,
+    static_pool: Annotated[bool, typer.Option(
+        "--static-pool", help="servers in a child process as a fixed pool (the policy's "
+        "layout changes are not applied)")] = False,
 ) -> None:
     """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
     from bench.runners.demo import DemoOptions, run_demo
 
     opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
-                       instances=instances, speed=speed, seed=seed, port=port, keep=keep)
+                       instances=instances, speed=speed, seed=seed, port=port, keep=keep,
+                       static_pool=static_pool)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run_demo(opts))
 

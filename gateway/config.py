@@ -81,6 +81,9 @@ class DispatchSettings(BaseModel):
         "backend has a free slot is reported as stalled (log, /status, /metrics)")
     restart_s: float = Field(10.8, ge=0, description="cost of restarting an instance with a "
                              "new TP degree, weighed by planners (Libra measures 10.8 s)")
+    time_scale: float = Field(
+        1.0, gt=0, description="policy seconds per wall second: the speed factor of a "
+        "time-compressed simulated pool, so the policy plans as often as in the simulator")
 
 
 class ServerSettings(BaseModel):

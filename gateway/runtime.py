@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from gateway.dispatch.jobs import JobBook
 from gateway.dispatch.layout import LayoutError
 from gateway.dispatch.migrate import prewarm
 from gateway.dispatch.pool import PoolManager, open_pool
+from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
@@ -58,6 +60,7 @@ class Runtime:
     events: EventLog = field(default_factory=EventLog)
     monitor: Monitor = field(default_factory=Monitor)
     jobs: JobBook = field(default_factory=JobBook)
+    relayouts: RelayoutLog = field(default_factory=RelayoutLog)  # the policy's proposals
     pool: PoolManager | None = None  # the managed pool (``settings.pool``), if any
 
     def registry_mark_down(self, backend: Backend) -> None:
@@ -121,13 +124,15 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
         task.add_done_callback(tasks.discard)
 
     async def relayout(change: Relayout) -> None:
-        outcome = "no managed pool to apply it"
+        job, outcome = None, "no managed pool to apply it"
         if rt.pool is not None:
             try:
                 job = rt.pool.relayout(change.retire, change.launch, change.reason)
                 outcome = f"applying as job {job.id}"
             except LayoutError as exc:
                 outcome = f"not applied: {exc}"
+        rt.relayouts.record(time.time(), change.retire, change.launch, change.reason,
+                            job=job, refused=None if job is not None else outcome)
         rt.events.emit("relayout", f"policy proposes retiring {list(change.retire)} for TP "
                        f"{list(change.launch)} ({change.reason}); {outcome}",
                        retire=list(change.retire), launch=list(change.launch))

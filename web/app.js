@@ -187,7 +187,10 @@
     });
     $("pool").tBodies[0].replaceChildren(...rows);
     $("pool-empty").hidden = rows.length > 0;
-    setText("pool-summary", `${s.pool.instances} instances · ${s.pool.gpus} GPUs`);
+    const rl = s.relayouts;
+    const relayouts = rl && rl.proposed ? ` · relayouts ${rl.applied} applied of ${rl.proposed} proposed` +
+      (rl.applied ? ` (drain ${dur(rl.drain_s)}, start ${dur(rl.start_s)})` : "") : "";
+    setText("pool-summary", `${s.pool.instances} instances · ${s.pool.gpus} GPUs` + relayouts);
   }
 
   function renderThroughput(h) {
@@ -249,6 +252,12 @@
       group.addEventListener("keydown", (ev) => { if (ev.key === "Enter") openTrajectory(r.id); });
       root.append(group);
     });
+    // Layout changes the pool applied (drain + stop + start), as bands across the rows.
+    for (const [a, b, label] of g.relayouts || []) {
+      const band = svg("rect", { class: "relayout", x: x(a), y: m.t, width: Math.max(2, x(b ?? g.now) - x(a)), height: height - m.t - m.b });
+      band.append(svg("title", {}, `relayout ${label}: ${b === null ? "in progress" : dur(b - a)}`));
+      root.append(band);
+    }
     root.append(svg("line", { class: "now", x1: x(g.now), x2: x(g.now), y1: m.t, y2: height - m.b }));
   }
 

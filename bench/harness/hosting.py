@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -122,3 +125,34 @@ async def _wait_healthy(urls: list[str], proc: asyncio.subprocess.Process,
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError("simulated pool not healthy in time")
             await asyncio.sleep(0.2)
+
+
+#: Simulated start-up of a new instance (Libra measures ~10.8 s for a real vLLM); the same
+#: cost the policies are told (``DispatchSettings.restart_s``) and the simulator charges.
+SIM_STARTUP_S = 10.8
+
+
+def sim_pool_spec(path: Path, layout: Sequence[int], *, model: str, gpu: str, speed: float,
+                  seed: int = 0, startup_s: float = SIM_STARTUP_S) -> Path:
+    """Write a managed-pool spec (``--pool``) for ``layout`` (TP per instance) on
+    ``sum(layout)`` simulated GPUs, started by the in-process sim launcher."""
+    spec = {"model": model, "inventory": {"gpus": sum(layout)},
+            "launcher": {"kind": "sim", "profile": model, "gpu": gpu, "speed": speed,
+                         "seed": seed, "startup_s": startup_s},
+            "layout": [{"tp": tp} for tp in layout]}
+    path.write_text(json.dumps(spec, indent=2))
+    return path
+
+
+async def wait_routable(http: httpx.AsyncClient, gateway: str, count: int,
+                        timeout_s: float = 60) -> list[dict[str, Any]]:
+    """Wait until ``count`` backends are routable (a managed pool's initial start); their
+    rows from ``GET /status``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        backends: list[dict[str, Any]] = (await http.get(f"{gateway}/status")).json()["backends"]
+        if sum(b["routable"] for b in backends) >= count:
+            return backends
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"the managed pool has not started {count} instances in time")
+        await asyncio.sleep(0.1)

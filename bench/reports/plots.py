@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 COLORS = {"llm": "#3b6fe0", "queue": "#f0a020", "tool": "#20a88a"}
+RELAYOUT_COLOR = "#d0453a"
 
 
 def throughput_bars(out: Path, values: Mapping[str, float], title: str,
@@ -48,9 +49,11 @@ def completion_cdf(out: Path, durations: Mapping[str, Sequence[float]], title: s
     return out
 
 
-def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 12) -> Path:
+def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 12,
+          relayouts: Sequence[Mapping[str, Any]] = ()) -> Path:
     """``rows``: {"id", "start", "end", "llm": [(s, e)], "queue": [(s, e)]} in seconds;
-    tool time is what lies between LLM segments."""
+    tool time is what lies between LLM segments. ``relayouts``: {"start", "end"} of the
+    pool's layout changes (drain + stop + start), drawn as bands across all rows."""
     slow = sorted(rows, key=lambda r: r["end"] - r["start"], reverse=True)[:top]
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(slow) + 1.2), dpi=110)
     for y, r in enumerate(reversed(slow)):
@@ -58,11 +61,19 @@ def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 1
         for kind in ("queue", "llm"):
             for s, e in r.get(kind, ()):
                 ax.barh(y, e - s, left=s, color=COLORS[kind], height=0.6)
+    end = max((r["end"] for r in slow), default=0.0)
+    for rl in relayouts:
+        ax.axvspan(rl["start"], rl["end"] if rl["end"] is not None else end,
+                   color=RELAYOUT_COLOR, alpha=0.25, zorder=0)
     ax.set_yticks(range(len(slow)), [r["id"] for r in reversed(slow)], fontsize=7)
     ax.set_xlabel("seconds")
     ax.set_title(title)
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["LLM", "queued", "tool / other"], fontsize=7, loc="lower right")
+    labels = ["LLM", "queued", "tool / other"]
+    if relayouts:
+        handles.append(Rectangle((0, 0), 1, 1, color=RELAYOUT_COLOR, alpha=0.25))
+        labels.append(f"relayout ({len(relayouts)})")
+    ax.legend(handles, labels, fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -1,18 +1,24 @@
 """``rollout-gateway demo``: the main job on the embedded default, end to end.
 
-Starts a simulated vLLM pool and the gateway (SQLite) in this process, runs a ``swe``-like
-agentic batch through the official OpenAI client with live progress, then prints what a
-user cares about: throughput, makespan, the slowest trajectories and where their time
-went, and where to look next (status page, recorded traces).
+Starts the gateway (SQLite) with a managed pool of simulated vLLM servers in this
+process, runs a ``swe``-like agentic batch through the official OpenAI client with live
+progress, then prints what a user cares about: throughput, makespan, the slowest
+trajectories and where their time went, the layout changes the policy made (each one a
+real drain, stop and simulated start-up of the instances involved), and where to look
+next (status page, recorded traces). ``static_pool`` runs the servers in a child process
+instead, as a fixed pool the policy cannot change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -27,9 +33,16 @@ from rich.progress import (
 from rich.table import Table
 
 from bench.harness.batch import BatchResult, HarnessConfig, TrajectoryResult, run_batch
-from bench.harness.hosting import free_port, port_is_free, serve_gateway, sim_pool_process
+from bench.harness.hosting import (
+    free_port,
+    port_is_free,
+    serve_gateway,
+    sim_pool_process,
+    sim_pool_spec,
+    wait_routable,
+)
 from bench.workloads import generate
-from gateway.config import ServerSettings, Settings
+from gateway.config import DispatchSettings, ServerSettings, Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,7 @@ class DemoOptions:
     keep: bool = False
     stream: bool = False
     max_context: int = 32768  # the model serves 40960; leave room for the chat template
+    static_pool: bool = False  # servers in a child process; layout changes not applied
 
 
 def _progress(console: Console) -> Progress:
@@ -61,9 +75,10 @@ async def _watch(progress: Progress, task: TaskID, gw: str, http: httpx.AsyncCli
             st = (await http.get(f"{gw}/status")).json()
         except httpx.HTTPError:
             continue
-        phases = st["trajectories"]["by_phase"]
+        phases, rl = st["trajectories"]["by_phase"], st["relayouts"]
         detail = (f"generating {phases.get('generating', 0)}  tool {phases.get('tool', 0)}  "
-                  f"queued {phases.get('queued', 0)}  traces {st['trace_writer']['written']}")
+                  f"queued {phases.get('queued', 0)}  traces {st['trace_writer']['written']}  "
+                  f"relayouts {rl['applied']}/{rl['proposed']}")
         progress.update(task, detail=detail)
 
 
@@ -98,6 +113,44 @@ def _summary(console: Console, batch: BatchResult) -> None:
                       f"{errors[0].error}")
 
 
+def _relayouts(console: Console, rl: dict[str, Any], speed: float) -> None:
+    """The policy's layout changes: how many were applied and what they cost."""
+    if not rl["proposed"]:
+        console.print("relayouts: the policy proposed no layout change")
+        return
+    console.print(f"relayouts (TP changes applied live): {rl['applied']} applied of "
+                  f"{rl['proposed']} proposed ({rl['refused']} refused, {rl['failed']} failed); "
+                  f"drain {rl['drain_s'] * speed:.1f} s, stop {rl['stop_s'] * speed:.1f} s, "
+                  f"start {rl['start_s'] * speed:.1f} s simulated in all")
+    for r in rl["recent"]:
+        console.print(f"  {'+'.join(r['retire'])} -> TP{'+'.join(map(str, r['launch']))} "
+                      f"({r['reason']}): {r['status']}, drain {r['drain_s'] * speed:.1f} s, "
+                      f"start {r['start_s'] * speed:.1f} s")
+    if rl["last_refusal"]:
+        console.print(f"  last refusal: {rl['last_refusal']['refused']}")
+
+
+async def _sim_lag(http: httpx.AsyncClient, backends: list[dict[str, Any]]) -> float:
+    lags = []
+    for b in backends:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            lags.append(float((await http.get(f"{b['url']}/sim/stats")).json()["lag_s"]))
+    return max(lags, default=0.0)
+
+
+@contextlib.asynccontextmanager
+async def _pool(opts: DemoOptions, workdir: Path) -> AsyncIterator[dict[str, Any]]:
+    """Settings fields for the pool: a managed one (spec file) or a static child process."""
+    if not opts.static_pool:
+        yield {"pool": sim_pool_spec(workdir / "pool.json", [1] * opts.instances,
+                                     model=opts.model, gpu=opts.gpu, speed=opts.speed,
+                                     seed=opts.seed)}
+        return
+    async with sim_pool_process(count=opts.instances, model=opts.model, gpu=opts.gpu,
+                                speed=opts.speed, seed=opts.seed) as urls:
+        yield {"backends": urls}
+
+
 async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchResult:
     console = console or Console()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-gateway-demo-"))
@@ -105,16 +158,17 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
     port = opts.port if opts.port and port_is_free("127.0.0.1", opts.port) else free_port()
     specs = generate(opts.workload, opts.seed, prompts=opts.prompts, group_size=opts.group_size,
                      max_context=opts.max_context)
+    kind = "static pool" if opts.static_pool else "managed pool"
     console.print(f"[bold]rollout-gateway demo[/]: {len(specs)} '{opts.workload}' trajectories, "
-                  f"{opts.instances} x simulated {opts.model} on {opts.gpu} (TP1), "
+                  f"{kind} of {opts.instances} x simulated {opts.model} on {opts.gpu} (TP1), "
                   f"time compressed {opts.speed:g}x")
-    pool = sim_pool_process(count=opts.instances, model=opts.model, gpu=opts.gpu,
-                            speed=opts.speed, seed=opts.seed)
-    async with pool as urls:
-        settings = Settings(database_url=db_url, backends=urls,
+    async with _pool(opts, workdir) as pool:
+        settings = Settings(database_url=db_url,
                             server=ServerSettings(host="127.0.0.1", port=port),
-                            traces={"spool_path": workdir / "spool.jsonl"})
+                            dispatch=DispatchSettings(time_scale=opts.speed),
+                            traces={"spool_path": workdir / "spool.jsonl"}, **pool)
         async with serve_gateway(settings) as gw, httpx.AsyncClient(timeout=30) as http:
+            await wait_routable(http, gw, opts.instances)
             console.print(f"status page: [link]{gw}/[/]   traces: {db_url}")
             cfg = HarnessConfig(gateway_url=gw, model=opts.model, speed=opts.speed,
                                 seed=opts.seed, stream=opts.stream)
@@ -128,9 +182,11 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
                 batch = await run_batch(specs, cfg, on_done=done)
                 watcher.cancel()
             _summary(console, batch)
-            lags = [(await http.get(f"{u}/sim/stats")).json()["lag_s"] for u in urls]
+            st = (await http.get(f"{gw}/status")).json()
+            _relayouts(console, st["relayouts"], opts.speed)
+            lag = await _sim_lag(http, st["backends"])
             console.print(f"simulation lag (time the 2-core host fell behind the simulated "
-                          f"clock): max {max(lags):.1f} s of {batch.makespan_s:.0f} s")
+                          f"clock): max {lag:.1f} s of {batch.makespan_s:.0f} s")
             console.print(await _slowest(http, gw, batch))
             first = batch.trajectories[0].id
             sample = (await http.get(f"{gw}/trajectories/{first}/sample")).json()

@@ -23,7 +23,8 @@ def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
     t = Table(title=f"bench live: {sc.workload}, {sc.gpus} x {sc.model} on {sc.gpu} "
               f"(simulated, {sc.speed:g}x), lower bound {lb:.0f} s")
     cols = ("policy", "layout", "makespan s", "tok/s", "p50 s", "p99 s", "x LB",
-            "queue/turn s", "cache hit", "GPU idle", "migr.", "sim makespan", "live vs sim")
+            "queue/turn s", "cache hit", "GPU idle", "migr.", "relayouts", "sim makespan",
+            "live vs sim")
     for c in cols:
         t.add_column(c, justify="left" if c in ("policy", "layout") else "right")
     for p in passes:
@@ -31,9 +32,17 @@ def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
                   f"{p.throughput_tok_s:,.0f}", f"{p.p50_trajectory_s:.0f}",
                   f"{p.p99_trajectory_s:.0f}", f"{p.makespan_s / lb:.2f}",
                   f"{p.queue_per_turn_mean_s:.2f}", f"{p.prefix_cache_hit_rate:.0%}",
-                  f"{p.gpu_idle_fraction:.0%}", str(p.migrations), f"{p.sim_makespan_s:.0f}",
-                  f"{p.live_vs_sim_diff:+.1%}")
+                  f"{p.gpu_idle_fraction:.0%}", str(p.migrations), _relayouts(p),
+                  f"{p.sim_makespan_s:.0f}", f"{p.live_vs_sim_diff:+.1%}")
     return t
+
+
+def _relayouts(p: LivePass) -> str:
+    """Applied / proposed live, the simulator's count, and the live drain + start cost."""
+    text = f"{p.reconfigurations}/{p.relayouts_proposed} (sim {p.sim_reconfigurations})"
+    if p.reconfigurations:
+        text += f", drain {p.relayout_drain_s:.0f} s, start {p.relayout_start_s:.0f} s"
+    return text
 
 
 def write_report(out: Path, command: str, sc: LiveScenario, doc: dict[str, object],
@@ -45,13 +54,14 @@ def write_report(out: Path, command: str, sc: LiveScenario, doc: dict[str, objec
     completion_cdf(out / "cdf.png", {p.label: [r["end"] for r in p.trajectories]
                                      for p in passes}, "trajectory completion")
     for p in passes:
-        gantt(out / f"gantt-{p.policy}.png", p.trajectories, f"slowest trajectories: {p.label}")
+        gantt(out / f"gantt-{p.policy}.png", p.trajectories, f"slowest trajectories: {p.label}",
+              relayouts=p.relayouts)
     lines = [f"Command: `{command}`", "",
              f"Machine: {platform.machine()}, {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()}", "",
              "| policy | layout | makespan s | tok/s | p50 s | p99 s | x lower bound | "
-             "queue/turn s | prefix hit | GPU idle | migrations | sim makespan s | "
-             "live vs sim |", "|" + "---|" * 13]
+             "queue/turn s | prefix hit | GPU idle | migrations | relayouts applied/proposed "
+             "(sim) | sim makespan s | live vs sim |", "|" + "---|" * 14]
     lb = float(doc["lower_bound_makespan_s"])  # type: ignore[arg-type]
     for p in passes:
         lines.append(
@@ -59,7 +69,7 @@ def write_report(out: Path, command: str, sc: LiveScenario, doc: dict[str, objec
             f"{p.throughput_tok_s:,.0f} | {p.p50_trajectory_s:.0f} | {p.p99_trajectory_s:.0f} "
             f"| {p.makespan_s / lb:.2f} | {p.queue_per_turn_mean_s:.2f} | "
             f"{p.prefix_cache_hit_rate:.0%} | {p.gpu_idle_fraction:.0%} | {p.migrations} | "
-            f"{p.sim_makespan_s:.0f} | {p.live_vs_sim_diff:+.1%} |")
+            f"{_relayouts(p)} | {p.sim_makespan_s:.0f} | {p.live_vs_sim_diff:+.1%} |")
     lines += ["", "![throughput](throughput.png) ![completion CDF](cdf.png)", ""]
     lines += [f"![gantt {p.policy}](gantt-{p.policy}.png)" for p in passes]
     (out / "live.md").write_text("\n".join(lines) + "\n")
@@ -79,6 +89,9 @@ def live(
     cap_per_gpu: Annotated[int, typer.Option()] = 16,
     out: Annotated[Path, typer.Option(help="report directory")] = Path("artifacts/bench/live"),
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    static_pool: Annotated[bool, typer.Option(
+        "--static-pool", help="servers in child processes as a fixed pool (relayouts "
+        "counted, not applied; the simulator ignores them too)")] = False,
 ) -> None:
     """Rollouts through the real gateway and harness on a simulated pool, per policy."""
     names = policy or ["slime", "ours"]
@@ -86,10 +99,12 @@ def live(
     if bad:
         raise typer.BadParameter(f"{bad} cannot run live (ours-perfect needs hidden lengths); "
                                  f"choose from {', '.join(LIVE_POLICIES)}")
-    sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu)
+    sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
+                      static_pool=static_pool)
     console = Console(width=None if Console().is_terminal else 180)
     console.print(f"bench live: {prompts * group_size} '{workload}' trajectories per pass, "
-                  f"policies {names}, {speed:g}x time compression")
+                  f"policies {names}, {speed:g}x time compression, "
+                  f"{'static' if static_pool else 'managed'} pool")
 
     def done(p: LivePass, wall: float) -> None:
         console.print(f"  {p.label}: makespan {p.makespan_s:.0f} s, {p.throughput_tok_s:,.0f} "

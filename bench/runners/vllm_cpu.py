@@ -106,14 +106,14 @@ async def run_vllm_cpu(names: Sequence[str], python: str, workdir: Path, *, seed
                        ) -> tuple[LiveScenario, list[TrajectorySpec], float, list[LivePass]]:
     sc = LiveScenario(workload="tiny-long-tail", model="tiny", gpu="cpu", gpus=2, speed=1.0,
                       seed=seed, prompts=prompts, group_size=group_size, cap_per_gpu=8,
-                      max_context=MAX_CONTEXT)
+                      max_context=MAX_CONTEXT, static_pool=True)
     specs = tiny_long_tail(seed, prompts, group_size)
     lb = lower_bound(specs, profiles("tiny", "cpu", None, 2), sc.gpus)
     pool = make_pool(python, workdir / "tiny", workdir / "logs")
     passes = []
     for name in names:
         p = await run_pass(name, sc, specs, lb, workdir, pool=pool)
-        p.sim_makespan_s = simulate(name, sc, specs)
+        p.sim_makespan_s, p.sim_reconfigurations = simulate(name, sc, specs)
         p.live_vs_sim_diff = (p.makespan_s - p.sim_makespan_s) / p.sim_makespan_s
         passes.append(p)
         if callable(on_pass):

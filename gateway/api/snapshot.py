@@ -8,6 +8,7 @@ trajectory ids, counts and timings do.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.dispatch.backends import Backend
@@ -60,7 +61,7 @@ def live_view(rt: Runtime, now: float) -> dict[str, Any]:
             "ttft_p50_s": histogram_quantile(m.ttft, 0.5),
             "ttft_p90_s": histogram_quantile(m.ttft, 0.9),
         },
-        "gantt": gantt(states, now),
+        "gantt": gantt(states, now, relayouts=rt.relayouts.spans()),
         "lengths": length_distribution(states),
         "history": {"interval_s": rt.monitor.interval_s * rt.monitor.history.stride,
                     "points": [_rounded(p) for p in rt.monitor.history.rates()]},
@@ -75,8 +76,10 @@ def phase_counts(states: list[TrajectoryState]) -> dict[str, int]:
     return counts
 
 
-def gantt(states: list[TrajectoryState], now: float, rows: int = GANTT_ROWS) -> dict[str, Any]:
-    """The ``rows`` longest-running trajectories with their queue/LLM/tool segments.
+def gantt(states: list[TrajectoryState], now: float, rows: int = GANTT_ROWS,
+          relayouts: Sequence[tuple[float, float | None, str]] = ()) -> dict[str, Any]:
+    """The ``rows`` longest-running trajectories with their queue/LLM/tool segments, and
+    the pool's layout changes (``[start, end or null, label]``) on the same time axis.
 
     Times are seconds relative to ``t0`` (the earliest start shown), so the page can draw
     them on one axis; ``now`` is on the same axis.
@@ -86,11 +89,13 @@ def gantt(states: list[TrajectoryState], now: float, rows: int = GANTT_ROWS) -> 
 
     slowest = sorted(states, key=elapsed, reverse=True)[:rows]
     if not slowest:
-        return {"t0": now, "now": 0.0, "rows": []}
+        return {"t0": now, "now": 0.0, "rows": [], "relayouts": []}
     t0 = min(st.created_at for st in slowest)
     return {
         "t0": t0,
         "now": round(now - t0, 3),
+        "relayouts": [[round(a - t0, 3), None if b is None else round(b - t0, 3), label]
+                      for a, b, label in relayouts if a >= t0],
         "rows": [{
             "id": st.id, "group_id": st.group_id, "phase": st.phase.value,
             "start": round(st.created_at - t0, 3),

@@ -115,7 +115,7 @@ class Scheduler:
             self.kick()
             self.watch()
             interval = self.policy.plan_interval_s
-            if interval and time.monotonic() - last_plan >= interval:
+            if interval and time.monotonic() - last_plan >= interval / self.settings.time_scale:
                 last_plan = time.monotonic()
                 await self._plan()
 

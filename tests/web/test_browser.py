@@ -9,6 +9,7 @@ Screenshots go to ``artifacts/web/``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +183,42 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     assert sum(e.startswith(expected) for e in errors) == 1  # the refused action above
     assert not [e for e in errors if not e.startswith(expected)], errors
     assert not workload.errors, workload.errors[:3]
+
+
+def test_page_shows_a_relayout_the_policy_applied(browser, loop_thread: LoopThread,
+                                                  sqlite_url: str, tmp_path: Path):
+    """``ours`` on a managed 4 x TP1 sim pool merges instances for the tail (as in
+    tests/bench/test_live_relayout.py); the pool card counts it and the Gantt shades it."""
+    from playwright.sync_api import expect
+
+    from bench.harness.batch import HarnessConfig, run_batch
+    from bench.harness.hosting import sim_pool_spec
+    from bench.workloads import generate
+    from gateway.config import DispatchSettings
+
+    speed = 40.0
+    spec = sim_pool_spec(tmp_path / "pool.json", [1, 1, 1, 1], model="qwen3-14b", gpu="H100",
+                         speed=speed, seed=1)
+    settings = gateway_settings(sqlite_url, [], pool=spec, policy="ours",
+                                dispatch=DispatchSettings(tick_s=0.05, time_scale=speed))
+    specs = generate("swe", 1, prompts=2, group_size=4, max_context=32768)
+    with app_in_thread(loop_thread, lambda: create_app(settings)) as gw:
+        batch = loop_thread.run(run_batch(specs, HarnessConfig(
+            gw, "qwen3-14b", speed=speed, seed=1, stream=False, reward_latency=False)), 120)
+        assert batch.errors == 0
+        rl = httpx.get(f"{gw}/status").json()["relayouts"]
+        assert rl["applied"] >= 1
+        errors: list[str] = []
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        _watch_console(page, errors)
+        page.goto(f"{gw}/")
+        expect(page.locator("#conn")).to_have_text("live", timeout=15_000)
+        expect(page.locator("#pool-summary")).to_contain_text(
+            f"relayouts {rl['applied']} applied of {rl['proposed']} proposed", timeout=10_000)
+        expect(page.locator("#gantt rect.relayout")).to_have_count(rl["applied"])
+        title = page.locator("#gantt rect.relayout title").first.text_content() or ""
+        assert re.match(r"relayout tp1-g\d\+tp1-g\d.* -> TP\d: ", title), title
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#gantt-card").screenshot(path=str(ARTIFACTS / "gantt-relayout.png"))
+        page.close()
+    assert errors == []

@@ -6,6 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.api.snapshot import gantt, length_distribution
+from gateway.dispatch.jobs import Job
+from gateway.dispatch.jobs import Phase as JobPhase
+from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scrape import EngineSample, derive, parse_vllm_metrics
 from gateway.metrics import EventLog, History, Point, histogram_quantile
 from gateway.trajectories.tracker import MAX_SEGMENTS, Tracker
@@ -107,6 +110,31 @@ def test_gantt_orders_by_elapsed_and_shows_the_open_tool_call():
     assert g["t0"] == 0.0 and g["now"] == 20.0
     assert g["rows"][0]["segments"][-1] == ["tool", 9.5, 20.0]  # in a tool call since 9.5
     assert g["rows"][1]["end"] == 13.0 and g["rows"][1]["phase"] == "finished"
+
+
+def test_relayouts_counted_with_their_phase_times_and_marked_on_the_gantt():
+    log = RelayoutLog()
+    log.record(5.0, ["b"], [2], "merge", refused="no managed pool to apply it")
+    job = Job("7", "relayout", {})
+    job.begin()
+    job.started = 10.0
+    job.phases += [JobPhase("drain", 10.0, 10.5), JobPhase("stop", 10.5, 10.6),
+                   JobPhase("start-after-stop", 10.6, 12.0)]
+    log.record(9.0, ["c", "d"], [2], "merge into TP2", job=job)
+    assert log.summary()["in_progress"] == 1 and log.summary()["applied"] == 0
+    job.end()
+    job.finished = 12.0
+    s = log.summary()
+    assert (s["proposed"], s["refused"], s["applied"], s["failed"]) == (2, 1, 1, 0)
+    assert (s["drain_s"], s["stop_s"], s["start_s"]) == (0.5, 0.1, 1.4)
+    assert [r["status"] for r in s["recent"]] == ["succeeded"]
+    assert s["recent"][0]["duration_s"] == 2.0 and s["recent"][0]["job"] == "7"
+    assert s["last_refusal"]["status"] == "refused"
+    assert s["last_refusal"]["refused"] == "no managed pool to apply it"
+    tracker = Tracker()
+    _trajectory(tracker, "t", 8.0, turns=1, tokens=1)
+    g = gantt(list(tracker), now=20.0, relayouts=log.spans())
+    assert g["relayouts"] == [[2.0, 4.0, "c+d -> TP2"]]  # relative to t0 = 8
 
 
 def test_length_distribution_power_of_two_bins_and_tail():
