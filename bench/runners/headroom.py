@@ -18,6 +18,12 @@ Two measurements, then arithmetic, all in one run:
    rate and CPU per call at that length are what one process supplies on one core.
 
 Processes needed = peak demand / one process's saturation rate (rounded up).
+
+3. **What splitting costs.** Several gateway processes (docs/scaling.md) each own a
+   share of the GPUs and the trajectories of whole groups. The simulator runs one batch
+   on ``2 x gpus`` GPUs under one scheduler, then the same batch split by group hash
+   into ``shards`` halves, each on its own ``gpus`` GPUs; the batch ends when the slowest
+   shard does. The makespan ratio is the price of scheduling in shards.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +58,7 @@ class HeadroomOptions:
     seed: int = 1
     prompts: int | None = None  # fewer prompts than the workload's (smoke runs)
     window_s: float = 10.0
+    shards: int = 2  # 0: skip the sharding measurement
     saturation_s: float = 6.0
     concurrency: int = 64
     server_cpus: str | None = "0"
@@ -87,6 +95,30 @@ def demand(workload: str, gpus: int, opts: HeadroomOptions, scale: int = 1) -> d
             "output_tokens_per_call": output / len(times),
             "median_output_tokens": table["output_tokens_per_turn"]["ln"][0],
             "sim_wall_s": time.perf_counter() - started}
+
+
+def _simulate(specs: list[Any], bench: Bench, gpus: int, opts: HeadroomOptions) -> float:
+    cfg = SimConfig(gpus, bench.profiles, bench.speeds, seed=opts.seed)
+    return Simulator(specs, get_policy(opts.policy, seed=opts.seed), cfg).run()
+
+
+def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
+    """One scheduler over ``shards x gpus`` GPUs vs ``shards`` schedulers over ``gpus``
+    GPUs each, the batch split by group (a group stays in one shard)."""
+    table = load_workloads()[workload]
+    n = opts.shards
+    whole = Bench(Scenario(workload, gpus=n * opts.gpus, seed=opts.seed,
+                           prompts=(opts.prompts or table["prompts"]) * n))
+    one = _simulate(whole.specs, whole, n * opts.gpus, opts)
+    parts: list[list[Any]] = [[] for _ in range(n)]
+    for spec in whole.specs:
+        parts[zlib.crc32(spec.group_id.encode()) % n].append(spec)
+    shard = Bench(Scenario(workload, gpus=opts.gpus, seed=opts.seed, prompts=1))
+    each = [_simulate(part, shard, opts.gpus, opts) if part else 0.0 for part in parts]
+    return {"workload": workload, "shards": n, "gpus_per_shard": opts.gpus,
+            "trajectories": len(whole.specs), "per_shard": [len(p) for p in parts],
+            "one_scheduler_s": one, "shard_makespans_s": each,
+            "sharded_s": max(each), "ratio": max(each) / one}
 
 
 def supply(tokens: list[int], opts: HeadroomOptions, say: Progress) -> dict[int, Any]:
@@ -132,6 +164,10 @@ def run_headroom(opts: HeadroomOptions, say: Progress, command: str) -> dict[str
         w = opts.workloads[0]
         say(f"simulating {w} on {opts.check_gpus} GPUs (linearity check)")
         doc["check"] = demand(w, opts.check_gpus, opts, scale=opts.check_gpus // opts.gpus)
+    if opts.shards:
+        w = opts.workloads[0]
+        say(f"simulating {w}: one scheduler vs {opts.shards} shards")
+        doc["sharding"] = sharding(w, opts)
     tokens = sorted({int(d["median_output_tokens"]) for d in doc["demand"].values()})
     doc["supply"] = {str(k): v for k, v in supply(tokens, opts, say).items()}
     for w, d in doc["demand"].items():
@@ -188,5 +224,14 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
         cells = [f"{r['mean_rps']:.0f} / {r['peak_rps']:.0f}, {r['processes']}"
                  for r in rows.values()]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    sh = doc.get("sharding")
+    if sh:
+        lines += ["", f"Sharding ({sh['workload']}, {sh['trajectories']} trajectories, policy "
+                  f"`{o['policy']}`): one scheduler over {sh['shards'] * sh['gpus_per_shard']} "
+                  f"GPUs {sh['one_scheduler_s']:.0f} s; {sh['shards']} shards of "
+                  f"{sh['gpus_per_shard']} GPUs (groups split by hash: "
+                  f"{', '.join(map(str, sh['per_shard']))} trajectories) "
+                  f"{', '.join(f'{x:.0f}' for x in sh['shard_makespans_s'])} s, so "
+                  f"{sh['sharded_s']:.0f} s: {sh['ratio']:.3f}x."]
     lines += ["", f"Wall time {doc['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"

@@ -25,4 +25,7 @@ def test_headroom_demand_supply_and_projection(tmp_path):
     row = doc["pools"]["tau"]["16"]
     assert row["peak_rps"] == pytest.approx(d["peak_rps_per_gpu"] * 16)
     assert row["processes"] >= 1
+    sh = doc["sharding"]
+    assert sum(sh["per_shard"]) == sh["trajectories"] == 2 * d["trajectories"]
+    assert sh["sharded_s"] == max(sh["shard_makespans_s"]) > 0 and sh["ratio"] > 0
     assert "| tau |" in headroom_markdown(doc)

@@ -82,13 +82,26 @@ async def test_keep_freezes_and_resume_finishes_every_token(url: str) -> None:
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == 300
 
 
+async def _running(http: httpx.AsyncClient) -> float:
+    metrics = (await http.get("/metrics")).text
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith("vllm:num_requests_running"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 async def test_wait_returns_after_in_flight_calls_finish(url: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        call = asyncio.create_task(http.post("/v1/completions", json=_body(100)))
-        await asyncio.sleep(0.1)
+        call = asyncio.create_task(http.post("/v1/completions", json=_body(300)))
+        for _ in range(200):  # until the engine runs it (a loaded machine is slow to send)
+            if await _running(http):
+                break
+            await asyncio.sleep(0.01)
+        assert not call.done()
         await http.post("/pause", params={"mode": "wait"})
-        assert call.done()
-        assert (await call).json()["choices"][0]["finish_reason"] == "length"
+        assert await _running(http) == 0  # the engine finished it before answering
+        # its answer was sent before the pause returned: it arrives at once, whole
+        done = await asyncio.wait_for(call, timeout=2)
+        assert done.json()["choices"][0]["finish_reason"] == "length"
         await http.post("/resume")
 
 
