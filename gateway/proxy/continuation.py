@@ -31,7 +31,7 @@ import orjson
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
 from gateway.proxy.client import UpstreamResponse, open_upstream
-from gateway.proxy.live import continuable
+from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
 from gateway.runtime import Runtime
 
@@ -47,7 +47,7 @@ def should_continue(rt: Runtime, ctx: CallContext) -> bool:
     """The engine aborted this call's generation: continue it (True) or pass the abort on."""
     cap = ctx.capture.completion(0)
     known = ctx.capture.prompt_ids is not None or not cap.token_ids  # else: cannot rebuild
-    return (cap.finish_reason == "abort" and rt.dispatcher.gate.continuing
+    return (cap.finish_reason == "abort" and live_calls(rt).aborted(ctx.id)
             and continuable(ctx.body) and known and ctx.lease is not None)
 
 
@@ -133,6 +133,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
+    live_calls(rt).continued(ctx.id)
     ctx.segments.append((len(ctx.capture.completion(0).token_ids), rt.weight_version))
     ctx.continuations += 1
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
@@ -199,7 +200,7 @@ class HoldingDecoder(SSEDecoder):
         """``[DONE]`` or a choice-less (usage) chunk before the choice finished."""
         if self._ctx.capture.completion(0).finish_reason is not None:
             return False
-        if not self._rt.dispatcher.gate.continuing:
+        if not live_calls(self._rt).aborted(self._ctx.id):
             return False
         data = event[5:].strip() if event.startswith(b"data:") else b""
         if data == b"[DONE]":

@@ -40,6 +40,10 @@ def test_live_calls_count_what_blocks_an_abort() -> None:
     live.new_version("7")
     live.remove("b")
     assert seen == ["7"] and live.blocking("b1") == 0 and len(live) == 3
+    live.mark_aborted("b2")
+    assert [live.aborted(c) for c in "acdx"] == [False, True, True, False]
+    live.continued("c")
+    assert not live.aborted("c") and live.aborted("d")
 
 
 def test_weight_segments() -> None:
@@ -70,13 +74,16 @@ _USAGE = (b'data: {"id":"x","object":"text_completion","created":1,"model":"tiny
 _DONE = b"data: [DONE]\n\n"
 
 
-def _decoder(chat: bool, continuing: bool) -> tuple[HoldingDecoder, Capture]:
+def _decoder(chat: bool, aborted: bool) -> tuple[HoldingDecoder, Capture]:
     body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 10}
     capture = Capture(chat=chat, asked=inject(body, chat=chat))
     ctx = SimpleNamespace(capture=capture, body=body, lease=object(), id="c1",
                           endpoint="chat" if chat else "completions")
-    rt = SimpleNamespace(dispatcher=SimpleNamespace(gate=SimpleNamespace(
-        continuing=continuing)))
+    live = LiveCalls()
+    live.add("c1", "b1", body)
+    if aborted:  # its engine was told to abort for abort-and-continue
+        live.mark_aborted("b1")
+    rt = SimpleNamespace(extras={"live_calls": live})
     return HoldingDecoder(rt, ctx), capture  # type: ignore[arg-type]
 
 
@@ -88,14 +95,14 @@ def _decoder(chat: bool, continuing: bool) -> tuple[HoldingDecoder, Capture]:
 ])
 def test_a_stream_aborted_before_its_first_token_is_held(
         chat: bool, events: list[bytes]) -> None:
-    decoder, capture = _decoder(chat, continuing=True)
+    decoder, capture = _decoder(chat, aborted=True)
     out = b"".join(decoder.feed(e) for e in events) + decoder.flush()
     assert decoder.held and capture.completion(0).finish_reason == "abort"
     assert out.count(b"data: ") == (1 if chat else 0)  # only the role chunk passes
     assert b"[DONE]" not in out and b"usage" not in out
 
 
-def test_a_bare_done_outside_abort_and_continue_passes() -> None:
-    decoder, capture = _decoder(False, continuing=False)
+def test_a_bare_done_of_a_call_no_pause_aborted_passes() -> None:
+    decoder, capture = _decoder(False, aborted=False)
     assert decoder.feed(_DONE) == _DONE
     assert not decoder.held and capture.completion(0).finish_reason is None

@@ -419,3 +419,26 @@ async def test_abort_and_continue_through_the_front_doors(
                 assert sample["weight_versions"][-N:] == ["0"] * k + ["1"] * (N - k)
     assert aborted == spanned >= 8  # every call the engines aborted was continued
     assert len(split) == 4, split  # each door, whole and streamed, continued mid-answer
+
+
+async def test_an_abort_the_gateway_did_not_ask_for_reaches_the_client(
+        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    """Only calls whose engine the gateway paused in abort-and-continue are continued:
+    an engine that aborts on its own (here: paused behind the gateway's back, as on a
+    shutdown) ends the call with ``abort``, even after an abort-and-continue pause."""
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60) as http:
+            await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
+            await admin.post("/admin/resume", json={"weight_version": "1"})
+            calls = _load(http, 4)
+            await _generating(slow_pool, 4)
+            try:
+                for u in slow_pool:
+                    assert (await http.post(f"{u}/pause?mode=abort")).status_code == 200
+                results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            finally:
+                for u in slow_pool:
+                    await http.post(f"{u}/resume")
+    for res in results:
+        assert res["finish"] == "abort" and len(res["ids"]) < N
