@@ -153,28 +153,32 @@ async def test_abort_and_continue_on_real_vllm(
             await _abort_and_continue(http, tp1_server.url, calls, "3")
 
             # mid-generation, for certain: the engine runs the calls in short slices
-            # between keep pauses sent straight to it, until the streams have tokens
-            # (600 tokens take it well under a second, and a stream's tokens can reach
-            # the client seconds after they were made on two busy cores)
+            # between keep pauses sent straight to it until it made their first tokens
+            # (its own counter: a stream's tokens can reach the client seconds after the
+            # engine made them on two busy cores, and 600 tokens take it under a second)
             await _engine(http, tp1_server.url, "/pause?mode=keep")
             seen: dict[str, int] = {}
             calls = _load(http, "mid", seen, tokens=LONG)
             await _queued(http, len(calls))
+            made = await _generated(http, tp1_server.url)
             for _ in range(60):
                 await _engine(http, tp1_server.url, "/resume")
                 await asyncio.sleep(0.05)
                 await _engine(http, tp1_server.url, "/pause?mode=keep")
-                await asyncio.sleep(0.5)  # what it made reaches the clients
-                if any(seen.values()):
+                if await _generated(http, tp1_server.url) > made:
                     break
             else:
                 raise AssertionError("the engine produced no token in 60 slices")
-            assert not any(c.done() for c in calls)
+            await asyncio.sleep(0.5)  # what it made reaches the clients
+            done = {c.get_name(): c.result() if c.done() and not c.exception() else c
+                    for c in calls if c.done()}
+            assert not done, done
             before = dict(seen)
             segments = await _abort_and_continue(http, tp1_server.url, calls, "4", LONG)
-            for i in (1, 3):  # the streams
+            assert any(s is not None and len(s) == 2 for s in segments), segments
+            for i in (1, 3):  # the streams: split at or after what their clients had
                 tid = f"mid-{i}"
-                if before.get(tid):  # it had tokens: the split is at or after them
+                if before.get(tid):
                     (_, k, _), _ = segments[i]
                     assert k >= before[tid], (segments[i], before)
             print("real vLLM mid-generation abort: split at", segments, "seen", before)
@@ -193,6 +197,14 @@ async def test_abort_and_continue_on_real_vllm(
 async def _engine(http: httpx.AsyncClient, engine: str, path: str) -> None:
     """A control call straight to vLLM, behind the gateway's back."""
     assert (await http.post(engine + path)).status_code == 200
+
+
+async def _generated(http: httpx.AsyncClient, engine: str) -> float:
+    """The engine's count of generated tokens (``vllm:generation_tokens_total``)."""
+    for line in (await http.get(f"{engine}/metrics")).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:generation_tokens_total in /metrics")
 
 
 async def _queued(http: httpx.AsyncClient, count: int) -> None:
