@@ -103,6 +103,8 @@ async def _respond(request: Request, sim: SimState, shape: ResponseShape,
         for c in choices:
             yield shape.first_chunk(c)
         async for c, delta in merged_deltas(choices):
+            if c.aborted and c.sent == 0 and delta.num_new == 0:
+                continue  # as vLLM: no chunk for a request aborted before its first token
             yield shape.delta_chunk(c, delta)
         if include_usage:
             yield shape.usage_chunk(choices)

@@ -42,13 +42,8 @@ class PauseGate:
         self._open.set()
         self.paused_at: float | None = None
         self.mode: PauseMode | None = None
-        #: The engine mode of the current (or, until the next pause, the last) pause:
-        #: an ``abort`` from an engine is continued while it is ``abort-and-continue``.
+        #: The engine mode of the current (or, until the next pause, the last) pause.
         self.engine_mode: EngineMode | None = None
-
-    @property
-    def continuing(self) -> bool:
-        return self.engine_mode == "abort-and-continue"
 
     async def wait_open(self, timeout_s: float) -> None:
         """Return once the gate is open; ``Paused`` (429) after ``timeout_s``."""

@@ -2,13 +2,17 @@
 
 When ``POST /admin/pause`` runs in ``abort-and-continue`` mode the engines abort what they
 are generating (vLLM ``/pause?mode=abort``): each request ends with ``finish_reason:
-"abort"`` and the tokens it had. The relay does not pass that end to the client. It holds
-the client's request open, waits for ``/admin/resume``, and sends the same engine a
+"abort"`` and the tokens it had, except that a stream aborted before its first token
+(still queued or prefilling) gets no finish chunk at all, only ``[DONE]`` (after the
+role chunk on chat). The relay does not pass that end to the client. It holds the
+client's request open, waits for ``/admin/resume``, and sends the same engine a
 token-in continuation on ``/v1/completions``: the prompt token ids plus the completion
 token ids so far as the prompt, ``max_tokens`` reduced by what was already generated.
-The continuation's output is reshaped into the client's wire format (chat chunks or a
-chat message for chat calls) under the original response id, so the client sees one
-answer with every token exactly once. Token-in is exact; re-tokenizing the text is not.
+The continuation's output is reshaped into the wire format the call asked the engine
+for (chat chunks or a chat message for chat calls and for the front doors, which are
+chat upstream and turn it into their own events) under the original response id, so
+the client sees one answer with every token exactly once. Token-in is exact;
+re-tokenizing the text is not.
 
 Not every call can be continued that way: tool-call parsing, structured output
 (``response_format``, guided decoding), ``n > 1`` and ``echo`` depend on the engine
@@ -27,7 +31,7 @@ import orjson
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
 from gateway.proxy.client import UpstreamResponse, open_upstream
-from gateway.proxy.live import continuable
+from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
 from gateway.runtime import Runtime
 
@@ -43,7 +47,7 @@ def should_continue(rt: Runtime, ctx: CallContext) -> bool:
     """The engine aborted this call's generation: continue it (True) or pass the abort on."""
     cap = ctx.capture.completion(0)
     known = ctx.capture.prompt_ids is not None or not cap.token_ids  # else: cannot rebuild
-    return (cap.finish_reason == "abort" and rt.dispatcher.gate.continuing
+    return (cap.finish_reason == "abort" and live_calls(rt).aborted(ctx.id)
             and continuable(ctx.body) and known and ctx.lease is not None)
 
 
@@ -69,7 +73,7 @@ def continuation_body(ctx: CallContext) -> dict[str, Any] | None:
         out["max_tokens"] = limit - len(done)
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - len(done))
-    if ctx.endpoint == "chat":
+    if ctx.capture.chat:
         out["logprobs"] = int(body.get("top_logprobs") or 0)
     else:
         out["logprobs"] = body.get("logprobs", 0)
@@ -105,7 +109,7 @@ def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
         if not isinstance(ch, dict):
             continue
         ch = {k: v for k, v in ch.items() if k != "prompt_token_ids"}
-        if ctx.endpoint == "chat":
+        if ctx.capture.chat:
             text = ch.pop("text", "") or ""
             if stream:
                 ch["delta"] = {"content": text} if text else {}
@@ -129,6 +133,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
+    live_calls(rt).continued(ctx.id)
     ctx.segments.append((len(ctx.capture.completion(0).token_ids), rt.weight_version))
     ctx.continuations += 1
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
@@ -170,13 +175,16 @@ class HoldingDecoder(SSEDecoder):
         if self.held:
             return b""
         if self._ended_early(event):
-            # real vLLM ends an aborted stream without a finish chunk: the usage chunk or
-            # [DONE] comes while the choice is unfinished. Hold it and continue.
-            self._ctx.capture.completion(0).finish_reason = "abort"
+            # vLLM sends no chunk for a request it aborts before its first token: the
+            # usage chunk or [DONE] comes while the choice is unfinished (on
+            # /v1/completions, with no chunk of the choice before it at all, so the
+            # mark goes on a choice created here). Hold it and continue.
+            cap = self._ctx.capture.choice(0)
+            cap.finish_reason = "abort"
             if should_continue(self._rt, self._ctx):
                 self.held = True
                 return b""
-            self._ctx.capture.completion(0).finish_reason = None
+            cap.finish_reason = None
         out = super()._event(event)
         if self.head is None and out.startswith(b"data: {"):
             self.head = stream_head(self._ctx, orjson.loads(out[6:]))
@@ -192,7 +200,7 @@ class HoldingDecoder(SSEDecoder):
         """``[DONE]`` or a choice-less (usage) chunk before the choice finished."""
         if self._ctx.capture.completion(0).finish_reason is not None:
             return False
-        if not self._rt.dispatcher.gate.continuing:
+        if not live_calls(self._rt).aborted(self._ctx.id):
             return False
         data = event[5:].strip() if event.startswith(b"data:") else b""
         if data == b"[DONE]":
@@ -213,11 +221,11 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
         restart = _restart(ctx)
         body = dict(ctx.body) if restart else continuation_body(ctx)
         if body is None:  # nothing left to generate: end where the budget ended
-            ctx.capture.completion(0).finish_reason = "length"
+            ctx.capture.choice(0).finish_reason = "length"
             yield _final_chunk(ctx, head, "length")
             yield _DONE
             return
-        path = ("/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
+        path = ("/v1/chat/completions" if ctx.capture.chat else "/v1/completions"
                 ) if restart else "/v1/completions"
         upstream = await _open(rt, ctx, body, path)
         aborted, buf = False, b""
@@ -252,7 +260,7 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
 
 def _final_chunk(ctx: CallContext, head: dict[str, Any], reason: str) -> bytes:
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-    if ctx.endpoint == "chat":
+    if ctx.capture.chat:
         choice["delta"] = {}
     else:
         choice["text"] = ""
@@ -262,7 +270,7 @@ def _final_chunk(ctx: CallContext, head: dict[str, Any], reason: str) -> bytes:
 def stream_head(ctx: CallContext, first: dict[str, Any] | None) -> dict[str, Any]:
     """id/object/created/model of the original response, for continuation chunks."""
     first = first or {}
-    obj = "chat.completion.chunk" if ctx.endpoint == "chat" else "text_completion"
+    obj = "chat.completion.chunk" if ctx.capture.chat else "text_completion"
     return {"id": first.get("id", f"cont-{ctx.id}"), "object": first.get("object", obj),
             "created": first.get("created", int(time.time())),
             "model": first.get("model", ctx.body.get("model"))}
@@ -276,7 +284,7 @@ async def continue_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any])
     while should_continue(rt, ctx):
         body = continuation_body(ctx)
         if body is None:
-            target["finish_reason"] = ctx.capture.completion(0).finish_reason = "length"
+            target["finish_reason"] = ctx.capture.choice(0).finish_reason = "length"
             break
         upstream = await _open(rt, ctx, body)
         try:
@@ -290,7 +298,7 @@ async def continue_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any])
 
 
 def _merge(ctx: CallContext, target: dict[str, Any], more: dict[str, Any]) -> None:
-    if ctx.endpoint == "chat":
+    if ctx.capture.chat:
         msg = target.setdefault("message", {"role": "assistant", "content": ""})
         msg["content"] = (msg.get("content") or "") + (more.get("message") or {}).get(
             "content", "")

@@ -1,5 +1,7 @@
-"""Which calls have an upstream request open, on which engine, and whether an engine
-abort of each could be continued token-in (``gateway.proxy.continuation``)."""
+"""Which calls have an upstream request open, on which engine, whether an engine
+abort of each could be continued token-in (``gateway.proxy.continuation``), and whether
+its engine was told to abort it for abort-and-continue (only such an abort is
+continued; one for another reason, an engine shutting down, goes to the client)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ class LiveCall:
     continuable: bool
     #: Called with the new weight version when engines frozen in ``keep`` resume.
     on_version: Callable[[str], None] | None = None
+    #: Its engine was told to abort for abort-and-continue while it ran: an abort (or
+    #: an unfinished end) of its generation is the pause's, to be continued.
+    aborted: bool = False
 
 
 class LiveCalls:
@@ -51,6 +56,22 @@ class LiveCalls:
         for call in self._calls.values():
             if call.on_version is not None:
                 call.on_version(version)
+
+    def mark_aborted(self, backend_id: str) -> None:
+        """``backend_id`` is about to abort its requests for abort-and-continue."""
+        for call in self._calls.values():
+            if call.backend_id == backend_id:
+                call.aborted = True
+
+    def aborted(self, call_id: str) -> bool:
+        call = self._calls.get(call_id)
+        return call is not None and call.aborted
+
+    def continued(self, call_id: str) -> None:
+        """The continuation is sent: a later abort needs a later pause."""
+        call = self._calls.get(call_id)
+        if call is not None:
+            call.aborted = False
 
     def remove(self, call_id: str) -> None:
         self._calls.pop(call_id, None)

@@ -88,6 +88,8 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
         mode = ENGINE_CALL[engine_mode]
         if mode == "abort" and live.blocking(b.id):
             mode = "keep"  # a call here cannot be continued token-in: freeze it instead
+        if mode == "abort":  # before the call: the aborts can arrive before its answer
+            live.mark_aborted(b.id)
         t0 = time.monotonic()
         error = await _call(rt, b, "POST", f"/pause?mode={mode}", timeout_s)
         return EngineAnswer(b.id, b.url, mode, error is None, time.monotonic() - t0, error)

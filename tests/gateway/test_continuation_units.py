@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from gateway.proxy.calls import weight_segments
+from gateway.proxy.capture import Capture, inject
+from gateway.proxy.continuation import HoldingDecoder
 from gateway.proxy.live import LiveCalls, continuable
 from gateway.store.samples import staleness
 
@@ -35,6 +40,10 @@ def test_live_calls_count_what_blocks_an_abort() -> None:
     live.new_version("7")
     live.remove("b")
     assert seen == ["7"] and live.blocking("b1") == 0 and len(live) == 3
+    live.mark_aborted("b2")
+    assert [live.aborted(c) for c in "acdx"] == [False, True, True, False]
+    live.continued("c")
+    assert not live.aborted("c") and live.aborted("d")
 
 
 def test_weight_segments() -> None:
@@ -51,3 +60,49 @@ def test_staleness() -> None:
     assert staleness(["", "3", "5"], "7") == 4
     assert staleness(["", "v1"], "v2") is None
     assert staleness([""], "2") is None
+
+
+# What vLLM 0.32 streams for a request it aborts (``/pause?mode=abort``) before the
+# request's first token, e.g. while it waits in the engine's queue (measured on the CPU
+# build; docs/weight-updates.md): no chunk with tokens and no finish_reason at all.
+_ROLE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+         b'"model":"tiny","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+         b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,300,201]}\n\n')
+_USAGE = (b'data: {"id":"x","object":"text_completion","created":1,"model":"tiny",'
+          b'"choices":[],"usage":{"prompt_tokens":5,"total_tokens":5,'
+          b'"completion_tokens":0}}\n\n')
+_DONE = b"data: [DONE]\n\n"
+
+
+def _decoder(chat: bool, aborted: bool) -> tuple[HoldingDecoder, Capture]:
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 10}
+    capture = Capture(chat=chat, asked=inject(body, chat=chat))
+    ctx = SimpleNamespace(capture=capture, body=body, lease=object(), id="c1",
+                          endpoint="chat" if chat else "completions")
+    live = LiveCalls()
+    live.add("c1", "b1", body)
+    if aborted:  # its engine was told to abort for abort-and-continue
+        live.mark_aborted("b1")
+    rt = SimpleNamespace(extras={"live_calls": live})
+    return HoldingDecoder(rt, ctx), capture  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("chat", "events"), [
+    (False, [_DONE]),  # /v1/completions: nothing but [DONE]
+    (False, [_USAGE, _DONE]),  # ... with stream_options.include_usage
+    (True, [_ROLE, _DONE]),  # chat: the role chunk (sent with the abort), [DONE]
+    (True, [_ROLE, _USAGE, _DONE]),
+])
+def test_a_stream_aborted_before_its_first_token_is_held(
+        chat: bool, events: list[bytes]) -> None:
+    decoder, capture = _decoder(chat, aborted=True)
+    out = b"".join(decoder.feed(e) for e in events) + decoder.flush()
+    assert decoder.held and capture.completion(0).finish_reason == "abort"
+    assert out.count(b"data: ") == (1 if chat else 0)  # only the role chunk passes
+    assert b"[DONE]" not in out and b"usage" not in out
+
+
+def test_a_bare_done_of_a_call_no_pause_aborted_passes() -> None:
+    decoder, capture = _decoder(False, aborted=False)
+    assert decoder.feed(_DONE) == _DONE
+    assert not decoder.held and capture.completion(0).finish_reason is None

@@ -303,3 +303,142 @@ def test_an_engine_that_does_not_answer_fails_the_job_and_keeps_the_old_version(
         assert [httpx.get(f"{u}/is_paused").json()["is_paused"] for u in slow_pool] == [
             False, False]
         assert _completion(url, 99).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def long_pool(loop_thread: LoopThread) -> Iterator[list[str]]:
+    """Slow servers whose answers always run to ``max_tokens``: the front doors pass no
+    ``ignore_eos``, and an answer must be exactly N tokens to check a continuation."""
+    configs = [SimServerConfig(speed=5, seed=i, tick_real_s=0.005,
+                               output_len_median=50 * N, output_len_sigma=0.01)
+               for i in range(2)]
+    cm = start_sim_servers(configs)
+    urls = loop_thread.run(cm.__aenter__())
+    yield urls
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+def _sse(raw: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) pairs of a door's stream."""
+    out = []
+    for block in raw.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in lines:
+            out.append((lines.get("event", ""), orjson.loads(lines["data"])))
+    return out
+
+
+async def _door_call(http: httpx.AsyncClient, door: str, stream: bool, i: int
+                     ) -> dict[str, Any]:
+    """One call through a front door; the answer's text and token count as the client
+    saw them, checked to be one uninterrupted answer in the door's format."""
+    tid = f"door-{door}-{stream}-{i}"
+    if door == "responses":
+        path = "/v1/responses"
+        body: dict[str, Any] = {"model": MODEL, "input": f"question {i}",
+                                "max_output_tokens": N, "stream": stream}
+    else:
+        path = "/v1/messages"
+        body = {"model": MODEL, "max_tokens": N, "stream": stream,
+                "messages": [{"role": "user", "content": f"question {i}"}]}
+    r = await http.post(path, json=body, headers={"x-trajectory-id": tid})
+    assert r.status_code == 200, r.text
+    if not stream:
+        data = r.json()
+        if door == "responses":
+            assert data["status"] == "incomplete", data
+            assert data["incomplete_details"] == {"reason": "max_output_tokens"}
+            (item,) = data["output"]
+            (part,) = item["content"]
+            return {"tid": tid, "text": part["text"], "tokens": data["usage"]["output_tokens"]}
+        assert data["stop_reason"] == "max_tokens", data
+        (block,) = data["content"]
+        return {"tid": tid, "text": block["text"], "tokens": data["usage"]["output_tokens"]}
+    events = _sse(r.text)
+    kinds = [k for k, _ in events]
+    assert "error" not in kinds, events
+    if door == "responses":
+        assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+        assert kinds.count("response.incomplete") == 1 and "response.completed" not in kinds
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        assert kinds.count("response.output_item.added") == 1  # one message
+        text = "".join(d["delta"] for k, d in events if k == "response.output_text.delta")
+        final = events[-1][1]["response"]
+        assert final["output"][0]["content"][0]["text"] == text
+        return {"tid": tid, "text": text, "tokens": final["usage"]["output_tokens"]}
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("message_stop") == 1 and kinds.count("message_delta") == 1
+    assert kinds.count("content_block_start") == 1  # one text block, never reopened
+    (delta,) = [d for k, d in events if k == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    text = "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta")
+    return {"tid": tid, "text": text, "tokens": delta["usage"]["output_tokens"]}
+
+
+async def test_abort_and_continue_through_the_front_doors(
+        long_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    """/v1/responses and /v1/messages, whole and streamed: a call the engines abort is
+    continued, and the client gets one answer of exactly N tokens in its own format."""
+    with gateway_at(sqlite_url, long_pool, admin_token="tok") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60) as http:
+            before = sum(s["pause_aborts"] for s in await _stats(long_pool))
+            kinds = [(d, s) for d in ("responses", "messages") for s in (False, True)]
+            calls = [asyncio.create_task(_door_call(http, *kinds[i % 4], i))
+                     for i in range(12)]
+            await _generating(long_pool, 10)
+            r = await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
+            assert r.status_code == 200 and r.json()["ok"], r.text
+            assert {e["mode"] for e in r.json()["engines"]} == {"abort"}
+            await asyncio.sleep(0.3)
+            assert not any(c.done() for c in calls)  # clients held, not answered
+            r = await admin.post("/admin/resume", json={"weight_version": "1"})
+            assert r.json()["ok"], r.text
+            results = await asyncio.gather(*calls)
+            aborted = sum(s["pause_aborts"] for s in await _stats(long_pool)) - before
+            spanned, split = 0, set()
+            for res in results:
+                (call,) = (await http.get(f"/trajectories/{res['tid']}")).json()["calls"]
+                ids = call["completion_ids"]
+                assert len(ids) == N and res["tokens"] == N  # nothing dropped or doubled
+                assert res["text"] == _text_of(ids)
+                assert call["finish_reason"] == "length"
+                segments = call["weight_segments"]
+                if segments is None:
+                    assert call["weight_version"] in ("0", "1")
+                    continue
+                spanned += 1
+                if len(segments) == 1:  # aborted before its first token
+                    assert segments == [[0, N, "1"]]
+                    k = 0
+                else:
+                    (_, k, first), (k2, end, second) = segments
+                    assert (first, second, k2, end) == ("0", "1", k, N) and 0 < k < N
+                    split.add(res["tid"].rsplit("-", 1)[0])
+                sample = (await http.get(f"/trajectories/{res['tid']}/sample")).json()
+                assert sample["weight_versions"][-N:] == ["0"] * k + ["1"] * (N - k)
+    assert aborted == spanned >= 8  # every call the engines aborted was continued
+    assert len(split) == 4, split  # each door, whole and streamed, continued mid-answer
+
+
+async def test_an_abort_the_gateway_did_not_ask_for_reaches_the_client(
+        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    """Only calls whose engine the gateway paused in abort-and-continue are continued:
+    an engine that aborts on its own (here: paused behind the gateway's back, as on a
+    shutdown) ends the call with ``abort``, even after an abort-and-continue pause."""
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60) as http:
+            await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
+            await admin.post("/admin/resume", json={"weight_version": "1"})
+            calls = _load(http, 4)
+            await _generating(slow_pool, 4)
+            try:
+                for u in slow_pool:
+                    assert (await http.post(f"{u}/pause?mode=abort")).status_code == 200
+                results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            finally:
+                for u in slow_pool:
+                    await http.post(f"{u}/resume")
+    for res in results:
+        assert res["finish"] == "abort" and len(res["ids"]) < N
