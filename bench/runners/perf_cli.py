@@ -57,6 +57,18 @@ and 80 turns alone in a fresh database; a fitted exponent near 1 means storage g
 linearly with length (prefix delta), 2 would be quadratic."""
 
 
+HEADROOM_INTRO = """\
+How many calls per second a large pool sends, and how many a gateway process takes
+(`bench/runners/headroom.py`; the design for several processes is docs/scaling.md).
+Demand comes from the simulator (when each call becomes ready), per GPU at each
+workload's own batch size, projected to larger pools at the same trajectories per GPU;
+supply is one gateway process on one core at closed-loop saturation, traces on into
+Postgres, for each workload's median output length (a streamed call is one SSE event per
+token for the gateway to parse). Processes = peak demand / supply at that length. The
+sharding line runs one batch under one scheduler and split into two group-hashed
+shards. This VM is shared: the supply figures move with the load printed beside them."""
+
+
 def _progress(console: Console) -> tuple[Progress, Callable[[str], None]]:
     prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                     console=console, transient=False)
@@ -179,6 +191,8 @@ def headroom(
     side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + load generator")] = "1",
     out: Annotated[Path, typer.Option(help="output directory")] = Path(
         "artifacts/bench/headroom"),
+    record_to: Annotated[Path | None, typer.Option(
+        "--record", help="write this run's section into this BENCHMARKS.md")] = None,
 ) -> None:
     """Calls per second large pools produce vs what one gateway process sustains."""
     from bench.runners.headroom import HeadroomOptions, headroom_markdown, run_headroom
@@ -197,5 +211,10 @@ def headroom(
     (out / "headroom.json").write_text(json.dumps(doc, indent=2))
     md = headroom_markdown(doc)
     (out / "headroom.md").write_text(f"# bench headroom\n\n{md}")
+    if record_to is not None:
+        from bench.reports.perf import record
+
+        record(record_to, "bench headroom", HEADROOM_INTRO, md, out, {},
+               record_to.parent / "docs" / "benchmarks" / "headroom")
     console.print(md)
     console.print(f"report: {out}/headroom.md")
