@@ -33,16 +33,20 @@ and p99 stays under 50 ms. This VM is shared: other sessions' processes run on b
 cores, so absolute numbers move between runs; the ratios are measured side by side in
 one run.
 
-Profile (py-spy on the gateway process under load) and what was changed for it: the
-OpenAI routes' API-key dependency was a plain `def`, which FastAPI runs in its thread
-pool (a thread hop and an anyio round trip on every call): now `async`; every call ran
-its work in a second task beside the disconnect watcher: now the watcher alone is a task
-and cancels the handler when the client leaves; trace batches went through an ORM
-`executemany`: on Postgres they now go through `COPY`. What remains is spread over the
-ASGI stack (uvicorn, Starlette/FastAPI middleware and routing), the aiohttp client and
-JSON work, with no single hot spot; the p50/p99 gap at 500 req/s is that per-call CPU
-(about 1 ms a call, see the CPU column) plus waiting for a core that other processes
-share."""
+Profile (py-spy on the gateway process at 300 req/s, this mix; flame graph
+[docs/benchmarks/overhead/profile.svg](docs/benchmarks/overhead/profile.svg)). Earlier
+rounds made the API-key dependency `async` (it ran in FastAPI's thread pool), left the
+disconnect watcher as the only extra task per call, and moved trace batches to `COPY`.
+This round's profile put 12% of the active CPU in the restore lookup (every new
+trajectory's first call opened a session, pinged the pool and ran an ORM get); unknown
+ids now share one existence query per millisecond and it no longer shows. What remains,
+as shares of active CPU: relaying streams 18% (of which SSE parsing for token capture
+16%: one `orjson.loads` per token event, and a re-serialization when injected fields are
+stripped), the ASGI stack around the handler (uvicorn + Starlette/FastAPI routing and
+middleware) about 6%, the aiohttp upstream client 7%, recording a finished call 8%,
+the trace writer 4%, scheduling under 2%. No single hot spot is left; the next steps are
+a raw ASGI route for `/v1` and byte-level relaying of token events whose fields the
+client asked for (no parse and re-dump)."""
 
 STORE_INTRO = """\
 How fast traces reach Postgres, and how big they are. Two measurements, labelled as
