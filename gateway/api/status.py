@@ -51,5 +51,7 @@ def status_body(rt: Runtime) -> dict[str, Any]:
                          "spooled": rt.writer.spooled, "spool_bytes": rt.writer.spool_bytes,
                          "db_ok": rt.writer.db_ok,
                          "last_error": rt.writer.last_error},
+        "restore": {"restored": rt.restorer.restored, "failures": rt.restorer.failures,
+                    "existence_queries": rt.restorer.existence_queries},
         "relayouts": rt.relayouts.summary(),
     } | live_view(rt, time.time())

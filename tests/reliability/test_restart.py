@@ -113,5 +113,10 @@ async def test_restart_mid_batch_continues_every_trajectory_as_if_uninterrupted(
                     calls[RESTART_AT - 1]["completion_ids"])
             status = (await http.get(f"{second.url}/status")).json()
             assert status["scheduler"]["faults"] == 0 and status["scheduler"]["queued"] == 0
+            # the cut trajectories came back from the store; the new ones were only asked
+            # for in batches (at most one query per id, usually far fewer)
+            restore = status["restore"]
+            assert restore["restored"] == TRAJECTORIES and restore["failures"] == 0
+            assert 1 <= restore["existence_queries"] <= 2 * TRAJECTORIES
         finally:
             second.stop()
