@@ -86,19 +86,22 @@ class Restorer:
                 async with asyncio.timeout(self.timeout_s), self.sessionmaker() as session:
                     self.existence_queries += 1
                     known = await queries.known_trajectories(session, list(asking))
-            except BaseException as exc:
-                failed = exc if isinstance(exc, Exception) else RuntimeError(
-                    "restore lookup cancelled")
-                for fut in (*asking.values(), *self._asking.values()):
-                    if not fut.done():
-                        fut.set_exception(failed)
-                self._asking = {}
-                if not isinstance(exc, Exception):
-                    raise
+            except Exception as exc:  # every waiting call goes on as new (and rests)
+                self._fail_waiting(asking, exc)
                 return
+            except asyncio.CancelledError:  # shutting down: nobody waits forever
+                self._fail_waiting(asking, RuntimeError("restore lookup cancelled"))
+                raise
             for tid, fut in asking.items():
                 if not fut.done():
                     fut.set_result(tid in known)
+
+    def _fail_waiting(self, asking: dict[str, asyncio.Future[bool]], exc: Exception) -> None:
+        """Fail this batch and the ids that came while it ran."""
+        waiting, self._asking = (*asking.values(), *self._asking.values()), {}
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(exc)
 
     async def _load(self, trajectory_id: str) -> TrajectoryState | None:
         try:
