@@ -17,7 +17,7 @@ import uvicorn
 from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import DispatchSettings, Settings
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -127,9 +127,10 @@ async def _wait_healthy(urls: list[str], proc: asyncio.subprocess.Process,
             await asyncio.sleep(0.2)
 
 
-#: Simulated start-up of a new instance (Libra measures ~10.8 s for a real vLLM); the same
-#: cost the policies are told (``DispatchSettings.restart_s``) and the simulator charges.
-SIM_STARTUP_S = 10.8
+#: Simulated start-up of a new instance: the restart cost the policies are told
+#: (``DispatchSettings.restart_s``, Libra's ~10.8 s for a real vLLM), so the cost a live
+#: relayout pays and the one the simulator charges cannot drift apart.
+SIM_STARTUP_S: float = DispatchSettings.model_fields["restart_s"].default
 
 
 def sim_pool_spec(path: Path, layout: Sequence[int], *, model: str, gpu: str, speed: float,
@@ -156,3 +157,18 @@ async def wait_routable(http: httpx.AsyncClient, gateway: str, count: int,
         if asyncio.get_running_loop().time() > deadline:
             raise RuntimeError(f"the managed pool has not started {count} instances in time")
         await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def pool_settings(spec_path: Path, layout: Sequence[int], *, model: str, gpu: str,
+                        speed: float, seed: int,
+                        static: contextlib.AbstractAsyncContextManager[list[str]] | None = None
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """``Settings`` fields for a simulated pool: a managed one (a spec file at
+    ``spec_path``), or, with ``static``, the backends that fixed pool yields while open."""
+    if static is None:
+        yield {"pool": sim_pool_spec(spec_path, layout, model=model, gpu=gpu, speed=speed,
+                                     seed=seed)}
+        return
+    async with static as backends:
+        yield {"backends": backends}

@@ -11,10 +11,12 @@ gateway does.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,9 +148,6 @@ def litellm_proxy(upstream: str, workdir: Path, cpus: str | None,
 
 def readiness(url: str, key: str) -> dict[str, object]:
     """LiteLLM's own readiness report (``/health/readiness``): status, version, DB, cache."""
-    import json
-    import urllib.request
-
     req = urllib.request.Request(f"{url}/health/readiness",
                                  headers={"Authorization": f"Bearer {key}"})
     try:

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import statistics
 import tempfile
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,10 @@ from rich.table import Table
 from bench.harness.batch import BatchResult, HarnessConfig, TrajectoryResult, run_batch
 from bench.harness.hosting import (
     free_port,
+    pool_settings,
     port_is_free,
     serve_gateway,
     sim_pool_process,
-    sim_pool_spec,
     wait_routable,
 )
 from bench.workloads import generate
@@ -138,17 +137,13 @@ async def _sim_lag(http: httpx.AsyncClient, backends: list[dict[str, Any]]) -> f
     return max(lags, default=0.0)
 
 
-@contextlib.asynccontextmanager
-async def _pool(opts: DemoOptions, workdir: Path) -> AsyncIterator[dict[str, Any]]:
-    """Settings fields for the pool: a managed one (spec file) or a static child process."""
-    if not opts.static_pool:
-        yield {"pool": sim_pool_spec(workdir / "pool.json", [1] * opts.instances,
-                                     model=opts.model, gpu=opts.gpu, speed=opts.speed,
-                                     seed=opts.seed)}
-        return
-    async with sim_pool_process(count=opts.instances, model=opts.model, gpu=opts.gpu,
-                                speed=opts.speed, seed=opts.seed) as urls:
-        yield {"backends": urls}
+def _pool(opts: DemoOptions, workdir: Path
+          ) -> contextlib.AbstractAsyncContextManager[dict[str, Any]]:
+    """Settings fields for the pool: a managed one, or a static child process."""
+    static = sim_pool_process(count=opts.instances, model=opts.model, gpu=opts.gpu,
+                              speed=opts.speed, seed=opts.seed) if opts.static_pool else None
+    return pool_settings(workdir / "pool.json", [1] * opts.instances, model=opts.model,
+                         gpu=opts.gpu, speed=opts.speed, seed=opts.seed, static=static)
 
 
 async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchResult:

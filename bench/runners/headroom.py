@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import procs
-from bench.runners.overhead import OverheadOptions, Target, machine, postgres_db
+from bench.runners.overhead import OverheadOptions, Target, machine, postgres_db, server_pid
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.run import Bench, Scenario
 from bench.workloads import load_workloads
@@ -73,8 +73,7 @@ def demand(workload: str, gpus: int, opts: HeadroomOptions, scale: int = 1) -> d
     sc = Scenario(workload, gpus=gpus, seed=opts.seed,
                   prompts=(opts.prompts or table["prompts"]) * scale)
     bench = Bench(sc)
-    cfg = SimConfig(gpus, bench.profiles, bench.speeds, seed=opts.seed)
-    sim = Simulator(bench.specs, get_policy(opts.policy, seed=opts.seed), cfg)
+    sim = _simulator(bench.specs, bench, gpus, opts)
     started = time.perf_counter()
     makespan = sim.run()
     times = sim.stats.call_times
@@ -97,9 +96,9 @@ def demand(workload: str, gpus: int, opts: HeadroomOptions, scale: int = 1) -> d
             "sim_wall_s": time.perf_counter() - started}
 
 
-def _simulate(specs: list[Any], bench: Bench, gpus: int, opts: HeadroomOptions) -> float:
+def _simulator(specs: list[Any], bench: Bench, gpus: int, opts: HeadroomOptions) -> Simulator:
     cfg = SimConfig(gpus, bench.profiles, bench.speeds, seed=opts.seed)
-    return Simulator(specs, get_policy(opts.policy, seed=opts.seed), cfg).run()
+    return Simulator(specs, get_policy(opts.policy, seed=opts.seed), cfg)
 
 
 def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
@@ -109,12 +108,12 @@ def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
     n = opts.shards
     whole = Bench(Scenario(workload, gpus=n * opts.gpus, seed=opts.seed,
                            prompts=(opts.prompts or table["prompts"]) * n))
-    one = _simulate(whole.specs, whole, n * opts.gpus, opts)
+    one = _simulator(whole.specs, whole, n * opts.gpus, opts).run()
     parts: list[list[Any]] = [[] for _ in range(n)]
     for spec in whole.specs:
         parts[zlib.crc32(spec.group_id.encode()) % n].append(spec)
     shard = Bench(Scenario(workload, gpus=opts.gpus, seed=opts.seed, prompts=1))
-    each = [_simulate(part, shard, opts.gpus, opts) if part else 0.0 for part in parts]
+    each = [_simulator(part, shard, opts.gpus, opts).run() if part else 0.0 for part in parts]
     return {"workload": workload, "shards": n, "gpus_per_shard": opts.gpus,
             "trajectories": len(whole.specs), "per_shard": [len(p) for p in parts],
             "one_scheduler_s": one, "shard_makespans_s": each,
@@ -132,9 +131,7 @@ def supply(tokens: list[int], opts: HeadroomOptions, say: Progress) -> dict[int,
                "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH": str(Path(tmp) / "spool.jsonl")}
         with procs.gateway(upstream, db_url, opts.server_cpus, env=env,
                            log=Path(tmp) / "gateway.log") as url:
-            from bench.runners.overhead import _server_pid
-
-            target = Target("gateway", url, [f"authorization: Bearer {key}"], _server_pid(url))
+            target = Target("gateway", url, [f"authorization: Bearer {key}"], server_pid(url))
             for n in tokens:
                 say(f"gateway saturation at {n} output tokens per call")
                 o = OverheadOptions(max_tokens=n, side_cpus=opts.side_cpus,

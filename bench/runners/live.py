@@ -35,9 +35,9 @@ from bench.harness.batch import BatchResult, HarnessConfig, run_batch
 from bench.harness.hosting import (
     SIM_STARTUP_S,
     free_port,
+    pool_settings,
     serve_gateway,
     sim_pool_process,
-    sim_pool_spec,
     wait_routable,
 )
 from bench.simulator.des import SimConfig, Simulator
@@ -220,17 +220,13 @@ PoolFactory = Callable[[Sequence[int], LiveScenario],
                       contextlib.AbstractAsyncContextManager[list[str]]]
 
 
-@contextlib.asynccontextmanager
-async def _hosting(layout: Sequence[int], sc: LiveScenario, workdir: Path, name: str,
-                   pool: PoolFactory | None) -> AsyncIterator[dict[str, Any]]:
-    """Settings fields for the pass's pool: a managed sim pool (a spec file), or the
-    backends a static pool factory started."""
-    if pool is None and not sc.static_pool:
-        yield {"pool": sim_pool_spec(workdir / f"{name}.pool.json", layout, model=sc.model,
-                                     gpu=sc.gpu, speed=sc.speed, seed=sc.seed)}
-        return
-    async with (pool or pool_for)(layout, sc) as backends:
-        yield {"backends": backends}
+def _hosting(layout: Sequence[int], sc: LiveScenario, workdir: Path, name: str,
+             pool: PoolFactory | None) -> contextlib.AbstractAsyncContextManager[dict[str, Any]]:
+    """Settings fields for the pass's pool: a managed sim pool, or the backends a static
+    pool factory starts."""
+    static = (pool or pool_for)(layout, sc) if pool is not None or sc.static_pool else None
+    return pool_settings(workdir / f"{name}.pool.json", layout, model=sc.model, gpu=sc.gpu,
+                         speed=sc.speed, seed=sc.seed, static=static)
 
 
 async def run_pass(name: str, sc: LiveScenario, specs: list[TrajectorySpec],

@@ -207,13 +207,13 @@ def open_target(name: str, upstream: str, opts: OverheadOptions, work: Path,
                    "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH": str(work / "spool.jsonl")}
             with procs.gateway(upstream, db_url, opts.server_cpus, env=env,
                                log=work / "gateway.log") as url:
-                pid = _server_pid(url)
+                pid = server_pid(url)
                 yield Target(name, url, auth, pid), info
                 time.sleep(1.0)  # the writer flushes every 0.25 s
                 info["calls_recorded"] = count_calls(db_url)
     elif name == "plain":
         with procs.plain_proxy(upstream, opts.server_cpus, log=work / "plain.log") as url:
-            yield Target(name, url, auth, _server_pid(url)), info
+            yield Target(name, url, auth, server_pid(url)), info
     elif name == "litellm":
         _, took = litellm_env.ensure_venv(opts.litellm_venv)
         info["venv_setup_s"] = took
@@ -223,7 +223,7 @@ def open_target(name: str, upstream: str, opts: OverheadOptions, work: Path,
         with litellm_env.litellm_proxy(upstream, work / "litellm", opts.server_cpus, key,
                                        opts.litellm_venv) as url:
             info["health_before"] = litellm_env.readiness(url, key)
-            yield Target(name, url, auth, _server_pid(url)), info
+            yield Target(name, url, auth, server_pid(url)), info
             info["health_after"] = litellm_env.readiness(url, key)
             log = work / "litellm" / "litellm-requests.jsonl"
             info["calls_logged"] = sum(1 for _ in log.open()) if log.exists() else 0
@@ -232,7 +232,7 @@ def open_target(name: str, upstream: str, opts: OverheadOptions, work: Path,
         raise ValueError(f"unknown target {name!r}: direct, plain, gateway or litellm")
 
 
-def _server_pid(url: str) -> int | None:
+def server_pid(url: str) -> int | None:
     port = url.rsplit(":", 1)[1]
     out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True,
                          check=False).stdout

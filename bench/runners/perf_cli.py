@@ -73,6 +73,10 @@ sharding line runs one batch under one scheduler and split into two group-hashed
 shards. This VM is shared: the supply figures move with the load printed beside them."""
 
 
+RecordTo = Annotated[Path | None, typer.Option(
+    "--record", help="write this run's section into this BENCHMARKS.md")]
+
+
 def _progress(console: Console) -> tuple[Progress, Callable[[str], None]]:
     prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                     console=console, transient=False)
@@ -89,7 +93,8 @@ def _command(name: str) -> str:
 
 
 def _finish(doc: dict[str, Any], out: Path, name: str, markdown: Callable[..., str],
-            plots: Callable[..., dict[str, str]], record_to: Path | None, intro: str) -> None:
+            plots: Callable[..., dict[str, str]], record_to: Path | None, intro: str) -> str:
+    """Write the run's JSON and markdown (and its BENCHMARKS.md section); the markdown."""
     from bench.reports.perf import record
 
     (out / f"{name}.json").write_text(json.dumps(doc, indent=2))
@@ -99,6 +104,7 @@ def _finish(doc: dict[str, Any], out: Path, name: str, markdown: Callable[..., s
     if record_to is not None:
         record(record_to, f"bench {name}", intro, md, out, paths,
                record_to.parent / "docs" / "benchmarks" / name)
+    return md
 
 
 def overhead(
@@ -118,8 +124,7 @@ def overhead(
     = "postgresql://postgres@127.0.0.1:5432/postgres",
     out: Annotated[Path, typer.Option(help="output directory")] = Path(
         "artifacts/bench/overhead"),
-    record_to: Annotated[Path | None, typer.Option(
-        "--record", help="write this run's section into this BENCHMARKS.md")] = None,
+    record_to: RecordTo = None,
 ) -> None:
     """Added latency and max request rate: direct vs a plain reverse proxy vs gateway vs
     the LiteLLM proxy."""
@@ -158,8 +163,7 @@ def store(
     pg_admin: Annotated[str, typer.Option(help="Postgres DSN to create the run's DBs")]
     = "postgresql://postgres@127.0.0.1:5432/postgres",
     out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/store"),
-    record_to: Annotated[Path | None, typer.Option(
-        "--record", help="write this run's section into this BENCHMARKS.md")] = None,
+    record_to: RecordTo = None,
 ) -> None:
     """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
     from bench.reports.perf import store_markdown, store_plots
@@ -195,8 +199,7 @@ def headroom(
     side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + load generator")] = "1",
     out: Annotated[Path, typer.Option(help="output directory")] = Path(
         "artifacts/bench/headroom"),
-    record_to: Annotated[Path | None, typer.Option(
-        "--record", help="write this run's section into this BENCHMARKS.md")] = None,
+    record_to: RecordTo = None,
 ) -> None:
     """Calls per second large pools produce vs what one gateway process sustains."""
     from bench.runners.headroom import HeadroomOptions, headroom_markdown, run_headroom
@@ -212,13 +215,7 @@ def headroom(
     prog, say = _progress(console)
     with prog:
         doc = run_headroom(opts, say, _command("headroom"))
-    (out / "headroom.json").write_text(json.dumps(doc, indent=2))
-    md = headroom_markdown(doc)
-    (out / "headroom.md").write_text(f"# bench headroom\n\n{md}")
-    if record_to is not None:
-        from bench.reports.perf import record
-
-        record(record_to, "bench headroom", HEADROOM_INTRO, md, out, {},
-               record_to.parent / "docs" / "benchmarks" / "headroom")
+    md = _finish(doc, out, "headroom", lambda d, _plots: headroom_markdown(d),
+                 lambda _d, _out: {}, record_to, HEADROOM_INTRO)
     console.print(md)
     console.print(f"report: {out}/headroom.md")
