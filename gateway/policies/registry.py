@@ -17,7 +17,7 @@ from gateway.policies.base import Policy
 from gateway.policies.compose import ComposedPolicy
 from gateway.policies.lane import LanePlacer, LanePlanner, LanePriority
 from gateway.policies.learned import LearnedPredictor
-from gateway.policies.libra import LibraPlanner
+from gateway.policies.libra import LIBRA_CONFIGS, LibraPlanner, LibraTree
 from gateway.policies.ours import BlendPredictor
 from gateway.policies.placement import (
     FCFS,
@@ -32,19 +32,13 @@ from gateway.policies.placement import (
 )
 from gateway.policies.predict import OraclePredictor, StatsPredictor
 from gateway.policies.resources import GainMigrator, JointPlanner, TailMergePlanner, UniformPlanner
-from gateway.policies.tree import CausalTree
 
-#: Libra's example thresholds for Qwen3-14B (remaining tokens per bucket).
-LIBRA_THRESHOLDS = {1: 4000, 2: 12000, 4: 30000}
-#: Libra's layout per 8-GPU node, instances [1, 1, 2, 4]: a quarter of the GPUs at TP1,
-#: a quarter at TP2, half at TP4 (at 64 GPUs: 16 TP1 + 8 TP2 + 8 TP4 instances).
-LIBRA_INITIAL = {1: 0.25, 2: 0.25, 4: 0.5}
 OURS_INITIAL = {4: 0.25}
 #: trajectories kept on the straggler lane (``ours-lane``)
 LANE_K = 8
 
 POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
-                "heddle-learned", "libra", "ours", "ours-lane", "ours-perfect")
+                "heddle-learned", "libra", "libra-search", "ours", "ours-lane", "ours-perfect")
 BASELINES = ("slime", "verl", "verl-star", "round-robin", "las")
 STATIC_TPS = (1, 2, 4, 8)
 #: Every static-layout name (``slime-tp1`` ... ``verl-tp8``) ``get_policy`` accepts.
@@ -71,10 +65,12 @@ def _heddle(name: str, seed: int) -> ComposedPolicy:
                           TailMergePlanner(), predictor, GainMigrator())
 
 
-def _libra() -> ComposedPolicy:
-    placer = CMLFQPlacer(LIBRA_THRESHOLDS)
-    return ComposedPolicy("libra", FCFS(), placer, LibraPlanner(placer, LIBRA_INITIAL),
-                          CausalTree())
+def _libra(name: str) -> ComposedPolicy:
+    """``libra``: its R2E-Gym Qwen3-14B config; ``libra-search``: its Search-R1 one."""
+    cfg = LIBRA_CONFIGS["search" if name == "libra-search" else "r2e"]
+    placer = CMLFQPlacer(cfg.thresholds)
+    return ComposedPolicy(name, FCFS(), placer, LibraPlanner(placer, cfg.initial),
+                          LibraTree(), label=f"libra ({cfg.name} config)")
 
 
 def get_policy(name: str, *, tp: int = 1, seed: int = 0,
@@ -87,8 +83,8 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return _baseline(base, int(suffix), name)
     if name in ("heddle", "heddle-learned"):
         return _heddle(name, seed)
-    if name == "libra":
-        return _libra()
+    if name in ("libra", "libra-search"):
+        return _libra(name)
     if name == "ours":
         return ComposedPolicy("ours", ProgressivePriority(), PresortedDPPlacer(),
                               JointPlanner(OURS_INITIAL), BlendPredictor(),
