@@ -16,7 +16,8 @@ from rich.table import Table
 from bench.reports.plots import completion_cdf, gantt, throughput_bars
 from bench.runners.live import LivePass, LiveScenario, as_json, run_live
 
-LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra", "ours")
+LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra",
+                 "libra-search", "ours", "ours-lane")
 
 
 def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
@@ -97,7 +98,8 @@ def live(
     names = policy or ["slime", "ours"]
     bad = [n for n in names if n not in LIVE_POLICIES]
     if bad:
-        raise typer.BadParameter(f"{bad} cannot run live (ours-perfect needs hidden lengths); "
+        raise typer.BadParameter(f"{bad} cannot run live (the *-perfect policies need "
+                                 f"hidden lengths); "
                                  f"choose from {', '.join(LIVE_POLICIES)}")
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
                       static_pool=static_pool)

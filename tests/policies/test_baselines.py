@@ -104,11 +104,12 @@ def test_unknown_policy_lists_names() -> None:
         get_policy("nope")
 
 
-def test_perfect_predictor_needs_truth_and_is_not_called_a_bound() -> None:
+@pytest.mark.parametrize("name", ["ours-perfect", "ours-lane-perfect"])
+def test_perfect_predictor_needs_truth_and_is_not_called_a_bound(name: str) -> None:
     with pytest.raises(ValueError, match="oracle_truth"):
-        get_policy("ours-perfect")
-    label = _policy("ours-perfect").label
-    assert label == "ours + perfect predictor" and "bound" not in label
+        get_policy(name)
+    label = _policy(name).label
+    assert label.endswith("perfect predictor") and "bound" not in label
 
 
 def test_verl_deals_new_trajectories_round_robin() -> None:
