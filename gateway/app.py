@@ -8,12 +8,32 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, openai, policy, status, trajectories, web
 from gateway.config import Settings
 from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
 from gateway.runtime import open_runtime
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the OpenAI completion routes answered before its middleware and
+    router (:func:`gateway.api.openai.serve_raw`: the hot path); CORS, when configured,
+    wraps that path too."""
+
+    def __init__(self, *, raw: ASGIApp, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.raw = raw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = openai.raw_route(scope)
+        if route is None or "proxy" not in scope.get("state", ()):
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        scope["rg.route"] = route
+        await self.raw(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -25,7 +45,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.runtime = rt  # for embedding code (tests, demo); routes use request.state
             yield {"rt": rt, "proxy": Proxy(rt)}
 
-    app = FastAPI(
+    raw: ASGIApp = openai.serve_raw
+    if settings.server.cors_origins:
+        raw = CORSMiddleware(raw, allow_origins=settings.server.cors_origins,
+                             allow_methods=["*"], allow_headers=["*"])
+    app = GatewayApp(
+        raw=raw,
         title="rollout-gateway",
         version="0.1.0",
         description="Trajectory-aware OpenAI-compatible gateway for agentic RL rollouts.",

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -63,12 +64,32 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    tune_gc()
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level,
                             access_log=False,
                             timeout_keep_alive=int(settings.server.keep_alive_s),
                             timeout_graceful_shutdown=int(settings.server.shutdown_grace_s))
     _server(config, fastapi_app, settings.server.shutdown_delay_s).run()
+
+
+#: The serving process's young-generation GC threshold (CPython's default: 700).
+GC_YOUNG_THRESHOLD = 7000
+
+
+def tune_gc() -> None:
+    """Collect the young generation after 7000 net container allocations instead of 700.
+
+    The count is allocations minus deallocations, and a call's objects die by reference
+    count when it ends, so at the default the collector ran on the live objects of the
+    calls in flight (about 30 young and 3 middle passes a second at 200 req/s, the
+    middle ones pausing the loop 3-10 ms on a busy core) and found nothing to free. At
+    7000 it did not run at all during a 10 s run at 200 req/s, and the gateway's p99
+    fell (measured side by side with the default). Cyclic garbage is still collected, a
+    little later. Freezing the startup heap (``gc.freeze``) was measured too and made
+    p99 worse, so it is not done."""
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def _server(config: uvicorn.Config, fastapi_app: FastAPI, delay_s: float) -> uvicorn.Server:

@@ -3,17 +3,29 @@
 Bodies are parsed by the proxy itself (one ``orjson.loads``) rather than by pydantic:
 unknown and vendor fields must pass through untouched. The schemas below only document
 the routes in the OpenAPI document.
+
+The two completion routes (chat and text, all three URL forms) are answered by
+:func:`serve_raw`, a raw ASGI path that :class:`gateway.app.GatewayApp` takes before
+FastAPI's middleware, router and dependencies: they are the gateway's hot path, and that
+stack cost about as much CPU per call as the relay itself. It does what the FastAPI route
+does (the API-key check, OpenAI's error shape, the body limit through the proxy's own
+check); a path it does not match exactly, an id that fails the route's pattern included,
+goes on to FastAPI, which answers it as before. The FastAPI routes stay registered for the
+OpenAPI document.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.api.deps import get_proxy, get_rt, require_api_key
+from gateway.errors import GatewayError, error_response
 from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import ID_PATTERN
@@ -140,3 +152,33 @@ async def models_gt(
     group_id: str = _id_param(), trajectory_id: str = _id_param(), rt: Runtime = Depends(get_rt)
 ) -> dict[str, Any]:
     return _models(rt)
+
+
+_RAW_PATH = re.compile(
+    rf"(?:/g/(?P<group>{ID_PATTERN.pattern})/t/(?P<gt>{ID_PATTERN.pattern})"
+    rf"|/t/(?P<traj>{ID_PATTERN.pattern}))?"
+    r"/v1/(?P<route>chat/completions|completions)")
+_RAW_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS}
+
+
+def raw_route(scope: Scope) -> tuple[Endpoint, str | None, str | None] | None:
+    """(endpoint, trajectory id, group id) when :func:`serve_raw` answers this request."""
+    if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+        return None
+    m = _RAW_PATH.fullmatch(scope["path"])
+    if m is None:
+        return None
+    return _RAW_ENDPOINTS[m["route"]], m["traj"] or m["gt"], m["group"]
+
+
+async def serve_raw(scope: Scope, receive: Receive, send: Send) -> None:
+    """The completion routes without FastAPI (see the module docstring); the match is
+    ``scope["rg.route"]``, from :func:`raw_route`."""
+    endpoint, traj, group = scope["rg.route"]
+    request = Request(scope, receive)
+    try:
+        await require_api_key(request)
+        await get_proxy(request).serve(request, send, endpoint, path_traj=traj,
+                                       path_group=group)
+    except GatewayError as exc:
+        await error_response(request, exc)(scope, receive, send)

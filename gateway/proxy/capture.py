@@ -66,60 +66,62 @@ class Capture:
         return cap
 
     def feed(self, payload: dict[str, Any], *, stream: bool) -> bool:
-        """Record ``payload`` and strip it in place; True if it was modified."""
+        """Record ``payload`` and strip it in place; True if it was modified.
+
+        Runs once per streamed token event, so it looks each key up once and touches
+        only the keys that are there."""
         self.chunks += 1
         modified = False
-        prompt = payload.get("prompt_token_ids")
-        if isinstance(prompt, list) and self.prompt_ids is None:
-            self.prompt_ids = prompt
-        if not self.asked.token_ids and "prompt_token_ids" in payload:
-            del payload["prompt_token_ids"]
-            modified = True
-        if isinstance(payload.get("usage"), dict):
-            self.usage = payload["usage"]
+        if "prompt_token_ids" in payload:
+            modified = self._take_prompt(payload)
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
         for ch in payload.get("choices") or ():
-            if isinstance(ch, dict):
-                modified |= self._feed_choice(ch, stream=stream)
+            if isinstance(ch, dict) and self._feed_choice(ch, stream=stream):
+                modified = True
         return modified
 
+    def _take_prompt(self, obj: dict[str, Any]) -> bool:
+        """Keep the first prompt ids seen; strip them unless asked. True if stripped."""
+        prompt = obj["prompt_token_ids"]
+        if isinstance(prompt, list) and self.prompt_ids is None:
+            self.prompt_ids = prompt
+        if self.asked.token_ids:
+            return False
+        del obj["prompt_token_ids"]
+        return True
+
     def _feed_choice(self, ch: dict[str, Any], *, stream: bool) -> bool:
-        cap = self.choice(int(ch.get("index", 0)))
+        index = ch.get("index", 0)
+        cap = self.choice(index if type(index) is int else int(index))
         modified = False
         ids = ch.get("token_ids")
         if isinstance(ids, list):
             cap.token_ids.extend(ids)
-        prompt = ch.get("prompt_token_ids")
-        if isinstance(prompt, list) and self.prompt_ids is None:
-            self.prompt_ids = prompt
-        if not self.asked.token_ids:
-            for key in INJECTED_KEYS:
-                if key in ch:
-                    del ch[key]
-                    modified = True
+        if "token_ids" in ch and not self.asked.token_ids:
+            del ch["token_ids"]
+            modified = True
+        if "prompt_token_ids" in ch and self._take_prompt(ch):
+            modified = True
         lp = ch.get("logprobs")
         if isinstance(lp, dict):
             _collect_logprobs(lp, cap.logprobs, chat=self.chat)
             if not self.asked.logprobs:
                 ch["logprobs"] = None
                 modified = True
-        if ch.get("finish_reason"):
-            cap.finish_reason = ch["finish_reason"]
-        self._collect_text(ch, cap, stream=stream)
+        reason = ch.get("finish_reason")
+        if reason:
+            cap.finish_reason = reason
+        if self.chat:
+            msg = ch.get("delta" if stream else "message")
+            if isinstance(msg, dict):
+                _collect_message(msg, cap)
+        else:
+            text = ch.get("text")
+            if isinstance(text, str):
+                cap.text.append(text)
         return modified
-
-    def _collect_text(self, ch: dict[str, Any], cap: ChoiceCapture, *, stream: bool) -> None:
-        if not self.chat:
-            if isinstance(ch.get("text"), str):
-                cap.text.append(ch["text"])
-            return
-        msg = ch.get("delta" if stream else "message")
-        if not isinstance(msg, dict):
-            return
-        if isinstance(msg.get("content"), str):
-            cap.text.append(msg["content"])
-        for call in msg.get("tool_calls") or ():
-            if isinstance(call, dict):
-                merge_tool_call(cap.tool_calls, call)
 
     def completion(self, index: int = 0) -> ChoiceCapture:
         return self.choices.get(index) or ChoiceCapture()
@@ -133,6 +135,15 @@ def _collect_logprobs(lp: dict[str, Any], out: list[float], *, chat: bool) -> No
         return
     for value in lp.get("token_logprobs") or ():
         out.append(float(value) if value is not None else 0.0)
+
+
+def _collect_message(msg: dict[str, Any], cap: ChoiceCapture) -> None:
+    content = msg.get("content")
+    if isinstance(content, str):
+        cap.text.append(content)
+    for call in msg.get("tool_calls") or ():
+        if isinstance(call, dict):
+            merge_tool_call(cap.tool_calls, call)
 
 
 def merge_tool_call(acc: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:

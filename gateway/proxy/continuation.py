@@ -168,13 +168,14 @@ class HoldingDecoder(SSEDecoder):
     def __init__(self, rt: Runtime, ctx: CallContext) -> None:
         super().__init__(ctx.capture)
         self._rt, self._ctx = rt, ctx
+        self._live = live_calls(rt)
         self.held = False
         self.head: dict[str, Any] | None = None
 
     def _event(self, event: bytes) -> bytes:
         if self.held:
             return b""
-        if self._ended_early(event):
+        if self._live.aborted(self._ctx.id) and self._ended_early(event):
             # vLLM sends no chunk for a request it aborts before its first token: the
             # usage chunk or [DONE] comes while the choice is unfinished (on
             # /v1/completions, with no chunk of the choice before it at all, so the
@@ -188,6 +189,9 @@ class HoldingDecoder(SSEDecoder):
         out = super()._event(event)
         if self.head is None and out.startswith(b"data: {"):
             self.head = stream_head(self._ctx, orjson.loads(out[6:]))
+        first = self._ctx.capture.choices.get(0)
+        if first is None or first.finish_reason != "abort":  # every event but an abort's
+            return out
         if not should_continue(self._rt, self._ctx) or not out.startswith(b"data: {"):
             return out
         payload = orjson.loads(out[6:])
@@ -199,8 +203,6 @@ class HoldingDecoder(SSEDecoder):
     def _ended_early(self, event: bytes) -> bool:
         """``[DONE]`` or a choice-less (usage) chunk before the choice finished."""
         if self._ctx.capture.completion(0).finish_reason is not None:
-            return False
-        if not live_calls(self._rt).aborted(self._ctx.id):
             return False
         data = event[5:].strip() if event.startswith(b"data:") else b""
         if data == b"[DONE]":

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -63,6 +63,7 @@ from gateway.trajectories.tools import parse_outcomes
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+T = TypeVar("T")
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 
 
@@ -97,16 +98,23 @@ _CLIENT_LEFT = "client disconnected"
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """Run ``work`` in this task; cancel it (closing its upstream call) if the client
     goes away first. One watcher task per call, not a second task for the work."""
+    response = await _unless_disconnected_do(request.receive, work)
+    return Response(status_code=499) if response is None else response
+
+
+async def _unless_disconnected_do(receive: Receive, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None if the client disconnected first (``work`` is then
+    cancelled where it waits, which closes its upstream call)."""
     handler = asyncio.current_task()
     assert handler is not None
-    watcher = asyncio.ensure_future(_watch_disconnect(request.receive, handler))
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, handler))
     try:
         return await work
     except asyncio.CancelledError:
         if not watcher.done() or watcher.cancelled():
             raise  # cancelled from outside (server shutdown): not ours to swallow
         handler.uncancel()
-        return Response(status_code=499)
+        return None
     finally:
         watcher.cancel()
 
@@ -114,9 +122,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 class RelayStream(StreamingResponse):
     """A streamed relay whose clean-up runs however the response ends.
 
-    Starlette neither closes the body generator when the client goes away nor starts it
-    when the client left before the first chunk; ``on_close`` and ``aclose`` here make
-    sure the upstream is closed, the call recorded and its slot released exactly once.
+    It sends its chunks itself rather than through Starlette's ``StreamingResponse``
+    machinery (a task group of two tasks per call): the one disconnect watcher per call
+    cancels the sending task when the client goes away. ``relay`` closes the upstream,
+    records the call and releases its slot exactly once, including when the client left
+    before the first chunk.
     """
 
     def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], None],
@@ -126,8 +136,16 @@ class RelayStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _unless_disconnected_do(receive, self.relay(send))
+
+    async def relay(self, send: Send) -> None:
+        """Send the response (its caller watches for a disconnect), then clean up."""
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self._gen:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with contextlib.suppress(RuntimeError):  # already running elsewhere: it closes
                 await self._gen.aclose()
@@ -146,9 +164,11 @@ class Proxy:
     async def handle(
         self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
+        """A call through the FastAPI routes (the front doors): the response to send."""
         slot = self.admission.enter()
         try:
-            response = await self._handle(request, endpoint, slot, path_traj, path_group)
+            ctx = await self._prepare(request, endpoint, path_traj, path_group)
+            response = await _unless_disconnected(request, self._run(ctx, endpoint, slot))
         except BaseException:
             slot.release()
             raise
@@ -156,8 +176,36 @@ class Proxy:
             slot.release()
         return response
 
-    async def _handle(self, request: Request, endpoint: Endpoint, slot: Slot,
-                      path_traj: str | None, path_group: str | None) -> Response:
+    async def serve(self, request: Request, send: Send, endpoint: Endpoint, *,
+                    path_traj: str | None, path_group: str | None) -> None:
+        """A call through the raw ASGI route (``gateway.api.openai.serve_raw``): the
+        upstream call and the relay of its answer run under one disconnect watcher. A
+        :class:`GatewayError` raised before the answer starts is the caller's to send."""
+        slot = self.admission.enter()
+        try:
+            ctx = await self._prepare(request, endpoint, path_traj, path_group)
+        except BaseException:
+            slot.release()
+            raise
+        await _unless_disconnected_do(request.receive,
+                                      self._answer(ctx, endpoint, slot, request, send))
+
+    async def _answer(self, ctx: CallContext, endpoint: Endpoint, slot: Slot,
+                      request: Request, send: Send) -> None:
+        try:
+            response = await self._run(ctx, endpoint, slot)
+        except BaseException:
+            slot.release()
+            raise
+        if isinstance(response, RelayStream):
+            await response.relay(send)
+            return
+        slot.release()
+        await response(request.scope, request.receive, send)
+
+    async def _prepare(self, request: Request, endpoint: Endpoint, path_traj: str | None,
+                       path_group: str | None) -> CallContext:
+        """Read, check and tag the call: the context it runs with."""
         arrived = time.monotonic()
         raw = await read_body(request, self.rt.settings.server.max_body_bytes)
         door: Translation | None = None
@@ -185,14 +233,13 @@ class Proxy:
             outcomes = door.adjust_outcomes(outcomes)
         seq = self.rt.tracker.call_arrived(state, outcomes, time.time())
         self.rt.dispatcher.scheduler.call_arrived(state)
-        ctx = CallContext(
+        return CallContext(
             id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
             seq=seq,
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
             headers={"x-trajectory-id": ident.trajectory_id}, door=door,
         )
-        return await _unless_disconnected(request, self._run(ctx, endpoint, slot))
 
     async def _run(self, ctx: CallContext, endpoint: Endpoint, slot: Slot) -> Response:
         try:

@@ -125,3 +125,23 @@ def test_tracker_keeps_only_recent_retired_trajectories():
     assert tracker.finished_count == 10 and not tracker.live
     assert tracker.groups["g"].finished_lengths == [1] * 10
     assert tracker.groups["g"].members == ["t7", "t8", "t9"]
+
+
+@pytest.mark.parametrize(("method", "path", "expected"), [
+    ("POST", "/v1/chat/completions", ("chat", None, None)),
+    ("POST", "/v1/completions", ("completions", None, None)),
+    ("POST", "/t/traj-1/v1/chat/completions", ("chat", "traj-1", None)),
+    ("POST", "/g/grp.2/t/a:b@c/v1/completions", ("completions", "a:b@c", "grp.2")),
+    # everything else goes on to FastAPI, which answers it as the routes declare
+    ("POST", "/t/bad id!/v1/chat/completions", None),
+    ("POST", "/t/" + "x" * 129 + "/v1/chat/completions", None),
+    ("POST", "/v1/chat/completions/", None),
+    ("POST", "/v1/responses", None),
+    ("POST", "/v1/messages", None),
+    ("GET", "/v1/chat/completions", None),
+])
+def test_raw_route_takes_only_the_completion_routes(method, path, expected):
+    from gateway.api.openai import raw_route
+    route = raw_route({"type": "http", "method": method, "path": path, "root_path": ""})
+    got = None if route is None else (route[0].name, route[1], route[2])
+    assert got == expected

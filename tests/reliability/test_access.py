@@ -107,8 +107,13 @@ def test_cors_is_off_unless_configured(scripted, gateway, sqlite_url, origins):
         pre = httpx.options(f"{url}/v1/chat/completions", headers={
             "Origin": "https://dash.example", "Access-Control-Request-Method": "POST"})
         get = httpx.get(f"{url}/status", headers={"Origin": "https://dash.example"})
+        post = httpx.post(f"{url}/v1/chat/completions", headers={
+            "Origin": "https://dash.example"}, json={
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        assert post.status_code == 200  # the raw completion route answers with CORS too
         allowed = {pre.headers.get("access-control-allow-origin"),
-                   get.headers.get("access-control-allow-origin")}
+                   get.headers.get("access-control-allow-origin"),
+                   post.headers.get("access-control-allow-origin")}
         assert allowed == ({"https://dash.example"} if origins else {None})
 
 
