@@ -34,19 +34,23 @@ cores, so absolute numbers move between runs; the ratios are measured side by si
 one run.
 
 Profile (py-spy on the gateway process at 300 req/s, this mix; flame graph
-[docs/benchmarks/overhead/profile.svg](docs/benchmarks/overhead/profile.svg)). Earlier
-rounds made the API-key dependency `async` (it ran in FastAPI's thread pool), left the
-disconnect watcher as the only extra task per call, and moved trace batches to `COPY`.
-This round's profile put 12% of the active CPU in the restore lookup (every new
-trajectory's first call opened a session, pinged the pool and ran an ORM get); unknown
-ids now share one existence query per millisecond and it no longer shows. What remains,
-as shares of active CPU: relaying streams 18% (of which SSE parsing for token capture
-16%: one `orjson.loads` per token event, and a re-serialization when injected fields are
-stripped), the ASGI stack around the handler (uvicorn + Starlette/FastAPI routing and
-middleware) about 6%, the aiohttp upstream client 7%, recording a finished call 8%,
-the trace writer 4%, scheduling under 2%. No single hot spot is left; the next steps are
-a raw ASGI route for `/v1` and byte-level relaying of token events whose fields the
-client asked for (no parse and re-dump)."""
+[docs/benchmarks/overhead/profile.svg](docs/benchmarks/overhead/profile.svg), taken
+before the round described next). Earlier rounds made the API-key dependency `async`,
+left the disconnect watcher as the only extra task per call, moved trace batches to
+`COPY`, and batched the restore lookup (one existence query per millisecond). The last
+round (issue 14) cut what a profile under load showed: the completion routes take a raw ASGI
+path (`gateway/api/openai.py: serve_raw`) that skips FastAPI's middleware, router and
+dependency solving (about 20% of the samples on FastAPI 0.165) and Starlette's
+`StreamingResponse` task group (13%) while keeping the key check, body limits, CORS and
+OpenAI error shapes; each SSE token event is parsed once with no repeated lookups; the
+`serve` process raises the young-generation GC threshold to 7000 (at 700 the collector
+ran ~30 passes a second over the objects of calls in flight, freeing nothing, with
+3-10 ms pauses). Byte-level splicing of token events was measured and not done:
+re-serializing an event is ~1.2 us of ~13 us. What a profile of the new path shows
+(under load, shares of active samples): the trace writer ~6%, restore lookups ~5% plus
+their ORM session work, a timeout context per upstream chunk ~5%, SSE decode and capture
+~5%, the scheduler loop ~4.5%; the rest is the request path itself (aiohttp client
+request building, uvicorn, the proxy)."""
 
 STORE_INTRO = """\
 How fast traces reach Postgres, and how big they are. Two measurements, labelled as
