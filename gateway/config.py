@@ -26,6 +26,9 @@ class UpstreamSettings(BaseModel):
     total_timeout_s: float = 3600.0
     max_attempts: int = Field(3, ge=1, description="backends tried before the first byte")
     max_connections: int = 4096
+    keepalive_s: float = Field(
+        4.0, ge=0, description="idle pooled connections to a backend are closed after this; "
+        "shorter than vLLM's own idle close (uvicorn, 5 s) so a call never races it")
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed checks")

@@ -15,7 +15,7 @@ from gateway.config import UpstreamSettings
 def make_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections, limit_per_host=0, ttl_dns_cache=300,
-        enable_cleanup_closed=False, keepalive_timeout=60,
+        enable_cleanup_closed=False, keepalive_timeout=settings.keepalive_s,
     )
     return aiohttp.ClientSession(
         connector=connector,

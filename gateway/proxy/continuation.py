@@ -30,7 +30,7 @@ import orjson
 
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
-from gateway.proxy.client import UpstreamResponse, open_upstream
+from gateway.proxy.client import UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
 from gateway.runtime import Runtime
@@ -127,6 +127,9 @@ def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
     return out
 
 
+CONTINUE_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+
 async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
                 path: str = "/v1/completions") -> UpstreamResponse:
     """Wait for resume, then send ``body`` to the engine that ran the call."""
@@ -138,10 +141,12 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     ctx.continuations += 1
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
     limits = rt.settings.upstream
-    upstream = await open_upstream(
-        rt.session, ctx.lease.backend.url + path, orjson.dumps(body),
-        {"content-type": "application/json", "accept": "application/json"}, limits,
-        time.monotonic() + limits.total_timeout_s)
+    url, data = ctx.lease.backend.url + path, orjson.dumps(body)
+    headers, deadline = CONTINUE_HEADERS, time.monotonic() + limits.total_timeout_s
+    try:
+        upstream = await open_upstream(rt.session, url, data, headers, limits, deadline)
+    except UpstreamBroken:  # a pooled connection the engine closed during the pause
+        upstream = await open_upstream(rt.session, url, data, headers, limits, deadline)
     if upstream.status != 200:
         data = await upstream.read()
         upstream.close()

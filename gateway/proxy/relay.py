@@ -4,10 +4,14 @@ Retries: a call is retried on another backend only while nothing has reached the
 (connection refused, the connection dropped before the response headers, a first-byte
 timeout, a 5xx answer), within ``max_attempts`` and one deadline (``total_timeout_s``
 from arrival) for all attempts together. Every outcome feeds the backend's circuit
-breaker. Cancellation: the upstream response is closed on every exit path, including a
-client that disconnects while the call is queued, waiting for its first byte, or
-mid-stream, so the engine stops generating and frees its KV cache. Admission: at most
-``max_in_flight`` calls at once; more get 503 with ``Retry-After``.
+breaker, but for the first dropped connection per backend in a call: that is most often
+a pooled keep-alive connection the backend closed as the call was sent, so the backend
+stays eligible and the retry opens a fresh connection.
+
+Cancellation: the upstream response is closed on every exit path, including a client
+that disconnects while the call is queued, waiting for its first byte, or mid-stream, so
+the engine stops generating and frees its KV cache. Admission: at most ``max_in_flight``
+calls at once; more get 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -268,6 +272,7 @@ class Proxy:
         limits = rt.settings.upstream
         deadline = ctx.arrived + limits.total_timeout_s
         last: UpstreamError | None = None
+        excused: set[str] = set()  # backends whose dropped connection was not held against them
         for attempt in range(1, limits.max_attempts + 1):
             try:
                 lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
@@ -285,13 +290,17 @@ class Proxy:
                     UPSTREAM_HEADERS, limits, deadline,
                 )
             except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
-                self.breaker.failure(lease.backend, exc.message)
+                stale = isinstance(exc, UpstreamBroken) and lease.backend.id not in excused
+                if stale:  # likely a keep-alive race, not the backend's fault: try it again
+                    excused.add(lease.backend.id)
+                else:
+                    self.breaker.failure(lease.backend, exc.message)
                 if isinstance(exc, UpstreamConnectError):
                     rt.registry_mark_down(lease.backend)
                 if attempt == limits.max_attempts or time.monotonic() >= deadline:
                     raise
                 last = exc
-                self._requeue(ctx, lease, tried)
+                self._requeue(ctx, lease, None if stale else tried)
                 continue
             if upstream.status in RETRYABLE_STATUS:
                 self.breaker.failure(lease.backend, f"answered {upstream.status}")
@@ -305,10 +314,12 @@ class Proxy:
             return upstream
         raise AssertionError("unreachable")
 
-    def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str]) -> None:
+    def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:
+        """Put the call back in the queue; ``tried`` (if given) keeps the backend out."""
         lease.release(ok=False)
         live_calls(self.rt).remove(ctx.id)
-        tried.append(lease.backend.id)
+        if tried is not None:
+            tried.append(lease.backend.id)
         ctx.lease = None
         ctx.state.in_flight -= 1
         ctx.state.queued += 1

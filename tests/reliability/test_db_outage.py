@@ -136,14 +136,14 @@ async def test_full_spool_drops_are_counted_and_visible(gateway, scripted, loop_
             stop.set()
             answered, failed = await load
             assert failed == 0
-            # the writer drops the last answered calls' records a moment after they were
-            # answered: read the counters once it has settled
-            dropped, settled = rt.writer.dropped, time.monotonic() + 10
-            while time.monotonic() < settled:
-                await asyncio.sleep(0.5)
-                if rt.writer.dropped == dropped:
-                    break
-                dropped = rt.writer.dropped
+            # the last answered calls' records wait in memory until the writer's next
+            # retry, then go to the spool or are dropped: read the counters once every
+            # answered call's record is accounted for one way or the other
+            w, deadline = rt.writer, time.monotonic() + 10
+            while w.spooled + w.dropped + w.written < answered:
+                assert time.monotonic() < deadline, (answered, w.spooled, w.dropped, w.written)
+                await asyncio.sleep(0.1)
+            dropped = w.dropped
             async with httpx.AsyncClient() as http:
                 status = (await http.get(f"{url}/status")).json()["trace_writer"]
                 metrics = (await http.get(f"{url}/metrics")).text

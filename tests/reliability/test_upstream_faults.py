@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import time
 
 import httpx
@@ -117,3 +120,97 @@ def test_backend_idle_mid_stream_is_cut_at_the_idle_limit(scripted, gateway, sql
             time.sleep(0.02)
         assert seen.closed_early == 1 and seen.completed == 0  # the upstream call was closed
         assert all(b.in_flight == 0 for b in rt.registry)
+
+
+class KeepAliveDropper:
+    """A vLLM-shaped upstream that answers the first request on each connection and
+    closes the connection, unanswered, when a second request arrives on it: what a client
+    meets when the server's idle keep-alive close crosses the next request on the wire.
+    ``every`` drops every request instead (a backend that breaks all its calls)."""
+
+    def __init__(self, every: bool = False) -> None:
+        self.every = every
+        self.answered = self.dropped = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for n in itertools.count():
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line, *lines = head.decode().split("\r\n")
+                length = next((int(ln.split(":", 1)[1]) for ln in lines
+                               if ln.lower().startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                if request_line.startswith("POST") and (n > 0 or self.every):
+                    self.dropped += 1
+                    return  # closed without a response
+                body = self._answer(request_line)
+                self.answered += request_line.startswith("POST")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @staticmethod
+    def _answer(request_line: str) -> bytes:
+        if " /v1/models " in request_line:
+            return orjson.dumps({"object": "list", "data": [{"id": "scripted"}]})
+        if " /v1/chat/completions " not in request_line:
+            return b"{}"
+        ids = [1001, 1002]
+        return orjson.dumps({
+            "id": "chatcmpl-k", "object": "chat.completion", "model": "scripted",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "xx"},
+                         "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120],
+                                                   "top_logprobs": []} for _ in ids]},
+                         "finish_reason": "length", "token_ids": ids}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            "prompt_token_ids": [1, 2, 3]})
+
+
+@contextlib.contextmanager
+def _dropper(loop_thread, every: bool = False):
+    dropper = KeepAliveDropper(every)
+    url = loop_thread.run(dropper.start())
+    try:
+        yield url, dropper
+    finally:
+        loop_thread.run(dropper.stop())
+
+
+def test_a_stale_keepalive_connection_is_retried_on_a_fresh_one(loop_thread, gateway,
+                                                                sqlite_url):
+    with _dropper(loop_thread) as (up, dropper), \
+            gateway(_settings(sqlite_url, [up], max_attempts=3)) as (url, rt):
+        for i in range(4):  # back to back: each call after the first meets a reused connection
+            r, _ = _timed_post(url, {**CHAT, "messages": [{"role": "user", "content": str(i)}]})
+            assert r.status_code == 200, r.text
+        assert dropper.answered == 4 and dropper.dropped >= 3
+        (backend,) = rt.registry
+        # a keep-alive race is not the backend's fault: nothing counted against it
+        assert backend.call_failures == 0 and backend.breaker_state == "closed"
+        assert backend.in_flight == 0
+
+
+def test_a_backend_that_drops_every_call_is_still_counted_and_skipped(loop_thread, gateway,
+                                                                      scripted, sqlite_url):
+    good, good_seen = scripted(Script())
+    with _dropper(loop_thread, every=True) as (bad, dropper), \
+            gateway(_settings(sqlite_url, [bad, good], max_attempts=3)) as (url, rt):
+        r, _ = _timed_post(url)  # slime ties go to the first backend: the dropper
+        assert r.status_code == 200, r.text
+        # the first drop is excused and the dropper tried once more, then the call moved on
+        assert dropper.dropped == 2 and len(good_seen.bodies) == 1
+        b_bad = next(b for b in rt.registry if b.url == bad)
+        assert b_bad.call_failures == 1
