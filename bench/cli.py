@@ -109,7 +109,7 @@ def steps(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """K-step RL runs over a resampled prompt pool, several seeds, 95% intervals."""
-    from bench.simulator.steps import StepScenario, run_seeds, summarize
+    from bench.simulator.steps import StepScenario, paired_ratio, run_seeds, summarize
     from bench.simulator.weights import check_schedule
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES
@@ -137,8 +137,11 @@ def steps(
     lines = [f"{workload}, {gpus} GPUs, {steps_} steps (steps 2-{steps_} reported), "
              f"{seeds} seeds; mean makespan per step +- 95% t-interval"]
     for n, r in sorted(res.items(), key=lambda kv: kv[1]["mean_s"]):
-        vs = (f"  best static/this {res[best]['mean_s'] / r['mean_s']:.2f}x"
-              if best else "")
+        vs = ""
+        if best:
+            g, lo, hi = paired_ratio(res[best]["per_seed_s"], r["per_seed_s"])
+            r["vs_best_static"] = {"geomean": g, "ci95_low": lo, "ci95_high": hi}
+            vs = f"  best static/this {g:.2f}x (paired 95% CI {lo:.2f}-{hi:.2f})"
         ws = (f"  updates {r['w_updates']:.1f}, paused {r['w_paused_s']:.0f} s, staleness "
               f"mean {r['w_mean_staleness']:.2f} max {r['w_max_staleness']:.1f}, stale tokens "
               f"{r['w_stale_token_frac']:.0%}" if "w_updates" in r else "")

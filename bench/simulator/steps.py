@@ -156,6 +156,8 @@ def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[s
         work = [statistics.fmean(r.lb_work[skip:] or r.lb_work) for r in rs]
         m, h = interval(per_seed)
         out[name] = {"mean_s": m, "ci95_s": h, "seeds": len(rs),
+                     "per_seed_s": {str(r.scenario.seed): v for r, v in zip(rs, per_seed,
+                                                                             strict=True)},
                      "lb_critical_s": statistics.fmean(crit), "lb_work_s": statistics.fmean(work),
                      "migrations": statistics.fmean(r.migrations for r in rs),
                      "reconfigurations": statistics.fmean(r.reconfigurations for r in rs)}
@@ -164,3 +166,16 @@ def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[s
                 w[k] for r in rs for w in (r.weights[skip:] or r.weights))
                 for k in rs[0].weights[0]})
     return out
+
+
+def paired_ratio(base: dict[str, float], other: dict[str, float]) -> tuple[float, float, float]:
+    """``base / other`` makespan over the seeds both ran (the same batches per seed):
+    (geometric mean, low, high) of the per-seed ratios with a 95% t-interval on their
+    logarithms. Far tighter than comparing two across-seed intervals, because a seed's
+    batch moves every policy's makespan together."""
+    seeds = sorted(set(base) & set(other))
+    if not seeds:
+        raise ValueError("no seed in common")
+    logs = [math.log(base[s] / other[s]) for s in seeds]
+    m, h = interval(logs)
+    return math.exp(m), math.exp(m - h), math.exp(m + h)
