@@ -55,7 +55,8 @@ class Client:
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.max_tokens = max_tokens
         self.headers = {"content-type": "application/json", **headers}
-        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        # below uvicorn's 5 s keep-alive (the direct target): no request races its close
+        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4)
         self.session = aiohttp.ClientSession(connector=conn,
                                              timeout=aiohttp.ClientTimeout(total=30))
 

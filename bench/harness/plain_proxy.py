@@ -26,7 +26,9 @@ def make_app(upstream: str) -> web.Application:
 
     async def session(app: web.Application):  # type: ignore[no-untyped-def]
         app["session"] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            # idle connections close before the upstream's own 5 s keep-alive does, as
+            # the gateway's do (UpstreamSettings.keepalive_s): no request races that close
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
             timeout=aiohttp.ClientTimeout(total=600), auto_decompress=False)
         yield
         await app["session"].close()
