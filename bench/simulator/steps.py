@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path, gpu_work
@@ -146,10 +147,10 @@ def run_seeds(base: StepScenario, policies: Sequence[str], seeds: Sequence[int],
     return out
 
 
-def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[str, float]]:
+def summarize(runs: dict[str, list[StepRun]], skip: int = 1) -> dict[str, dict[str, Any]]:
     """Per policy: mean makespan over steps ``skip+1..K`` per seed, then mean and 95% CI
     across seeds; the lower bound's two components likewise."""
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, rs in runs.items():
         per_seed = [statistics.fmean(r.makespans[skip:] or r.makespans) for r in rs]
         crit = [statistics.fmean(r.lb_critical[skip:] or r.lb_critical) for r in rs]

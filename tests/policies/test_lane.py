@@ -52,3 +52,22 @@ def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
     planner.joined_lane("late2", 1000)
     _finish(policy, "late2", 16000, 200.0)
     assert policy.initial_layout(16) == (8, 8) and planner.lane_on
+
+
+def test_without_the_lane_a_group_is_dealt_round_robin_and_trajectories_stay_home() -> None:
+    """Lane off: verl's routing, not sgl-router's cache_aware, which would keep a GRPO
+    group on the instance that holds its shared prompt (``BENCHMARKS.md``: 3-18% slower
+    on static TP8 at 64 GPUs)."""
+    planner = LanePlanner(k=8)
+    planner.lane_on = False
+    placer = LanePlacer(k=8, planner=planner)
+    instances = [inst(n, tp=8, cap=256) for n in ("a", "b", "c", "d")]
+    group = [traj(f"h-{i}", "heavy", context=4000) for i in range(8)]
+    snap = snapshot(0.0, instances, group)
+    placer.refresh(snap, {})
+    assert placer.lane is None
+    slots = Slots.of(snap)
+    placed = [placer.choose(call(t.id), t, None, slots, snap) for t in group]
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"]
+    home = traj("h-0", "heavy", turns=3, instance="c")
+    assert placer.choose(call("h-0", seq=3), home, None, slots, snap) == "c"
