@@ -17,6 +17,9 @@ import aiohttp
 from gateway.config import UpstreamSettings
 from gateway.errors import UpstreamError, UpstreamTimeout
 
+#: what every call the gateway sends to an engine carries (JSON in, JSON or SSE out)
+UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
 
 class UpstreamResponse:
     """An open upstream response. Always ``close()`` it (the relay does, on every path)."""

@@ -30,7 +30,7 @@ import orjson
 
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
-from gateway.proxy.client import UpstreamBroken, UpstreamResponse, open_upstream
+from gateway.proxy.client import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
 from gateway.runtime import Runtime
@@ -127,9 +127,6 @@ def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
     return out
 
 
-CONTINUE_HEADERS = {"content-type": "application/json", "accept": "application/json"}
-
-
 async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
                 path: str = "/v1/completions") -> UpstreamResponse:
     """Wait for resume, then send ``body`` to the engine that ran the call."""
@@ -142,7 +139,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
     limits = rt.settings.upstream
     url, data = ctx.lease.backend.url + path, orjson.dumps(body)
-    headers, deadline = CONTINUE_HEADERS, time.monotonic() + limits.total_timeout_s
+    headers, deadline = UPSTREAM_HEADERS, time.monotonic() + limits.total_timeout_s
     try:
         upstream = await open_upstream(rt.session, url, data, headers, limits, deadline)
     except UpstreamBroken:  # a pooled connection the engine closed during the pause

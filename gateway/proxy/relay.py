@@ -4,9 +4,8 @@ Retries: a call is retried on another backend only while nothing has reached the
 (connection refused, the connection dropped before the response headers, a first-byte
 timeout, a 5xx answer), within ``max_attempts`` and one deadline (``total_timeout_s``
 from arrival) for all attempts together. Every outcome feeds the backend's circuit
-breaker, but for the first dropped connection per backend in a call: that is most often
-a pooled keep-alive connection the backend closed as the call was sent, so the backend
-stays eligible and the retry opens a fresh connection.
+breaker but the first dropped connection per backend in a call (most often a keep-alive
+connection the backend closed as the call went out): that backend stays eligible.
 
 Cancellation: the upstream response is closed on every exit path, including a client
 that disconnects while the call is queued, waiting for its first byte, or mid-stream, so
@@ -43,6 +42,7 @@ from gateway.proxy.bodies import parse_door, parse_request, read_body, upstream_
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.client import (
+    UPSTREAM_HEADERS,
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamResponse,
@@ -68,7 +68,6 @@ from gateway.trajectories.tools import parse_outcomes
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 T = TypeVar("T")
-UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
