@@ -24,7 +24,15 @@ def fit_speed(p: LatencyProfile, ctx: int = TYPICAL_CONTEXT) -> TPSpeed:
     den = sum((n - 1) ** 2 for n in xs)
     chunk = 2048
     prefill_ms = p.step_ms(num_tokens=chunk, prefill_attn=chunk * (ctx + chunk / 2)) / chunk
-    return TPSpeed(one / 1000.0, num / den, prefill_ms / 1000.0)
+    # the batch model: step(n, C) ~ fixed + seq*n + ctx*C, from two probes each at
+    # a decode batch past the weight-streaming knee (64 and 128 sequences)
+    lo, hi = 64, 128
+    seq_ms = (p.step_ms(num_tokens=hi) - p.step_ms(num_tokens=lo)) / (hi - lo)
+    fixed_ms = p.step_ms(num_tokens=lo) - seq_ms * lo
+    ctx_ms = (p.step_ms(num_tokens=lo, decode_ctx_tokens=10**6)
+              - p.step_ms(num_tokens=lo)) / 10**6
+    return TPSpeed(one / 1000.0, num / den, prefill_ms / 1000.0,
+                   fixed_ms / 1000.0, seq_ms / 1000.0, ctx_ms / 1000.0)
 
 
 def profiles(model: str, gpu: str, tp_penalty: float | None = None,

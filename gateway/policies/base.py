@@ -131,9 +131,18 @@ class TPSpeed:
     per_token_s: float
     slope: float
     prefill_s_per_token: float = 0.0  # uncached prompt token cost (re-prefill on a move)
+    # a decode step as a function of what is in it: fixed + per sequence + per context
+    # token read (the KV term that dominates long agentic contexts); 0 when not fitted
+    fixed_s: float = 0.0
+    seq_s: float = 0.0
+    ctx_s: float = 0.0
 
     def step_s(self, n: int) -> float:
         return self.per_token_s * (1.0 + self.slope * max(0, n - 1))
+
+    def batch_step_s(self, n: int, ctx_tokens: int) -> float:
+        """One decode step of ``n`` sequences holding ``ctx_tokens`` of context in all."""
+        return self.fixed_s + self.seq_s * n + self.ctx_s * ctx_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from gateway.policies.base import (
     GroupView,
+    Migrate,
     PendingCall,
     Phase,
     Prediction,
@@ -34,7 +35,7 @@ from gateway.policies.base import (
 )
 from gateway.policies.compose import least_loaded
 from gateway.policies.placement import FCFS, ProgressivePriority, StickyPlacer
-from gateway.policies.resources import uniform_layout
+from gateway.policies.resources import ContextBalancer, GainMigrator, uniform_layout
 
 
 class LanePlacer:
@@ -52,53 +53,92 @@ class LanePlacer:
     on the lane while the lane runs fewer than ``k`` calls (its cache is there).
     """
 
-    def __init__(self, k: int = 8, planner: LanePlanner | None = None) -> None:
-        self.k = k
+    def __init__(self, k: int = 8, planner: LanePlanner | None = None, lanes: int = 1) -> None:
+        self.k = k  # members per lane instance
+        self.n_lanes = lanes  # lane instances (the highest-TP up instances, by id)
         self.planner = planner  # when given, its ``lane_on`` switches the lane off
         self.plain = StickyPlacer()  # without a lane: the verl baseline's routing
-        self._lane: str | None = None
-        self._members: set[str] = set()
+        self._lanes: tuple[str, ...] = ()
+        self._home: dict[str, str] = {}  # member -> its lane instance
 
     @property
     def lane(self) -> str | None:
-        return self._lane
+        return self._lanes[0] if self._lanes else None
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return self._lanes
 
     @property
     def members(self) -> frozenset[str]:
-        return frozenset(self._members)
+        return frozenset(self._home)
 
     def refresh(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> None:
         up = [i for i in snap.instances if i.state == "up"]
-        if len(up) < 2 or (self.planner is not None and not self.planner.lane_on):
-            self._lane, self._members = None, set()
+        if len(up) <= self.n_lanes or (self.planner is not None and not self.planner.lane_on):
+            self._lanes, self._home = (), {}
             return
-        self._lane = min(up, key=lambda i: (-i.tp, i.id)).id
+        self._lanes = tuple(i.id for i in sorted(up, key=lambda i: (-i.tp, i.id))[:self.n_lanes])
         live = [t for t in preds if t in snap.trajectories
                 and snap.trajectories[t].phase is not Phase.FINISHED]
         live.sort(key=lambda t: (-preds[t].mean, t))
-        self._members = set(live[:self.k])
+        top = live[:self.k * self.n_lanes]
+        home = {t: self._home[t] for t in top if self._home.get(t) in self._lanes}
+        count = dict.fromkeys(self._lanes, 0)
+        for lane in home.values():
+            count[lane] += 1
+        for tid in top:  # newcomers: their own lane if they sit on one, else the emptiest
+            if tid in home:
+                continue
+            at = snap.trajectories[tid].instance
+            lane = at if at in count and count[at] < self.k else min(
+                self._lanes, key=lambda i: (count[i], i))
+            home[tid] = lane
+            count[lane] += 1
+        self._home = home
         if self.planner is not None:
-            for tid in self._members:
+            for tid in home:
                 self.planner.joined_lane(tid, snap.trajectories[tid].generated_tokens)
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
-        lane = self._lane
-        if lane is None or snap.instance(lane) is None:
+        if not self._lanes or any(snap.instance(i) is None for i in self._lanes):
             return self.plain.choose(call, traj, pred, slots, snap)
-        if traj.id in self._members and lane in slots.free:
-            return lane
-        lane_view = snap.instance(lane)
-        if (traj.instance == lane and lane in slots.free and lane_view is not None
-                and lane_view.running < self.k):
-            return lane
-        bulk = {iid for iid in slots.free if iid != lane}
-        if traj.instance in bulk:
-            return traj.instance
+        home = self._home.get(traj.id)
+        if home is not None and home in slots.free:
+            return home
+        at = traj.instance
+        if at in self._lanes and at in slots.free:
+            view = snap.instance(at)
+            if view is not None and view.running < self.k:
+                return at
+        bulk = {iid for iid in slots.free if iid not in self._lanes}
+        if at in bulk:
+            return at
         return least_loaded(slots, snap, bulk)
 
     def target_of(self, trajectory_id: str) -> str | None:
-        return self._lane if trajectory_id in self._members else None
+        return self._home.get(trajectory_id)
+
+
+class LaneMigrator:
+    """A lane member moves to its lane (:class:`GainMigrator`: when the decode time saved
+    pays the re-prefill); any other trajectory may move between bulk instances to even
+    out the context they hold (:class:`ContextBalancer`), never onto a lane."""
+
+    def __init__(self, placer: LanePlacer, balance: bool = True) -> None:
+        self.placer = placer
+        self.gain = GainMigrator(locality=True)
+        self.balancer = ContextBalancer() if balance else None
+
+    def decide(self, snap: Snapshot, traj: TrajectoryView, pred: Prediction | None,
+               target: str | None) -> Migrate | None:
+        if target is not None:
+            return self.gain.decide(snap, traj, pred, target)
+        if self.balancer is None or traj.instance in self.placer.lanes:
+            return None
+        self.balancer.exclude = frozenset(self.placer.lanes)
+        return self.balancer.decide(snap, traj, pred, None)
 
 
 @dataclass(slots=True)

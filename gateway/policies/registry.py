@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gateway.policies.base import Policy
 from gateway.policies.compose import ComposedPolicy
-from gateway.policies.lane import LanePlacer, LanePlanner, LanePriority
+from gateway.policies.lane import LaneMigrator, LanePlacer, LanePlanner, LanePriority
 from gateway.policies.learned import LearnedPredictor
 from gateway.policies.libra import LIBRA_CONFIGS, LibraPlanner, LibraTree
 from gateway.policies.ours import BlendPredictor
@@ -96,14 +96,14 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
                               GainMigrator(locality=True))
     if name in ("ours-lane", "ours-lane-perfect"):
         lane = LanePlanner(LANE_K)
+        placer = LanePlacer(LANE_K, lane)
         if name == "ours-lane":
-            return ComposedPolicy(name, LanePriority(lane), LanePlacer(LANE_K, lane), lane,
-                                  BlendPredictor(), GainMigrator(locality=True),
-                                  label="ours + straggler lane")
+            return ComposedPolicy(name, LanePriority(lane), placer, lane, BlendPredictor(),
+                                  LaneMigrator(placer), label="ours + straggler lane")
         if oracle_truth is None:
             raise ValueError(f"{name} needs oracle_truth (the benchmark's hidden lengths)")
-        return ComposedPolicy(name, LanePriority(lane), LanePlacer(LANE_K, lane), lane,
-                              OraclePredictor(oracle_truth), GainMigrator(locality=True),
+        return ComposedPolicy(name, LanePriority(lane), placer, lane,
+                              OraclePredictor(oracle_truth), LaneMigrator(placer),
                               label="ours + straggler lane + perfect predictor")
     if name == "ours-perfect":
         if oracle_truth is None:

@@ -61,6 +61,73 @@ class GainMigrator:
         return Migrate(traj.id, target) if gain > self.margin * cost else None
 
 
+class ContextBalancer:
+    """Move a long trajectory, during its tool gap, off an instance crowded with context.
+
+    A decode step reads every running sequence's KV cache, so on agentic workloads (tens
+    of thousands of tokens of context each) an instance's step time follows the context
+    it holds more than its sequence count (``TPSpeed.batch_step_s``). Sticky routing
+    deals trajectories evenly by count, but a few long ones pile up context unevenly: at
+    64 GPUs on search the tail's instances held 120k-580k tokens of context each, and
+    their steps took 7.7-13.5 ms. Every observed quantity here is a counter the gateway
+    has: each live trajectory's instance and context (tool gaps included: they return).
+
+    The move pays when the decode time the trajectory saves over what it may still
+    generate exceeds ``margin`` times its re-prefill on the target. Without a prediction
+    the generated tokens so far stand in for what remains (a heavy-tailed length has
+    as much left, on average, as it has done).
+    """
+
+    def __init__(self, margin: float = 2.0, min_context: int = 4096) -> None:
+        self.margin = margin
+        self.min_context = min_context
+        self.exclude: frozenset[str] = frozenset()  # never a target (a straggler lane)
+        self._loads: tuple[Snapshot, dict[str, tuple[int, int]]] | None = None
+
+    def loads(self, snap: Snapshot) -> dict[str, tuple[int, int]]:
+        """Up instance -> (live trajectories homed there, their context tokens)."""
+        if self._loads is not None and self._loads[0] is snap:
+            return self._loads[1]
+        out = {i.id: (0, 0) for i in snap.instances if i.state == "up"}
+        for t in snap.trajectories.values():
+            if t.instance in out:
+                n, c = out[t.instance]
+                out[t.instance] = (n + 1, c + t.context_tokens)
+        self._loads = (snap, out)
+        return out
+
+    def decide(self, snap: Snapshot, traj: TrajectoryView, pred: Prediction | None,
+               target: str | None) -> Migrate | None:
+        ctx = traj.context_tokens
+        cur = snap.instance(traj.instance)
+        if ctx < self.min_context or cur is None or cur.state != "up":
+            return None
+        loads = self.loads(snap)
+        n0, c0 = loads[cur.id]
+        here = snap.speeds[cur.tp].batch_step_s(n0, c0)
+        best: tuple[float, str, int] | None = None  # step there, instance, its TP
+        for inst in snap.instances:
+            if (inst.id == cur.id or inst.id not in loads or inst.free_slots <= 0
+                    or inst.id in self.exclude):
+                continue
+            n, c = loads[inst.id]
+            there = snap.speeds[inst.tp].batch_step_s(n + 1, c + ctx)
+            if best is None or there < best[0]:
+                best = (there, inst.id, inst.tp)
+        if best is None or best[0] >= here:
+            return None
+        remaining = pred.mean if pred is not None else traj.generated_tokens
+        gain = remaining * (here - best[0])
+        cost = ctx * snap.speeds[best[2]].prefill_s_per_token
+        if gain <= self.margin * cost:
+            return None
+        # the move changes both loads: keep the cached table true for this snapshot
+        loads[cur.id] = (n0 - 1, c0 - ctx)
+        n, c = loads[best[1]]
+        loads[best[1]] = (n + 1, c + ctx)
+        return Migrate(traj.id, best[1])
+
+
 class UniformPlanner:
     """One TP degree everywhere, never changed (the slime / verl baselines)."""
 

@@ -71,3 +71,17 @@ def test_without_the_lane_a_group_is_dealt_round_robin_and_trajectories_stay_hom
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"]
     home = traj("h-0", "heavy", turns=3, instance="c")
     assert placer.choose(call("h-0", seq=3), home, None, slots, snap) == "c"
+
+
+def test_several_lanes_split_the_top_predicted_and_keep_a_member_where_it_sits() -> None:
+    placer = LanePlacer(k=1, lanes=2)
+    a, b, c = inst("a", tp=8, cap=256), inst("b", tp=8, cap=256), inst("c", tp=8, cap=256)
+    first, second, third = traj("x"), traj("y", instance="b"), traj("z")
+    snap = snapshot(0.0, [a, b, c], [first, second, third])
+    placer.refresh(snap, {"x": Prediction(9000, 0), "y": Prediction(8000, 0),
+                          "z": Prediction(100, 0)})
+    assert placer.lanes == ("a", "b") and placer.members == {"x", "y"}
+    # y already holds its cache on lane b: it stays; x takes the other lane
+    assert placer.target_of("y") == "b" and placer.target_of("x") == "a"
+    slots = Slots.of(snap)
+    assert placer.choose(call("z"), third, None, slots, snap) == "c"  # bulk: off the lanes
