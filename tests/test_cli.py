@@ -53,6 +53,20 @@ def test_bench_sim_runs_through_the_root() -> None:
     assert "makespan" in res.output and "slime" in res.output
 
 
+@pytest.mark.parametrize(("name", "why"), [
+    ("ours-lane-perfect", "hidden lengths"), ("nope", "unknown policy")])
+def test_bench_live_refuses_what_a_live_gateway_cannot_run(name: str, why: str) -> None:
+    res = CliRunner().invoke(app, ["bench", "live", "--policy", name])
+    assert res.exit_code == 2 and why in res.output
+
+
+def test_bench_live_accepts_the_static_layouts() -> None:
+    from bench.runners.live_cli import LIVE_POLICIES
+
+    assert {"verl-tp8", "slime-tp1", "ours-lane"} <= set(LIVE_POLICIES)
+    assert not {"ours-perfect", "ours-lane-perfect"} & set(LIVE_POLICIES)
+
+
 def test_unknown_command_is_refused() -> None:
     res = CliRunner().invoke(app, ["bench", "nope"])
     assert res.exit_code != 0 and "No such command" in res.output

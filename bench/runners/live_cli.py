@@ -15,9 +15,21 @@ from rich.table import Table
 
 from bench.reports.plots import completion_cdf, gantt, throughput_bars
 from bench.runners.live import LivePass, LiveScenario, as_json, run_live
+from gateway.policies.registry import ORACLE_NAMES, POLICY_NAMES, STATIC_NAMES
 
-LIVE_POLICIES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle", "libra",
-                 "libra-search", "ours", "ours-lane")
+#: every policy a live gateway can run: all names but those that need hidden lengths
+LIVE_POLICIES = tuple(n for n in POLICY_NAMES if n not in ORACLE_NAMES
+                      and n != "heddle-learned") + STATIC_NAMES
+
+
+def _check_live(names: list[str]) -> None:
+    for n in names:
+        if n in ORACLE_NAMES:
+            raise typer.BadParameter(f"{n!r} cannot run live: it needs the benchmark's "
+                                     "hidden lengths (use it in bench steps or bench sim)")
+        if n not in LIVE_POLICIES:
+            raise typer.BadParameter(f"unknown policy {n!r}; choose from "
+                                     f"{', '.join(LIVE_POLICIES)}")
 
 
 def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
@@ -96,11 +108,7 @@ def live(
 ) -> None:
     """Rollouts through the real gateway and harness on a simulated pool, per policy."""
     names = policy or ["slime", "ours"]
-    bad = [n for n in names if n not in LIVE_POLICIES]
-    if bad:
-        raise typer.BadParameter(f"{bad} cannot run live (the *-perfect policies need "
-                                 f"hidden lengths); "
-                                 f"choose from {', '.join(LIVE_POLICIES)}")
+    _check_live(names)
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
                       static_pool=static_pool)
     console = Console(width=None if Console().is_terminal else 180)
@@ -135,9 +143,7 @@ def vllm_cpu(
     from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
     names = policy or ["slime", "ours"]
-    bad = [n for n in names if n not in LIVE_POLICIES]
-    if bad:
-        raise typer.BadParameter(f"{bad} cannot run live; choose from {LIVE_POLICIES}")
+    _check_live(names)
     console = Console(width=None if Console().is_terminal else 180)
     console.print(f"bench vllm-cpu: {prompts * group_size} trajectories per pass on two real "
                   f"vLLM CPU engines (tiny model), policies {names}; each pass starts fresh "
