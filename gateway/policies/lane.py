@@ -13,8 +13,11 @@ Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
 the best static layout, and there is no lane. The lane is tried in the first step and
 kept for later steps only if it caught the trajectory that finished last early enough;
 otherwise the policy runs that layout as the best static baseline does (FCFS, verl's
-routing: sticky, new trajectories round robin). Nothing here reads a hidden length: the
-inputs are observed counters of trajectories and the predictor's estimates.
+routing: sticky, new trajectories round robin). Either way, trajectories off the lane
+move between the other instances in their tool gaps to even out the KV context each one
+holds (:class:`LaneMigrator`, :class:`~gateway.policies.resources.ContextBalancer`).
+Nothing here reads a hidden length: the inputs are observed counters of trajectories
+and the predictor's estimates.
 """
 
 from __future__ import annotations
