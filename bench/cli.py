@@ -54,7 +54,8 @@ def sim(
     from bench.simulator.weights import check_schedule
     from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
 
-    names = policy or ["slime", "heddle", "libra", "ours", "ours-perfect"]
+    names = policy or ["verl-tp8", "slime", "heddle", "libra", "ours", "ours-lane",
+                       "ours-perfect"]
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
@@ -92,7 +93,7 @@ def steps(
     workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
     policy: Annotated[list[str] | None, typer.Option(
         help="repeatable; default: static slime/verl TP1-TP8, heddle, libra, ours, "
-             "ours-perfect")] = None,
+             "ours-lane, ours-perfect")] = None,
     gpus: Annotated[int, typer.Option()] = 64,
     steps_: Annotated[int, typer.Option("--steps", help="RL steps per run")] = 5,
     seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
@@ -115,7 +116,7 @@ def steps(
     from gateway.policies.registry import ALL_NAMES
 
     names = policy or [*(f"{b}-tp{t}" for b in ("slime", "verl") for t in (1, 2, 4, 8)),
-                       "heddle", "libra", "ours", "ours-perfect"]
+                       "heddle", "libra", "ours", "ours-lane", "ours-perfect"]
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}")
