@@ -44,6 +44,8 @@ POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
                 "ours-lane-perfect")
 #: the only names that see hidden lengths (benchmarks only; a live gateway has none)
 ORACLE_NAMES = ("ours-perfect", "ours-lane-perfect")
+#: what a live gateway can run: every name but those that need hidden lengths
+LIVE_NAMES = tuple(n for n in POLICY_NAMES if n not in ORACLE_NAMES)
 BASELINES = ("slime", "verl", "verl-star", "round-robin", "las")
 STATIC_TPS = (1, 2, 4, 8)
 #: Every static-layout name (``slime-tp1`` ... ``verl-tp8``) ``get_policy`` accepts.
