@@ -9,8 +9,8 @@ trajectories predicted to run longest on one high-TP instance with at most ``k``
 them, so their steps stay close to a lone decode, while the bulk packs on the others.
 
 Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
-(``min(8, gpus)``); the first instance is the lane. With 8 GPUs that is one TP8 instance,
-the best static layout, and there is no lane. The lane is tried in the first step and
+(``min(8, gpus)``); from 32 GPUs the first instance is the lane. With 8 GPUs that is one
+TP8 instance, the best static layout, and there is no lane. The lane is tried in the first step and
 kept for later steps only if it caught the trajectory that finished last early enough;
 otherwise the policy runs that layout as the best static baseline does (FCFS, verl's
 routing: sticky, new trajectories round robin). Either way, trajectories off the lane
@@ -40,12 +40,17 @@ from gateway.policies.compose import least_loaded
 from gateway.policies.placement import FCFS, ProgressivePriority, StickyPlacer
 from gateway.policies.resources import ContextBalancer, GainMigrator, uniform_layout
 
+#: the lane holds at most 1/MAX_LANE_SHARE of the up GPUs: on a smaller pool (two TP8
+#: instances at 16 GPUs, two backends of a static pool) it would idle half the pool for
+#: eight trajectories, and at 16 GPUs it measured no gain (``docs/policies.md``)
+MAX_LANE_SHARE = 4
+
 
 class LanePlacer:
     """Top-``k`` predicted-remaining trajectories to the lane, the rest to the bulk.
 
-    The lane is the up instance with the highest TP (ties: smallest id) when the pool has
-    more than one instance; with one instance, or with the lane switched off, routing is
+    The lane is the up instance with the highest TP (ties: smallest id) when it holds at
+    most a quarter of the up GPUs; otherwise, or with the lane switched off, routing is
     verl's (``plain``: sticky, new trajectories round robin). Not slime's ``cache_aware``:
     it keeps a GRPO group on the instance holding the group's shared prompt, so a hard
     prompt's siblings share one engine; on static TP8 at 64 GPUs verl's routing is 3-18%
@@ -77,11 +82,14 @@ class LanePlacer:
         return frozenset(self._home)
 
     def refresh(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> None:
-        up = [i for i in snap.instances if i.state == "up"]
-        if len(up) <= self.n_lanes or (self.planner is not None and not self.planner.lane_on):
+        up = sorted((i for i in snap.instances if i.state == "up"), key=lambda i: (-i.tp, i.id))
+        lanes = up[:self.n_lanes]
+        if (len(up) <= self.n_lanes
+                or sum(i.tp for i in lanes) * MAX_LANE_SHARE > sum(i.tp for i in up)
+                or (self.planner is not None and not self.planner.lane_on)):
             self._lanes, self._home = (), {}
             return
-        self._lanes = tuple(i.id for i in sorted(up, key=lambda i: (-i.tp, i.id))[:self.n_lanes])
+        self._lanes = tuple(i.id for i in lanes)
         live = [t for t in preds if t in snap.trajectories
                 and snap.trajectories[t].phase is not Phase.FINISHED]
         live.sort(key=lambda t: (-preds[t].mean, t))
@@ -182,7 +190,8 @@ def lane_layout(gpus: int, bulk_tp: int) -> tuple[int, ...]:
     """One lane instance of TP ``min(8, gpus)`` (a power of two) + the bulk at ``bulk_tp``.
 
     With 8 GPUs or fewer the lane is the whole pool (one instance: the best static
-    layout when one straggler binds); the lane only splits off from 16 GPUs on.
+    layout when one straggler binds); :class:`LanePlacer` runs a lane only where it is
+    at most a quarter of the pool (from 32 GPUs at TP8).
     """
     lane = 1
     while lane * 2 <= min(8, gpus):
@@ -193,8 +202,9 @@ def lane_layout(gpus: int, bulk_tp: int) -> tuple[int, ...]:
 
 class LanePlanner:
     """Per-step layout and lane switch (``observe`` counts finished trajectories and
-    notes the last to finish; a new step is detected when ``initial_layout`` is called again, as the
-    driver starts each batch with it).
+    notes the last to finish; a new step starts when ``initial_layout`` is called again,
+    as the simulator starts each batch with it, or, in a live gateway, at the first
+    ``plan`` that finds every trajectory of the step finished).
 
     Every step starts with the lane layout (:func:`lane_layout`: all GPUs at the highest
     TP, the first instance the lane), because one high-TP instance serves a straggler
@@ -233,13 +243,24 @@ class LanePlanner:
         self.current.lane_joins.setdefault(trajectory_id, generated_tokens)
 
     def initial_layout(self, gpus: int) -> tuple[int, ...]:
-        if self.current.trajectories:
-            self.last, self.current = self.current, StepLoad()
-        self.choice, self.lane_on = lane_layout(gpus, self.bulk_tp), True
-        if self.last is not None:
-            # keep the lane only if it caught last step's straggler in time
-            self.lane_on = self.last.lane_caught_straggler
+        self.choice = lane_layout(gpus, self.bulk_tp)
+        self._next_step()
         return self.choice
 
+    def _next_step(self) -> None:
+        """Close the step that just ended (if any trajectory finished in it) and decide
+        whether the next one runs with the lane."""
+        if self.current.trajectories:
+            self.last, self.current = self.current, StepLoad()
+        # keep the lane only if it caught last step's straggler in time
+        self.lane_on = True if self.last is None else self.last.lane_caught_straggler
+
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
-        return None  # the layout is chosen per step; the placer's refresh does the rest
+        """No relayout (the layout is chosen per step; the placer's refresh does the
+        rest). A live gateway never calls :meth:`initial_layout` between RL steps, so a
+        step also ends here: when trajectories finished and none is left running (the
+        batch is over; the trainer's next one reuses the pool)."""
+        if self.current.trajectories and all(
+                t.phase is Phase.FINISHED for t in snap.trajectories.values()):
+            self._next_step()
+        return None

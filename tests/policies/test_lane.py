@@ -18,8 +18,9 @@ def test_top_predicted_trajectory_goes_to_the_lane_and_the_bulk_stays_off_it() -
     planner = LanePlanner(k=1)
     placer = LanePlacer(k=1, planner=planner)
     a, b = inst("a-tp8", tp=8, cap=256), inst("b-tp8", tp=8, running=100, cap=256)
+    rest = [inst(f"c{i}-tp8", tp=8, running=100, cap=100) for i in range(2)]  # full
     long_, short = traj("long", turns=1), traj("short", turns=1)
-    snap = snapshot(0.0, [a, b], [long_, short])
+    snap = snapshot(0.0, [a, b, *rest], [long_, short])
     placer.refresh(snap, {"long": Prediction(9000, 12000), "short": Prediction(300, 400)})
     assert placer.lane == "a-tp8" and placer.members == {"long"}
     slots = Slots.of(snap)
@@ -76,8 +77,9 @@ def test_without_the_lane_a_group_is_dealt_round_robin_and_trajectories_stay_hom
 def test_several_lanes_split_the_top_predicted_and_keep_a_member_where_it_sits() -> None:
     placer = LanePlacer(k=1, lanes=2)
     a, b, c = inst("a", tp=8, cap=256), inst("b", tp=8, cap=256), inst("c", tp=8, cap=256)
+    full = [inst(f"d{i}", tp=8, running=100, cap=100) for i in range(5)]  # 64 GPUs in all
     first, second, third = traj("x"), traj("y", instance="b"), traj("z")
-    snap = snapshot(0.0, [a, b, c], [first, second, third])
+    snap = snapshot(0.0, [a, b, c, *full], [first, second, third])
     placer.refresh(snap, {"x": Prediction(9000, 0), "y": Prediction(8000, 0),
                           "z": Prediction(100, 0)})
     assert placer.lanes == ("a", "b") and placer.members == {"x", "y"}
@@ -85,3 +87,43 @@ def test_several_lanes_split_the_top_predicted_and_keep_a_member_where_it_sits()
     assert placer.target_of("y") == "b" and placer.target_of("x") == "a"
     slots = Slots.of(snap)
     assert placer.choose(call("z"), third, None, slots, snap) == "c"  # bulk: off the lanes
+
+
+def test_no_lane_where_it_would_hold_more_than_a_quarter_of_the_pool() -> None:
+    """Two TP8 instances (16 GPUs) or two backends of a static pool: a lane would idle
+    half the pool for eight trajectories; from four instances of equal TP it splits."""
+    preds = {"long": Prediction(9000, 12000), "short": Prediction(300, 400)}
+    trajs = [traj("long"), traj("short")]
+    for pool in ([inst("a", tp=8, cap=256), inst("b", tp=8, cap=256)],
+                 [inst("a", tp=1), inst("b", tp=1)],
+                 [inst("a", tp=8, cap=256)] + [inst(f"b{i}", tp=1) for i in range(16)]):
+        placer = LanePlacer(k=1)
+        placer.refresh(snapshot(0.0, pool, trajs), preds)
+        assert placer.lane is None and placer.members == frozenset()
+    placer = LanePlacer(k=1)
+    placer.refresh(snapshot(0.0, [inst(n, tp=2) for n in "abcd"], trajs), preds)
+    assert placer.lane == "a" and placer.members == {"long"}
+
+
+def test_a_live_gateway_starts_the_next_step_when_the_batch_is_over() -> None:
+    """A live gateway never calls ``initial_layout`` between RL steps: the step ends at
+    the first plan that finds every trajectory finished, and the lane switch follows."""
+    policy = get_policy("ours-lane")
+    assert isinstance(policy, ComposedPolicy)
+    planner = policy.planner
+    assert isinstance(planner, LanePlanner) and planner.lane_on
+    pool = [inst(n, tp=8, cap=256) for n in "abcd"]
+    planner.joined_lane("early", 0)
+    _finish(policy, "early", 500, 10.0)
+    # one trajectory still in its tool gap: the step goes on
+    running = traj("late", generated=9000, phase=Phase.TOOL, instance="b")
+    policy.plan(snapshot(20.0, pool, [running]))
+    assert planner.last is None and planner.lane_on
+    _finish(policy, "late", 16000, 90.0)  # finished last, never on the lane
+    done = [traj(t, generated=g, phase=Phase.FINISHED) for t, g in (("early", 500),
+                                                                    ("late", 16000))]
+    policy.plan(snapshot(92.0, pool, done))
+    assert planner.last is not None and planner.last.last_id == "late"
+    assert not planner.lane_on  # the lane missed the straggler: the next step runs without
+    policy.plan(snapshot(94.0, pool, done))  # nothing new finished: still the same step
+    assert planner.last.last_id == "late" and planner.current.trajectories == 0
