@@ -170,13 +170,17 @@ def demo(
     static_pool: Annotated[bool, typer.Option(
         "--static-pool", help="servers in a child process as a fixed pool (the policy's "
         "layout changes are not applied)")] = False,
+    policy: Annotated[str, typer.Option(
+        help="scheduling policy; ours (default here) shows relayouts and migrations live, "
+        "the gateway's own default is ours-lane")] = "ours",
 ) -> None:
     """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
     from bench.runners.demo import DemoOptions, run_demo
 
+    live_cli.check_live_names([policy])
     opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
                        instances=instances, speed=speed, seed=seed, port=port, keep=keep,
-                       static_pool=static_pool)
+                       static_pool=static_pool, policy=policy)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run_demo(opts))
 

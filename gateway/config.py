@@ -127,7 +127,8 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = []
     backends: Annotated[list[str], NoDecode] = []
     pool: Path | None = None
-    policy: str = Field("ours", description="scheduling/placement policy (see docs/policies.md)")
+    policy: str = Field("ours-lane",
+                        description="scheduling/placement policy (see docs/policies.md)")
     weight_version: str = "0"
     auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")
 

@@ -58,6 +58,10 @@ class DemoOptions:
     database_url: str | None = None
     keep: bool = False
     stream: bool = False
+    #: ``ours``, not the gateway's default ``ours-lane``: the demo shows every mechanism
+    #: live, and ``ours`` is the policy that changes the pool's TP layout and migrates
+    #: (``ours-lane`` keeps one layout per step, so on 8 GPUs it never relayouts)
+    policy: str = "ours"
     max_context: int = 32768  # the model serves 40960; leave room for the chat template
     static_pool: bool = False  # servers in a child process; layout changes not applied
 
@@ -156,9 +160,9 @@ async def run_demo(opts: DemoOptions, console: Console | None = None) -> BatchRe
     kind = "static pool" if opts.static_pool else "managed pool"
     console.print(f"[bold]rollout-gateway demo[/]: {len(specs)} '{opts.workload}' trajectories, "
                   f"{kind} of {opts.instances} x simulated {opts.model} on {opts.gpu} (TP1), "
-                  f"time compressed {opts.speed:g}x")
+                  f"time compressed {opts.speed:g}x, policy '{opts.policy}'")
     async with _pool(opts, workdir) as pool:
-        settings = Settings(database_url=db_url,
+        settings = Settings(database_url=db_url, policy=opts.policy,
                             server=ServerSettings(host="127.0.0.1", port=port),
                             dispatch=DispatchSettings(time_scale=opts.speed),
                             traces={"spool_path": workdir / "spool.jsonl"}, **pool)

@@ -21,7 +21,7 @@ from gateway.policies.registry import LIVE_NAMES, ORACLE_NAMES, STATIC_NAMES
 LIVE_POLICIES = tuple(n for n in LIVE_NAMES if n != "heddle-learned") + STATIC_NAMES
 
 
-def _check_live(names: list[str]) -> None:
+def check_live_names(names: list[str]) -> None:
     for n in names:
         if n in ORACLE_NAMES:
             raise typer.BadParameter(f"{n!r} cannot run live: it needs the benchmark's "
@@ -107,7 +107,7 @@ def live(
 ) -> None:
     """Rollouts through the real gateway and harness on a simulated pool, per policy."""
     names = policy or ["slime", "ours"]
-    _check_live(names)
+    check_live_names(names)
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
                       static_pool=static_pool)
     console = Console(width=None if Console().is_terminal else 180)
@@ -142,7 +142,7 @@ def vllm_cpu(
     from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
     names = policy or ["slime", "ours"]
-    _check_live(names)
+    check_live_names(names)
     console = Console(width=None if Console().is_terminal else 180)
     console.print(f"bench vllm-cpu: {prompts * group_size} trajectories per pass on two real "
                   f"vLLM CPU engines (tiny model), policies {names}; each pass starts fresh "

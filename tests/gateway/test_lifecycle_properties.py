@@ -40,7 +40,7 @@ from gateway.trajectories.tracker import Tracker, TrajectoryState
 
 MODEL = "qwen3-14b"
 IDS = [f"p{p}-{s}" for p in range(3) for s in range(2)]  # reused across "steps"
-POLICIES = ["ours", "slime", "libra", "heddle", "las", "round-robin", "verl"]
+POLICIES = ["ours-lane", "ours", "slime", "libra", "heddle", "las", "round-robin", "verl"]
 BACKENDS = ["b0", "b1", "b2"]
 
 

@@ -114,7 +114,7 @@ def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway
                   for i in range(8)]
         assert sum(q > 50 for q in queued) >= 4  # cap 1 x 2 backends: most had to wait
         hdr = {"authorization": "Bearer tok"}
-        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours"
+        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours-lane"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"
         assert httpx.put(f"{gw}/admin/policy", json={"policy": "ours-perfect"},

@@ -55,7 +55,7 @@ def test_status_json_has_the_page_data(scripted_gateway):
     assert kinds.count("llm") == 3 and kinds.count("tool") == 3  # the last one still open
     assert kinds[-1] == "tool" and rows["traj-a"]["segments"][-1][2] == status["gantt"]["now"]
     assert rows["traj-b"]["phase"] == "finished"
-    assert status["policy"] == "ours"  # the default policy
+    assert status["policy"] == "ours-lane"  # the default policy
     # no managed pool: a proposal could only be refused, and the Gantt has no relayout band
     assert status["relayouts"]["applied"] == 0 and status["gantt"]["relayouts"] == []
     assert "completion_text" not in json.dumps(status)
