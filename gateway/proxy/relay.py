@@ -1,11 +1,6 @@
 """One proxied call, end to end: validate, tag, dispatch, relay, capture, record.
 
-Retries: a call is retried on another backend only while nothing has reached the client
-(connection refused, the connection dropped before the response headers, a first-byte
-timeout, a 5xx answer), within ``max_attempts`` and one deadline (``total_timeout_s``
-from arrival) for all attempts together. Every outcome feeds the backend's circuit
-breaker but the first dropped connection per backend in a call (most often a keep-alive
-connection the backend closed as the call went out): that backend stays eligible.
+Retries (before anything reached the client) are :func:`gateway.proxy.connect.connect`'s.
 
 Cancellation: the upstream response is closed on every exit path, including a client
 that disconnects while the call is queued, waiting for its first byte, or mid-stream, so
@@ -30,24 +25,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch.backends import Backend, CircuitBreaker
-from gateway.dispatch.dispatcher import Lease
-from gateway.errors import (
-    GatewayError,
-    NoBackendAvailable,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from gateway.errors import GatewayError, UpstreamError
 from gateway.proxy.admission import Admission, Slot
 from gateway.proxy.bodies import parse_door, parse_request, read_body, upstream_message
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
-from gateway.proxy.client import (
-    UPSTREAM_HEADERS,
-    UpstreamBroken,
-    UpstreamConnectError,
-    UpstreamResponse,
-    open_upstream,
-)
+from gateway.proxy.client import UpstreamResponse
+from gateway.proxy.connect import connect
 from gateway.proxy.continuation import (
     HoldingDecoder,
     continue_stream,
@@ -59,14 +43,12 @@ from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.messages import MessagesCall
 from gateway.proxy.doors.responses import ResponsesCall
-from gateway.proxy.live import live_calls
 from gateway.proxy.sse import error_event
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
 
 log = logging.getLogger(__name__)
-RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 T = TypeVar("T")
 
 
@@ -246,7 +228,7 @@ class Proxy:
 
     async def _run(self, ctx: CallContext, endpoint: Endpoint, slot: Slot) -> Response:
         try:
-            upstream = await self._connect(ctx, endpoint)
+            upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream)
         except BaseException as exc:
             if ctx.lease is None:
                 self.rt.tracker.call_abandoned(ctx.state)
@@ -264,65 +246,6 @@ class Proxy:
             return RelayStream(self._stream(ctx, upstream), on_close,
                                headers={**ctx.headers, "cache-control": "no-cache"})
         return await self._relay_whole(ctx, upstream)
-
-    async def _connect(self, ctx: CallContext, endpoint: Endpoint) -> UpstreamResponse:
-        """Dispatch and open the upstream call, trying other backends on early failures."""
-        rt, tried = self.rt, list[str]()
-        limits = rt.settings.upstream
-        deadline = ctx.arrived + limits.total_timeout_s
-        last: UpstreamError | None = None
-        excused: set[str] = set()  # backends whose dropped connection was not held against them
-        for attempt in range(1, limits.max_attempts + 1):
-            try:
-                lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
-            except NoBackendAvailable:
-                if last is not None:  # every backend failed: say how the last one did
-                    raise last from None
-                raise
-            ctx.bind(lease, rt.weight_version)
-            live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
-                               ctx.mark_version if ctx.stream else None)
-            rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
-            try:
-                upstream = await open_upstream(
-                    rt.session, lease.backend.url + endpoint.upstream, ctx.payload(),
-                    UPSTREAM_HEADERS, limits, deadline,
-                )
-            except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
-                stale = isinstance(exc, UpstreamBroken) and lease.backend.id not in excused
-                if stale:  # likely a keep-alive race, not the backend's fault: try it again
-                    excused.add(lease.backend.id)
-                else:
-                    self.breaker.failure(lease.backend, exc.message)
-                if isinstance(exc, UpstreamConnectError):
-                    rt.registry_mark_down(lease.backend)
-                if attempt == limits.max_attempts or time.monotonic() >= deadline:
-                    raise
-                last = exc
-                self._requeue(ctx, lease, None if stale else tried)
-                continue
-            if upstream.status in RETRYABLE_STATUS:
-                self.breaker.failure(lease.backend, f"answered {upstream.status}")
-                if attempt < limits.max_attempts:
-                    upstream.close()
-                    last = UpstreamError(f"upstream answered {upstream.status}")
-                    self._requeue(ctx, lease, tried)
-                    continue
-            else:
-                self.breaker.success(lease.backend)
-            return upstream
-        raise AssertionError("unreachable")
-
-    def _requeue(self, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:
-        """Put the call back in the queue; ``tried`` (if given) keeps the backend out."""
-        lease.release(ok=False)
-        live_calls(self.rt).remove(ctx.id)
-        if tried is not None:
-            tried.append(lease.backend.id)
-        ctx.lease = None
-        ctx.state.in_flight -= 1
-        ctx.state.queued += 1
-        ctx.retries += 1
 
     async def _relay_error(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
         try:

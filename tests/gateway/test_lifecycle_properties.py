@@ -101,7 +101,7 @@ class Lifecycle(RuleBasedStateMachine):
         return [c for c in self._outstanding() if c.backend is not None]
 
     async def _run(self, call: Call) -> None:
-        """What the proxy does for one call (relay._connect/_run, calls.finish_call)."""
+        """What the proxy does for one call (connect.connect, relay._run, calls.finish_call)."""
         view = CallView(call.tid, call.state.group_id, call.seq, len(call.prompt), None)
         try:
             lease = await self.dispatcher.acquire(view, MODEL)

@@ -1,0 +1,91 @@
+"""Open a call's upstream response, trying other backends on early failures.
+
+A call is retried on another backend only while nothing has reached the client
+(connection refused, the connection dropped before the response headers, a first-byte
+timeout, a 5xx answer), within ``max_attempts`` and one deadline (``total_timeout_s``
+from arrival) for all attempts together. Every outcome feeds the backend's circuit
+breaker but the first dropped connection per backend in a call (most often a keep-alive
+connection the backend closed as the call went out): that backend stays eligible.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.dispatch.backends import CircuitBreaker
+from gateway.dispatch.dispatcher import Lease
+from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
+from gateway.proxy.calls import CallContext
+from gateway.proxy.client import (
+    UPSTREAM_HEADERS,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamResponse,
+    open_upstream,
+)
+from gateway.proxy.live import live_calls
+from gateway.runtime import Runtime
+
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
+                  path: str) -> UpstreamResponse:
+    """Dispatch ``ctx`` and open its upstream call at ``path`` (the engine's route)."""
+    tried = list[str]()
+    limits = rt.settings.upstream
+    deadline = ctx.arrived + limits.total_timeout_s
+    last: UpstreamError | None = None
+    excused: set[str] = set()  # backends whose dropped connection was not held against them
+    for attempt in range(1, limits.max_attempts + 1):
+        try:
+            lease = await rt.dispatcher.acquire(ctx.view(), ctx.body["model"], tried)
+        except NoBackendAvailable:
+            if last is not None:  # every backend failed: say how the last one did
+                raise last from None
+            raise
+        ctx.bind(lease, rt.weight_version)
+        live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+                           ctx.mark_version if ctx.stream else None)
+        rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+        try:
+            upstream = await open_upstream(
+                rt.session, lease.backend.url + path, ctx.payload(),
+                UPSTREAM_HEADERS, limits, deadline,
+            )
+        except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
+            stale = isinstance(exc, UpstreamBroken) and lease.backend.id not in excused
+            if stale:  # likely a keep-alive race, not the backend's fault: try it again
+                excused.add(lease.backend.id)
+            else:
+                breaker.failure(lease.backend, exc.message)
+            if isinstance(exc, UpstreamConnectError):
+                rt.registry_mark_down(lease.backend)
+            if attempt == limits.max_attempts or time.monotonic() >= deadline:
+                raise
+            last = exc
+            requeue(rt, ctx, lease, None if stale else tried)
+            continue
+        if upstream.status in RETRYABLE_STATUS:
+            breaker.failure(lease.backend, f"answered {upstream.status}")
+            if attempt < limits.max_attempts:
+                upstream.close()
+                last = UpstreamError(f"upstream answered {upstream.status}")
+                requeue(rt, ctx, lease, tried)
+                continue
+        else:
+            breaker.success(lease.backend)
+        return upstream
+    raise AssertionError("unreachable")
+
+
+def requeue(rt: Runtime, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:
+    """Put the call back in the queue; ``tried`` (if given) keeps the backend out."""
+    lease.release(ok=False)
+    live_calls(rt).remove(ctx.id)
+    if tried is not None:
+        tried.append(lease.backend.id)
+    ctx.lease = None
+    ctx.state.in_flight -= 1
+    ctx.state.queued += 1
+    ctx.retries += 1
