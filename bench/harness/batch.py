@@ -70,6 +70,8 @@ class TrajectoryResult:
     end: float = 0.0
     turns: list[TurnResult] = field(default_factory=list)
     error: str | None = None
+    setup_s: float = 0.0  # environment set-up before the first call (real seconds)
+    reward_s: float = 0.0  # computing the reward after the last turn (real seconds)
 
     @property
     def duration(self) -> float:
@@ -147,6 +149,7 @@ class Agent:
         result = TrajectoryResult(spec.id, spec.group_id, time.monotonic())
         try:
             await asyncio.sleep(spec.setup_s / speed)
+            result.setup_s = time.monotonic() - result.start
             for turn in spec.turns:
                 t0 = time.monotonic()
                 text, n = await self._llm(turn)
@@ -157,7 +160,9 @@ class Agent:
                     await asyncio.sleep(turn.tool_s / speed)
                     self.messages.append(self._observe(turn))
             if self.cfg.reward_latency:
+                t0 = time.monotonic()
                 await asyncio.sleep(spec.reward_s / speed)
+                result.reward_s = time.monotonic() - t0
         except (openai.APIError, httpx2.HTTPError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
         result.end = time.monotonic()

@@ -87,16 +87,19 @@ async def _watch(progress: Progress, task: TaskID, gw: str, http: httpx.AsyncCli
 
 async def _slowest(http: httpx.AsyncClient, gw: str, batch: BatchResult) -> Table:
     table = Table(title="Slowest trajectories (simulated seconds)")
-    for col in ("trajectory", "turns", "tokens", "total", "LLM", "queued", "tool"):
-        table.add_column(col, justify="right" if col != "trajectory" else "left")
+    table.caption = "setup and reward: the harness's; LLM, queued and tool: the gateway's record"
+    for col in ("trajectory", "turns", "tokens", "total", "setup", "LLM", "queued", "tool",
+                "reward"):
+        table.add_column(col, justify="right" if col != "trajectory" else "left",
+                         no_wrap=col == "trajectory")
     slow = sorted(batch.trajectories, key=lambda r: r.duration, reverse=True)[:5]
     for r in slow:
         live = (await http.get(f"{gw}/trajectories/{r.id}")).json().get("live") or {}
         sp = batch.speed
         table.add_row(r.id, str(len(r.turns)), str(r.output_tokens), f"{r.duration * sp:.0f}",
-                      f"{live.get('llm_time_s', 0) * sp:.0f}",
+                      f"{r.setup_s * sp:.0f}", f"{live.get('llm_time_s', 0) * sp:.0f}",
                       f"{live.get('queue_time_s', 0) * sp:.0f}",
-                      f"{live.get('tool_time_s', 0) * sp:.0f}")
+                      f"{live.get('tool_time_s', 0) * sp:.0f}", f"{r.reward_s * sp:.0f}")
     return table
 
 
