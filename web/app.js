@@ -7,8 +7,6 @@
   const SVG_NS = "http://www.w3.org/2000/svg";
   const TOKEN_KEY = "rollout-gateway.admin-token";
   const PHASES = ["generating", "queued", "tool", "finished"];
-  const DEFAULT_POLICIES = ["least-loaded", "round-robin", "sticky", "sticky-rebalance",
-    "heddle", "libra", "ours"];
   const $ = (id) => document.getElementById(id);
   let latest = null;
   let staleTimer = null;
@@ -309,7 +307,7 @@
   }
 
   function renderPolicies(s) {
-    const names = s.policies || DEFAULT_POLICIES;
+    const names = s.policies || [];
     const list = $("policy-names");
     if (list.dataset.names === names.join(",")) return;
     list.dataset.names = names.join(",");

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.deps import get_rt
 from gateway.api.snapshot import backend_row, live_view, phase_counts
+from gateway.policies.registry import LIVE_NAMES
 from gateway.runtime import Runtime
 
 router = APIRouter(tags=["status"])
@@ -39,6 +40,7 @@ def status_body(rt: Runtime) -> dict[str, Any]:
     sched = rt.dispatcher.scheduler
     return {
         "policy": rt.dispatcher.policy_name,
+        "policies": list(LIVE_NAMES),  # what PUT /admin/policy accepts (the page offers them)
         "weight_version": rt.weight_version,
         "paused": rt.dispatcher.gate.paused,
         "backends": [backend_row(rt, b) for b in rt.registry],

@@ -147,6 +147,14 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     expect(page.locator("#events li", has_text="weight version").first).to_be_visible(
         timeout=5_000)
 
+    # The policy form offers the names the gateway accepts, and a switch takes effect.
+    offered = page.eval_on_selector_all("#policy-names option", "els => els.map(e => e.value)")
+    assert "ours-lane" in offered and "verl" in offered, offered
+    assert "ours-perfect" not in offered and "least-loaded" not in offered, offered
+    page.fill("#policy-name", "verl")
+    page.click("#policy-form button[type=submit]")
+    expect(page.locator("#policy")).to_have_text("verl", timeout=5_000)
+
     # A trajectory's calls open from the Gantt; with the admin token its text is shown.
     page.locator("#gantt .row").first.click()
     expect(page.locator("#traj-calls tbody tr").first).to_be_visible(timeout=5_000)
