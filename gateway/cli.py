@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gateway.config import Settings
+from gateway.policies.registry import LIVE_NAMES
 
 if TYPE_CHECKING:
     import uvicorn
@@ -40,6 +41,8 @@ def serve(
         help="an OpenAI-compatible backend URL (repeatable); URL#tp=N declares its TP")] = None,
     pool: Annotated[Path | None, typer.Option(help="pool spec file (managed pool)")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy async URL")] = None,
+    policy: Annotated[str | None, typer.Option(
+        help="scheduling policy (default ours-lane; docs/policies.md)")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Run the gateway."""
@@ -53,8 +56,13 @@ def serve(
         **({"backends": Settings(backends=backend).backends} if backend else {}),
         **({"pool": pool} if pool else {}),
         **({"database_url": database_url} if database_url else {}),
+        **({"policy": policy} if policy else {}),
     })
     try:
+        if settings.policy not in LIVE_NAMES:
+            raise ValueError(f"unknown policy {settings.policy!r} (--policy or "
+                             f"ROLLOUT_GATEWAY_POLICY); a live gateway runs one of: "
+                             f"{', '.join(LIVE_NAMES)}")
         settings.check_safe_to_serve()
         if settings.pool is not None:  # a bad spec fails here, with the reason, not at start
             from gateway.dispatch.poolspec import load_pool_spec

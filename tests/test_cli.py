@@ -84,3 +84,14 @@ def test_python_dash_m_runs_the_whole_cli(module: str) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     for name in BENCH:
         assert name in out.stdout
+
+
+@pytest.mark.parametrize(("args", "env"), [
+    (["--policy", "nope"], {}), ([], {"ROLLOUT_GATEWAY_POLICY": "ours-perfect"})])
+def test_serve_refuses_a_policy_it_cannot_run_before_starting(
+        args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(app, ["serve", "--port", "0", *args])
+    assert res.exit_code == 2 and "unknown policy" in res.output, res.output
+    assert "ours-lane" in res.output  # the names it does run
