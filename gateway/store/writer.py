@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -86,12 +86,36 @@ def _copy_value(column: str, value: Any) -> Any:
     return value
 
 
+#: rows built or encoded between turns given back to the event loop: a batch of a few
+#: hundred calls is milliseconds of CPU, which in one piece would stall every call in
+#: flight on this core (the writer shares the request path's loop)
+_ROWS_PER_TURN = 32
+
+
+async def _copy_rows(records: Sequence[CallRecord]) -> list[tuple[Any, ...]]:
+    rows = []
+    for i, rec in enumerate(records, 1):
+        rows.append(tuple(_copy_value(k, v) for k, v in call_row(rec).items()))
+        if i % _ROWS_PER_TURN == 0:
+            await asyncio.sleep(0)
+    return rows
+
+
+async def _paced(rows: Sequence[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
+    """``rows`` for asyncpg's ``COPY``, which encodes each as it is yielded."""
+    for i, row in enumerate(rows, 1):
+        yield row
+        if i % _ROWS_PER_TURN == 0:
+            await asyncio.sleep(0)
+
+
 async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> None:
     """Postgres: a pipelined upsert for the trajectories, ``COPY`` for the calls.
 
     Several times cheaper per row than an ORM ``executemany``: the writer shares the
-    gateway's event loop (and core) with the request path. Driver errors are re-raised
-    as SQLAlchemy's, so the caller's rejected-batch handling is the same on both paths.
+    gateway's event loop (and core) with the request path, and gives the loop a turn
+    every ``_ROWS_PER_TURN`` rows. Driver errors are re-raised as SQLAlchemy's, so the
+    caller's rejected-batch handling is the same on both paths.
     """
     import asyncpg
 
@@ -100,7 +124,7 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
     for rec in records:
         trajectories.setdefault(rec.trajectory_id,
                                 (rec.trajectory_id, rec.group_id, _ts(rec.started_at)))
-    rows = [tuple(_copy_value(k, v) for k, v in call_row(r).items()) for r in records]
+    rows = await _copy_rows(records)
     try:
         async with conn.transaction():  # SQLAlchemy has not begun one on the raw driver
             await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
@@ -108,7 +132,7 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
                 await conn.executemany(_TRAJ_BUMP, list(bumps.items()))
             try:
                 async with conn.transaction():  # a savepoint
-                    await conn.copy_records_to_table("calls", records=rows,
+                    await conn.copy_records_to_table("calls", records=_paced(rows),
                                                      columns=_CALL_COLUMNS)
             except asyncpg.UniqueViolationError:
                 await conn.executemany(_CALL_INSERT_IGNORE, rows)

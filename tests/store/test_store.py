@@ -88,16 +88,17 @@ async def test_a_batch_written_twice_is_stored_once(db_url: str):
     engine = make_engine(db_url)
     sm = make_sessionmaker(engine)
     tid = f"dup-{uuid.uuid4().hex[:8]}"
-    recs = [_rec(tid, i, 0, [1, 2], [3]) for i in range(3)]
+    # more rows than the writer encodes between event-loop turns (_ROWS_PER_TURN)
+    recs = [_rec(tid, i, 0, [1, 2], [3]) for i in range(100)]
     try:
         async with sm() as session, session.begin():
-            await write_batch(session, recs[:2])
+            await write_batch(session, recs[:70])
         async with sm() as session, session.begin():
-            await write_batch(session, recs)  # two already stored, one new
+            await write_batch(session, recs)  # 70 already stored, 30 new
         async with sm() as session:
             n = await session.scalar(select(func.count()).select_from(Call).where(
                 Call.trajectory_id == tid))
-        assert n == 3
+        assert n == 100
     finally:
         await engine.dispose()
 
