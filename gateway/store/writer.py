@@ -86,23 +86,13 @@ def _copy_value(column: str, value: Any) -> Any:
     return value
 
 
-#: rows built or encoded between turns given back to the event loop: a batch of a few
-#: hundred calls is milliseconds of CPU, which in one piece would stall every call in
-#: flight on this core (the writer shares the request path's loop)
+#: rows built or encoded per turn of the event loop: a batch is milliseconds of CPU, which
+#: in one piece would stall every call in flight (the writer shares the request path's loop)
 _ROWS_PER_TURN = 32
 
 
-async def _copy_rows(records: Sequence[CallRecord]) -> list[tuple[Any, ...]]:
-    rows = []
-    for i, rec in enumerate(records, 1):
-        rows.append(tuple(_copy_value(k, v) for k, v in call_row(rec).items()))
-        if i % _ROWS_PER_TURN == 0:
-            await asyncio.sleep(0)
-    return rows
-
-
-async def _paced(rows: Sequence[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
-    """``rows`` for asyncpg's ``COPY``, which encodes each as it is yielded."""
+async def _paced(rows: Sequence[Any]) -> AsyncIterator[Any]:
+    """``rows``, with a turn given to the event loop every ``_ROWS_PER_TURN``."""
     for i, row in enumerate(rows, 1):
         yield row
         if i % _ROWS_PER_TURN == 0:
@@ -124,7 +114,8 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
     for rec in records:
         trajectories.setdefault(rec.trajectory_id,
                                 (rec.trajectory_id, rec.group_id, _ts(rec.started_at)))
-    rows = await _copy_rows(records)
+    rows = [tuple(_copy_value(k, v) for k, v in call_row(r).items())
+            async for r in _paced(records)]
     try:
         async with conn.transaction():  # SQLAlchemy has not begun one on the raw driver
             await conn.executemany(_TRAJ_UPSERT, list(trajectories.values()))
