@@ -10,8 +10,9 @@ them, so their steps stay close to a lone decode, while the bulk packs on the ot
 
 Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
 (``min(8, gpus)``); from 32 GPUs the first instance is the lane. With 8 GPUs that is one
-TP8 instance, the best static layout, and there is no lane. The lane is tried in the first step and
-kept for later steps only if it caught the trajectory that finished last early enough;
+TP8 instance, the best static layout, and there is no lane. The lane is tried in the
+first step and kept for later steps only if it caught the trajectory that finished last
+early enough;
 otherwise the policy runs that layout as the best static baseline does (FCFS, verl's
 routing: sticky, new trajectories round robin). Either way, trajectories off the lane
 move between the other instances in their tool gaps to even out the KV context each one
