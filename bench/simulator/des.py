@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from backends.sim.engine import EngineCore
 from backends.sim.profiles import LatencyProfile
 from backends.sim.request import SimRequest, StepOutput
-from bench.simulator.state import Instance, Traj
+from bench.simulator.state import Instance, LiveViews, SimStats, Traj
 from bench.simulator.weights import DEFAULT_UPDATE_S, WeightUpdater
 from bench.workloads import TrajectorySpec
 from gateway.policies.base import (
@@ -42,7 +42,6 @@ from gateway.policies.base import (
     Relayout,
     Snapshot,
     TPSpeed,
-    TrajectoryView,
 )
 
 READY, PLAN, UP, FINISH, PAUSE, RESUME = 0, 1, 2, 3, 4, 5
@@ -64,19 +63,6 @@ class SimConfig:
     weight_update_every_s: float | None = None
     weight_update_mode: str = "wait"  # wait | keep | abort-and-continue
     weight_update_s: float = DEFAULT_UPDATE_S  # the update itself, engines paused
-
-
-@dataclass(slots=True)
-class SimStats:
-    migrations: int = 0
-    reconfigurations: int = 0
-    preemptions: int = 0
-    calls: int = 0
-    call_times: list[float] = field(default_factory=list)  # when each call became ready
-    cache_hit_tokens: int = 0
-    cache_query_tokens: int = 0
-    predictions: list[tuple[float, int]] = field(default_factory=list)  # (pred, true)
-    early: dict[str, float] = field(default_factory=dict)  # predicted total at call 3
 
 
 class Simulator:
@@ -173,7 +159,7 @@ class Simulator:
         if self._snap is None:
             self._snap = Snapshot(
                 self.now, self.cfg.gpus, tuple(i.view() for i in self.instances.values()),
-                _Views(self.live), self.groups, self.cfg.speeds, self.cfg.restart_s,
+                LiveViews(self.live), self.groups, self.cfg.speeds, self.cfg.restart_s,
                 self.finished)
         return self._snap
 
@@ -399,18 +385,3 @@ class Simulator:
             del self.relayouts[inst.relayout]
             self._push(self.now + self.cfg.restart_s, UP, change.launch)
 
-
-class _Views(Mapping[str, TrajectoryView]):
-    """Read-only mapping of live trajectory id -> view (views are built lazily, cached)."""
-
-    def __init__(self, live: dict[str, Traj]) -> None:
-        self._live = live
-
-    def __getitem__(self, key: str) -> TrajectoryView:
-        return self._live[key].view()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._live)
-
-    def __len__(self) -> int:
-        return len(self._live)

@@ -5,10 +5,14 @@ gateway observed; only :meth:`Traj.view` crosses into policy code, and it copies
 observed fields alone. Token streams are synthetic but consistent, so the engines'
 prefix caches see real shared prefixes: a group's members share their prompt blocks,
 and turn k+1's prompt extends turn k's prompt + completion token for token.
+
+Also here: what a batch counts (:class:`SimStats`) and the snapshot's mapping of live
+trajectories (:class:`LiveViews`), which builds views only when a policy reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from backends.sim.engine import EngineCore
@@ -101,3 +105,33 @@ class Traj:
     def remaining_output(self, generated: int) -> int:
         """Hidden truth (oracle and accuracy reports only)."""
         return self.spec.total_output - generated
+
+
+@dataclass(slots=True)
+class SimStats:
+    """What a simulated batch counted (the reports read these)."""
+    migrations: int = 0
+    reconfigurations: int = 0
+    preemptions: int = 0
+    calls: int = 0
+    call_times: list[float] = field(default_factory=list)  # when each call became ready
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    predictions: list[tuple[float, int]] = field(default_factory=list)  # (pred, true)
+    early: dict[str, float] = field(default_factory=dict)  # predicted total at call 3
+
+
+class LiveViews(Mapping[str, TrajectoryView]):
+    """Read-only mapping of live trajectory id -> view (views are built lazily, cached)."""
+
+    def __init__(self, live: dict[str, Traj]) -> None:
+        self._live = live
+
+    def __getitem__(self, key: str) -> TrajectoryView:
+        return self._live[key].view()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
