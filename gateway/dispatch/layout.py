@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from backends.base import InstanceSpec
 
@@ -170,3 +171,30 @@ def resize(current: Sequence[InstanceSpec], active: Sequence[Slot],
 
 def _fmt(slots: Iterable[Slot]) -> str:
     return ", ".join(f"{n}:{g}" for n, g in slots) or "none"
+
+
+def parse_slot(value: int | str) -> Slot:
+    """A GPU as the admin API names it: ``3`` (this node) or ``"node:3"``."""
+    if isinstance(value, int):
+        return ("local", value)
+    node, _, gpu = value.rpartition(":")
+    if not gpu.isdigit():
+        raise LayoutError(f"a GPU is an id or 'node:id', not {value!r}")
+    return (node or "local", int(gpu))
+
+
+def slot_json(slot: Slot) -> int | str:
+    """The inverse of :func:`parse_slot`."""
+    return slot[1] if slot[0] == "local" else f"{slot[0]}:{slot[1]}"
+
+
+def request_of(spec: InstanceSpec) -> InstanceRequest:
+    """The request that places ``spec`` again where it is."""
+    return InstanceRequest(tp=spec.tp, gpus=spec.gpus, node=spec.node, id=spec.id,
+                           extra_args=spec.extra_args)
+
+
+def request_json(r: InstanceRequest) -> dict[str, Any]:
+    """``r`` as a job's request records it."""
+    return {"id": r.id, "tp": r.tp, "node": r.node, "extra_args": list(r.extra_args),
+            "gpus": None if r.gpus is None else list(r.gpus)}

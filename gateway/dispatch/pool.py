@@ -39,9 +39,13 @@ from gateway.dispatch.layout import (
     Plan,
     Slot,
     diff,
+    parse_slot,
     place,
+    request_json,
+    request_of,
     resize,
     select_gpus,
+    slot_json,
     slots_of,
 )
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
@@ -134,15 +138,15 @@ class PoolManager:
                            self.spec.model, self.planned)
         self.active = active
         request = {"gpus": gpus if isinstance(gpus, int | None) else list(gpus), "tp": tp,
-                   "layout": None if layout is None else [_req_json(r) for r in layout]}
+                   "layout": None if layout is None else [request_json(r) for r in layout]}
         return self._submit("reconfigure", request, target)
 
     def add_instance(self, request: InstanceRequest) -> Job:
         if self.static:
             raise LayoutError("a static pool cannot start instances")
-        current = [_as_request(s) for s in self.planned]
+        current = [request_of(s) for s in self.planned]
         target = place([*current, request], self.active, self.spec.model, self.planned)
-        return self._submit("add-instance", _req_json(request), target)
+        return self._submit("add-instance", request_json(request), target)
 
     def remove_instance(self, instance_id: str) -> Job | None:
         """Drain and stop one instance; None if the pool has no such instance."""
@@ -163,7 +167,7 @@ class PoolManager:
         if unknown:
             raise LayoutError(f"no instances {sorted(unknown)} to retire")
         keep = [s for s in self.planned if s.id not in retire]
-        requests = [*map(_as_request, keep), *(InstanceRequest(tp=tp) for tp in launch)]
+        requests = [*map(request_of, keep), *(InstanceRequest(tp=tp) for tp in launch)]
         target = place(requests, self.active, self.spec.model, keep)
         return self._submit("relayout", {"retire": list(retire), "launch": list(launch),
                                          "reason": reason}, target)
@@ -171,7 +175,7 @@ class PoolManager:
     def _select(self, gpus: GpuSelection) -> list[Slot]:
         if isinstance(gpus, int):
             return select_gpus(self.inventory, self.planned, gpus)
-        wanted = {_slot(g) for g in gpus}
+        wanted = {parse_slot(g) for g in gpus}
         unknown = wanted - set(self.inventory)
         if unknown:
             raise LayoutError(f"GPUs not in the inventory: {sorted(unknown)}")
@@ -355,7 +359,7 @@ class PoolManager:
         return {
             "model": self.spec.model, "launcher": self.launcher.name,
             "inventory": [{"node": n, "gpus": g} for n, g in nodes.items()],
-            "active_gpus": [_slot_json(s) for s in self.active],
+            "active_gpus": [slot_json(s) for s in self.active],
             "instances": [i.to_dict() for i in self.instances.values()],
             "planned": [s.id for s in self.planned],
             "reconfiguring": self.rt.jobs.running > 0,
@@ -387,25 +391,3 @@ async def open_pool(host: PoolHost, spec_path: Path,
         dispatcher.capacity = None
         await pool.close()
 
-
-def _slot(value: int | str) -> Slot:
-    if isinstance(value, int):
-        return ("local", value)
-    node, _, gpu = value.rpartition(":")
-    if not gpu.isdigit():
-        raise LayoutError(f"a GPU is an id or 'node:id', not {value!r}")
-    return (node or "local", int(gpu))
-
-
-def _slot_json(slot: Slot) -> int | str:
-    return slot[1] if slot[0] == "local" else f"{slot[0]}:{slot[1]}"
-
-
-def _as_request(spec: InstanceSpec) -> InstanceRequest:
-    return InstanceRequest(tp=spec.tp, gpus=spec.gpus, node=spec.node, id=spec.id,
-                           extra_args=spec.extra_args)
-
-
-def _req_json(r: InstanceRequest) -> dict[str, Any]:
-    return {"id": r.id, "tp": r.tp, "node": r.node, "extra_args": list(r.extra_args),
-            "gpus": None if r.gpus is None else list(r.gpus)}
