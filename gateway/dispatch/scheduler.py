@@ -371,22 +371,21 @@ class Scheduler:
         before the call is queued, as the simulator does when a tool gap ends."""
         if state.auto or state.finished_at is not None:
             return
-        try:
-            self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
-        except Exception:  # learning is best effort; the call itself goes on
-            log.exception("policy %s failed to observe a call of trajectory %r",
-                          self.policy.name, state.id)
-            self._count_fault("observe")
+        self._learn(state, "a call")  # the call itself goes on whatever the policy does
 
     def trajectory_finished(self, state: TrajectoryState) -> None:
         self.trajectory_ended(state.id)
+        self._learn(state, "the end")  # the finish itself has landed
+        self.kick()
+
+    def _learn(self, state: TrajectoryState, what: str) -> None:
+        """``observe``, best effort: a policy error is logged and counted, never raised."""
         try:
             self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
-        except Exception:  # learning is best effort; the finish itself has landed
-            log.exception("policy %s failed to observe the end of trajectory %r",
-                          self.policy.name, state.id)
+        except Exception:
+            log.exception("policy %s failed to observe %s of trajectory %r",
+                          self.policy.name, what, state.id)
             self._count_fault("observe")
-        self.kick()
 
     async def _plan(self) -> None:
         try:
