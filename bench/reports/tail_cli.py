@@ -68,9 +68,12 @@ def tail(
     m, h = interval(list(res.estimate.values()))
     lines = [f"{workload}, {gpus} GPUs, {n} trajectories per step, steps 2-{steps_}, {seeds} "
              "seeds: the k longest of each step alone, mean makespan s"]
-    lines.append("  " + f"{'k':>6s}" + "".join(f"{p:>12s}" for p in layouts))
+    widths = [max(12, len(p) + 2) for p in layouts]
+    lines.append("  " + f"{'k':>6s}" + "".join(f"{p:>{w}s}" for p, w in zip(layouts, widths,
+                                                                        strict=True)))
     for k in ks:
-        lines.append("  " + f"{k:>6d}" + "".join(f"{res.mean(k, p):12.1f}" for p in layouts))
+        lines.append("  " + f"{k:>6d}" + "".join(f"{res.mean(k, p):{w}.1f}" for p, w in
+                                                 zip(layouts, widths, strict=True)))
     lines.append(f"  estimate (per step, the largest k's fastest layout): {m:.1f} +- {h:.1f} s")
     doc: dict[str, Any] = {
         "command": " ".join(["rollout-gateway", "bench", "tail", *sys.argv[3:]]),
