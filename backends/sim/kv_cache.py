@@ -15,7 +15,8 @@ at 64 engines x thousands of requests).
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+import operator
+from collections import deque
 from collections.abc import Sequence
 
 #: Root of every hash chain; a different root would model a different model/LoRA.
@@ -40,9 +41,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
 class KVCache:
     """Block accounting plus the prefix-cache hash table.
 
-    ``_ref`` maps a block hash to its number of owners; an entry with 0 owners sits in
-    ``_lru`` (insertion order = least recently freed first) and is evictable. Blocks a
-    request owns that are not (yet) hashed are counted by the request, not here.
+    ``_ref`` maps a block hash to its number of owners; an entry with 0 owners is free
+    but cached, and evictable least recently freed first. Blocks a request owns that are
+    not (yet) hashed are counted by the request, not here.
+
+    The free-block LRU is kept per *release*, not per block: a finished call appends the
+    blocks it freed (tail first) as one entry, and taking a block back only bumps its
+    count. Eviction walks the oldest entry and skips blocks that were taken back or
+    freed again later (``_stamp`` names the release that freed a block last), so the
+    order is exactly that of a per-block LRU. A per-block ``OrderedDict`` cost a
+    multi-turn call one insert per block of its context on release and one delete on
+    the next call; at 30-60k tokens of context that was most of a swe simulation.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16,
@@ -53,17 +62,20 @@ class KVCache:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free_plain = num_blocks
+        self._free_cached = 0  # hashed blocks with no owner (evictable)
         self._ref: dict[int, int] = {}
-        # OrderedDict: popping the oldest entry is O(1); next(iter(dict)) after many
-        # front deletions scans dummy slots (quadratic under heavy eviction).
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._stamp: dict[int, int] = {}  # hash -> id of the release that freed it last
+        # (release id, hashes it freed, tail first, next index to look at)
+        self._released: deque[tuple[int, list[int], list[int]]] = deque()
+        self._held = 0  # hashes held in ``_released``, stale ones included
+        self._release_ids = itertools.count()
         self.queries = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
         self.hits = 0  # of which found cached (vLLM: prefix_cache_hits)
 
     @property
     def num_free(self) -> int:
         """Blocks a new allocation could take (plain free blocks + evictable cached ones)."""
-        return self._free_plain + len(self._lru)
+        return self._free_plain + self._free_cached
 
     @property
     def usage(self) -> float:
@@ -104,12 +116,12 @@ class KVCache:
 
     def acquire_cached(self, hashes: Sequence[int]) -> None:
         """Take ownership of cached blocks found by :meth:`match_prefix`."""
-        # bulk form of: per block, leave the LRU if free, take a reference (chain hashes
-        # are distinct within one request, so no block appears twice)
+        # chain hashes are distinct within one request, so no block appears twice; a free
+        # one leaves the evictable count (its entry in ``_released`` goes stale)
         refs = list(map(self._ref.__getitem__, hashes))
-        for h in itertools.compress(hashes, [r == 0 for r in refs]):
-            del self._lru[h]
-        self._ref.update(zip(hashes, [r + 1 for r in refs], strict=True))
+        self._free_cached -= refs.count(0)
+        self._ref.update(zip(hashes, map(operator.add, refs, itertools.repeat(1)),
+                             strict=True))
 
     def allocate(self, n: int) -> bool:
         """Take ``n`` unhashed blocks, evicting least recently freed cached ones if needed."""
@@ -117,9 +129,23 @@ class KVCache:
             return False
         plain = min(n, self._free_plain)
         self._free_plain -= plain
-        for _ in range(n - plain):
-            h, _ = self._lru.popitem(last=False)
-            del self._ref[h]
+        need = n - plain
+        ref, stamp = self._ref, self._stamp
+        while need:
+            rid, hashes, at = self._released[0]
+            i = at[0]
+            while i < len(hashes) and need:
+                h = hashes[i]
+                i += 1
+                if stamp.get(h) == rid and ref.get(h) == 0:
+                    del ref[h], stamp[h]
+                    self._free_cached -= 1
+                    need -= 1
+            if i < len(hashes):
+                at[0] = i
+            else:
+                self._released.popleft()
+                self._held -= len(hashes)
         return True
 
     def register(self, h: int) -> None:
@@ -135,7 +161,7 @@ class KVCache:
             self._ref[h] = 1
             return
         if refs == 0:
-            del self._lru[h]
+            self._free_cached -= 1
         self._ref[h] = refs + 1
         self._free_plain += 1
 
@@ -147,24 +173,53 @@ class KVCache:
         """
         self._free_plain += num_plain
         tail_first = hashes[::-1]
-        refs = [r - 1 for r in map(self._ref.__getitem__, tail_first)]
+        refs = list(map(operator.sub, map(self._ref.__getitem__, tail_first),
+                        itertools.repeat(1)))
         self._ref.update(zip(tail_first, refs, strict=True))
-        self._lru.update(dict.fromkeys(itertools.compress(tail_first, [r == 0 for r in refs])))
+        freed = list(itertools.compress(tail_first, map(operator.not_, refs)))
+        if not freed:
+            return
+        rid = next(self._release_ids)
+        self._stamp.update(dict.fromkeys(freed, rid))
+        self._released.append((rid, freed, [0]))
+        self._free_cached += len(freed)
+        self._held += len(freed)
+        if self._held > self.num_blocks + 2 * self._free_cached:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale hashes of ``_released`` (taken back, or freed again later), so
+        it stays within three times the cache however rarely anything is evicted. A
+        compaction leaves ``_free_cached`` hashes and the next comes at least
+        ``num_blocks`` released hashes later, so its scan costs O(1) per hash released."""
+        ref, stamp = self._ref, self._stamp
+        kept: deque[tuple[int, list[int], list[int]]] = deque()
+        for rid, hashes, at in self._released:
+            live = [h for h in hashes[at[0]:] if stamp.get(h) == rid and ref.get(h) == 0]
+            if live:
+                kept.append((rid, live, [0]))
+        self._released = kept
+        self._held = sum(len(e[1]) for e in kept)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (new weights make old KV invalid).
 
         Like vLLM's ``reset_prefix_cache``, refuses (False) while requests own blocks.
         """
-        if len(self._lru) != len(self._ref):
+        if self._free_cached != len(self._ref):
             return False
-        self._free_plain += len(self._lru)
-        self._lru.clear()
+        self._free_plain += self._free_cached
+        self._free_cached = self._held = 0
         self._ref.clear()
+        self._stamp.clear()
+        self._released.clear()
         return True
 
     def check_invariants(self, owned_plain: int) -> None:
         """Assert block conservation (tests): every block is free, cached or owned."""
         total = self._free_plain + len(self._ref) + owned_plain
         assert total == self.num_blocks, (total, self.num_blocks)
-        assert all(self._ref[h] == 0 for h in self._lru)
+        assert sum(1 for r in self._ref.values() if r == 0) == self._free_cached
+        live = [h for rid, hs, at in self._released for h in hs[at[0]:]
+                if self._stamp.get(h) == rid and self._ref.get(h) == 0]
+        assert len(live) == self._free_cached == len(set(live))
