@@ -37,6 +37,7 @@ from gateway.store.records import CallRecord
 from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
+OVERFLOW_MIN = 10_000  #: the overflow's floor, however small the queue (``submit``)
 
 
 def _ts(epoch: float) -> datetime:
@@ -170,6 +171,7 @@ class TraceWriter:
         self._pending = 0
         self._inflight: list[CallRecord] = []
         self._overflow: deque[CallRecord] = deque()
+        self._overflow_max = max(settings.queue_size, OVERFLOW_MIN)
         self._idle = asyncio.Event()
         self._idle.set()
         self._high_water = asyncio.Event()
@@ -203,15 +205,18 @@ class TraceWriter:
     def submit(self, record: CallRecord) -> bool:
         """Queue a record without waiting. False (and counted) when it cannot be kept.
 
-        With a spool, a full queue overflows into a second buffer of the same size that
-        the writer moves to disk at its next chance (it may be waiting on a database
-        that stopped answering mid-write); only when that is full too is a record lost.
+        With a spool, a full queue overflows into a second buffer (queue size, at least
+        ``OVERFLOW_MIN``) the writer spools at its next chance (it may be stalled in a
+        database call); only when that is full too is a record lost, counted and logged.
         """
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
-            if self._spool is None or len(self._overflow) >= self._queue.maxsize:
+            if self._spool is None or len(self._overflow) >= self._overflow_max:
                 self.dropped += 1
+                if self.dropped == 1 or self.dropped % 1000 == 0:
+                    log.error("trace queue and overflow full: %d records dropped so far",
+                              self.dropped)
                 return False
             self._overflow.append(record)
         self._pending += 1
