@@ -11,6 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
+import orjson
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -131,6 +132,12 @@ class Settings(BaseSettings):
                         description="scheduling/placement policy (see docs/policies.md)")
     weight_version: str = "0"
     auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")
+    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        {}, description="a harness's own model names mapped to a served model: exact names "
+        "or globs (`*`, `?`, `[...]`; the first matching glob in the order given wins, a "
+        "served model is never redirected by a glob). From the environment as "
+        "`claude-*=qwen3-14b,gpt-5*=qwen3-14b` or a JSON object; see "
+        "gateway/proxy/aliases.py")
 
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
@@ -143,6 +150,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _parse_aliases(cls, value: object) -> object:
+        """``pattern=model`` pairs separated by commas, or a JSON object."""
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("{"):
+            return orjson.loads(value)
+        out: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in value.split(","))):
+            pattern, sep, target = (part.strip() for part in pair.partition("="))
+            if not sep or not pattern or not target:
+                raise ValueError(f"model alias {pair!r} is not of the form pattern=model")
+            out[pattern] = target
+        return out
 
     @field_validator("backends")
     @classmethod
