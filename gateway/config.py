@@ -114,6 +114,21 @@ class ServerSettings(BaseModel):
         "clients' own pool expiry (httpx/openai: 5 s) so a request never races the close")
 
 
+class CaptureSettings(BaseModel):
+    """How a chat call's prompt reaches the engine (docs/token-capture.md)."""
+
+    token_in: bool = Field(
+        True, description="when a harness re-renders the model's earlier turns (re-serialized "
+        "tool arguments, re-rendered tool-call blocks, decode/encode drift), run the engine "
+        "on the tokens the model generated instead, so the sample keeps them all")
+    clamp_max_tokens: bool = Field(
+        True, description="lower a call's max_tokens to the context its prompt leaves, as "
+        "production proxies do, instead of letting the engine answer 400")
+    tokenize_timeout_s: float = Field(
+        10.0, gt=0, description="limit on the engine's /tokenize call that both need; past "
+        "it the call goes on as the harness sent it")
+
+
 class Settings(BaseSettings):
     """Everything the gateway reads from its environment."""
 
@@ -143,6 +158,7 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     traces: TraceSettings = TraceSettings()
     dispatch: DispatchSettings = DispatchSettings()
+    capture: CaptureSettings = CaptureSettings()
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod

@@ -43,7 +43,7 @@ class _Body(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
-BodyT = TypeVar("BodyT", bound=_Body)
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class ChatBody(_Body):
@@ -53,6 +53,23 @@ class ChatBody(_Body):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    #: vLLM's channel for a prompt already tokenized by the caller: with
+    #: ``{"prompt_token_ids": [...]}`` the engine runs on those ids instead of rendering
+    #: ``messages`` (which still drive tool parsing and the answer's shape)
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionBody(_Body):

@@ -29,11 +29,13 @@ from backends.sim.protocol import (
     APIError,
     ChatBody,
     CompletionBody,
+    TokenizeBody,
     json_response,
     parse_body,
 )
 from backends.sim.responses import Choice, ResponseShape, merged_deltas
 from backends.sim.state import SimServerConfig, SimState
+from backends.sim.tokenizer import IM_END
 
 router = APIRouter()
 
@@ -127,10 +129,12 @@ async def chat_completions(request: Request) -> Response:
     sim = _sim(request)
     body = await parse_body(request, ChatBody)
     sim.check_model(body.model)
-    try:
-        prompt_ids = sim.tok.encode(render_chat(body.messages, body.tools))
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+    prompt_ids = _given_prompt(sim, body.kv_transfer_params)
+    if prompt_ids is None:
+        try:
+            prompt_ids = sim.tok.encode(render_chat(body.messages, body.tools))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise APIError(400, f"invalid messages: {exc}", param="messages") from None
     max_tokens = sim.resolve_max_tokens(len(prompt_ids),
                                         body.max_completion_tokens or body.max_tokens)
     choices = []
@@ -149,6 +153,45 @@ async def chat_completions(request: Request) -> Response:
     sim.record_seen(shape.rid, body, len(prompt_ids), max_tokens)
     await sim.submit(shape.rid, prompt_ids, choices, body.priority)
     return await _respond(request, sim, shape, choices, body.stream, body.include_usage)
+
+
+def _given_prompt(sim: SimState, params: dict[str, Any] | None) -> list[int] | None:
+    """``kv_transfer_params.prompt_token_ids`` checked as vLLM checks it, or None."""
+    ids = (params or {}).pop("prompt_token_ids", None)
+    if ids is None:
+        return None
+    vocab = sim.tok.vocab_size
+    if not isinstance(ids, list) or not ids or any(
+            type(x) is not int or not 0 <= x < vocab for x in ids):
+        raise APIError(400, "`kv_transfer_params['prompt_token_ids']` must be a non-empty "
+                       "list of token ids in the vocabulary",
+                       param="kv_transfer_params.prompt_token_ids")
+    return ids
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    """vLLM's tokenizer route: the ids the engine would run for a chat or a prompt."""
+    sim = _sim(request)
+    body = await parse_body(request, TokenizeBody)
+    if body.model is not None:
+        sim.check_model(body.model)
+    if body.messages is not None:
+        try:
+            text = render_chat(body.messages, body.tools,
+                               add_generation_prompt=body.add_generation_prompt
+                               and not body.continue_final_message)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+        if body.continue_final_message and text.endswith(f"{IM_END}\n"):
+            text = text[:-len(IM_END) - 1]
+    elif body.prompt is not None:
+        text = body.prompt
+    else:
+        raise APIError(400, "either 'messages' or 'prompt' is required", param="messages")
+    ids = sim.tok.encode(text)
+    return json_response({"count": len(ids), "max_model_len": sim.config.max_model_len,
+                          "tokens": ids, "token_strs": None})
 
 
 def _completion_prompts(sim: SimState, prompt: Any) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
@@ -16,7 +16,7 @@ from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory
-from gateway.store.samples import build_sample
+from gateway.store.samples import Sample, build_samples
 from gateway.trajectories.tagging import validate_id
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"])
@@ -51,6 +51,8 @@ def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
         "started_at": call.started_at.isoformat(), "queued_ms": call.queued_ms,
         "ttft_ms": call.ttft_ms, "total_ms": call.total_ms, "prompt_len": call.prompt_len,
         "prompt_offset": call.prompt_offset, "mismatch_pos": call.mismatch_pos,
+        "branch": call.branch, "parent_branch": call.parent_branch,
+        "kept_len": call.kept_len, "requested_model": call.requested_model,
         "prompt_delta_ids": unpack_ids(call.prompt_delta),
         "completion_ids": unpack_ids(call.completion_ids),
         "completion_logprobs": unpack_floats(call.completion_logprobs),
@@ -149,27 +151,62 @@ async def finish(
             "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
 
 
-@router.get("/{trajectory_id}/sample", summary="One attempt of the trajectory as a training "
-            "sample (default: its latest attempt)")
-async def sample(
-    trajectory_id: str,
-    attempt: int | None = Query(None, ge=0, le=2**31 - 1),
-    max_staleness: int | None = Query(None, ge=0, description="answer 409 if a token "
-                                      "is more versions behind than this"),
-    current_version: str | None = Query(None, max_length=128, description="staleness "
-                                        "is measured against this (default: the "
-                                        "gateway's weight version)"),
-    rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
+_ATTEMPT = Query(None, ge=0, le=2**31 - 1)
+_MAX_STALENESS = Query(None, ge=0, description="answer 409 if a generated token is more "
+                       "versions behind than this")
+_CURRENT = Query(None, max_length=128, description="staleness is measured against this "
+                 "(default: the gateway's weight version)")
+
+
+async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branches: str,
+                   current_version: str | None, max_staleness: int | None) -> list[Sample]:
     traj, calls = await _load(rt, trajectory_id, attempt)
     record = None
     if attempt is not None and attempt != traj.attempt:
         async with rt.sessionmaker() as session:
             record = await queries.get_attempt(session, trajectory_id=trajectory_id,
                                                attempt=attempt)
-    built = build_sample(traj, calls, attempt=attempt, record=record,
-                         current_version=current_version or rt.weight_version)
-    if max_staleness is not None and (built.max_staleness or 0) > max_staleness:
-        raise Conflict(f"trajectory {trajectory_id!r} is {built.max_staleness} versions "
-                       f"stale (bound {max_staleness})", param="max_staleness")
-    return dataclasses.asdict(built)
+    built = build_samples(traj, calls, attempt=attempt, record=record, branches=branches,
+                          current_version=current_version or rt.weight_version)
+    stale = max((s.max_staleness or 0 for s in built), default=0)
+    if max_staleness is not None and stale > max_staleness:
+        raise Conflict(f"trajectory {trajectory_id!r} is {stale} versions stale (bound "
+                       f"{max_staleness})", param="max_staleness")
+    return built
+
+
+@router.get("/{trajectory_id}/sample", summary="One branch of one attempt of the trajectory "
+            "as a training sample (default: the main branch of its latest attempt)")
+async def sample(
+    trajectory_id: str,
+    attempt: int | None = _ATTEMPT,
+    branch: int | None = Query(None, ge=0, le=2**31 - 1, description="default: the main "
+                               "branch (the one of the attempt's last call)"),
+    max_staleness: int | None = _MAX_STALENESS,
+    current_version: str | None = _CURRENT,
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
+    built = await _samples(rt, trajectory_id, attempt, "all", current_version, max_staleness)
+    found = next((s for s in built if (s.main if branch is None else s.branch == branch)),
+                 None)
+    if found is None:
+        raise NotFound(f"trajectory {trajectory_id!r} has no branch {branch} (branches: "
+                       f"{[s.branch for s in built]})", param="branch")
+    return dataclasses.asdict(found)
+
+
+@router.get("/{trajectory_id}/samples", summary="Every branch of one attempt of the "
+            "trajectory as its own training sample (docs/token-capture.md)")
+async def samples(
+    trajectory_id: str,
+    attempt: int | None = _ATTEMPT,
+    branches: Literal["all", "main", "longest"] = Query(
+        "all", description="all branches, the main one, or the one with the most "
+        "generated tokens"),
+    max_staleness: int | None = _MAX_STALENESS,
+    current_version: str | None = _CURRENT,
+    rt: Runtime = Depends(get_rt),
+) -> dict[str, Any]:
+    built = await _samples(rt, trajectory_id, attempt, branches, current_version,
+                           max_staleness)
+    return {"object": "list", "data": [dataclasses.asdict(s) for s in built]}

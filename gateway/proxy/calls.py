@@ -17,8 +17,9 @@ from gateway.proxy.doors import Translation
 from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
+from gateway.trajectories.branches import Continuation, words
 from gateway.trajectories.tools import after_last_assistant
-from gateway.trajectories.tracker import TrajectoryState
+from gateway.trajectories.tracker import TrajectoryState, TurnFacts
 
 
 @dataclass(slots=True)
@@ -43,6 +44,12 @@ class CallContext:
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)
     continuations: int = 0
+    #: the request's messages as digests, and the branch they continue (if any)
+    digests: tuple[bytes, ...] = ()
+    continues: Continuation | None = None
+    #: prompt tokens the engine runs from the record (token in), when it does
+    kept_len: int | None = None
+    requested_model: str | None = None  # the client's model name, when an alias mapped it
 
     def view(self) -> CallView:
         st = self.state
@@ -83,10 +90,10 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     now = time.monotonic()
     dispatched = ctx.dispatched_at or now
     cap = ctx.capture.completion(0)
-    delta = rt.tracker.call_finished(
+    placed = rt.tracker.call_finished(
         ctx.state, now=time.time(), llm_s=now - dispatched,
         prompt=ctx.capture.prompt_ids if status == "ok" else None,
-        completion=cap.token_ids, ok=status == "ok",
+        completion=cap.token_ids, ok=status == "ok", turn=_turn_facts(ctx),
     )
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
     rec = CallRecord(
@@ -107,12 +114,28 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     )
     rec.weight_segments = weight_segments(ctx.weight_version, ctx.segments,
                                           len(cap.token_ids))
-    if delta is not None:
+    if placed is not None:
         rec.prompt_offset, rec.prompt_delta, rec.mismatch_pos = (
-            delta.offset, delta.delta, delta.mismatch_pos)
+            placed.offset, placed.delta, placed.mismatch_pos)
+        rec.branch, rec.parent_branch = placed.branch, placed.parent
+    rec.kept_len, rec.requested_model = ctx.kept_len, ctx.requested_model
     _attach_text(rt, ctx, rec)
     rt.writer.submit(rec)
     _observe(rt, ctx, rec)
+
+
+#: finish reasons after which the last completion id is the engine's stop token
+_STOPPED = frozenset({"stop", "tool_calls"})
+
+
+def _turn_facts(ctx: CallContext) -> TurnFacts:
+    """What placing the call in its trajectory's tree needs from the request side."""
+    cap = ctx.capture.completion(0)
+    calls = [(c["function"]["name"], c["function"]["arguments"])
+             for c in cap.tool_calls.values()]
+    stop = cap.token_ids[-1] if cap.token_ids and cap.finish_reason in _STOPPED else None
+    return TurnFacts(expected=ctx.continues.branch if ctx.continues else None,
+                     digests=ctx.digests, said=words("".join(cap.text), calls), stop_id=stop)
 
 
 def weight_segments(first: str, later: list[tuple[int, str]], total: int

@@ -24,14 +24,16 @@ from gateway.proxy.client import (
     open_upstream,
 )
 from gateway.proxy.live import live_calls
+from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
 async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
-                  path: str) -> UpstreamResponse:
-    """Dispatch ``ctx`` and open its upstream call at ``path`` (the engine's route)."""
+                  path: str, planner: PromptPlanner | None = None) -> UpstreamResponse:
+    """Dispatch ``ctx`` and open its upstream call at ``path`` (the engine's route);
+    ``planner`` (chat calls) prepares the prompt on the first backend it goes to."""
     tried = list[str]()
     limits = rt.settings.upstream
     deadline = ctx.arrived + limits.total_timeout_s
@@ -48,6 +50,9 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
         live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
                            ctx.mark_version if ctx.stream else None)
         rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+        if planner is not None:
+            await _plan(planner, ctx, lease.backend.url)
+            planner = None
         try:
             upstream = await open_upstream(
                 rt.session, lease.backend.url + path, ctx.payload(),
@@ -77,6 +82,14 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
             breaker.success(lease.backend)
         return upstream
     raise AssertionError("unreachable")
+
+
+async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
+    cont = ctx.continues
+    usable = cont is not None and cont.echo_complete
+    ctx.kept_len = await planner.plan(
+        ctx.body, url, record=cont.sequence.tolist() if usable and cont else None,
+        turn_end=cont.turn_end if cont else 0, stop_id=cont.stop_id if cont else None)
 
 
 def requeue(rt: Runtime, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:

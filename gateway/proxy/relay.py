@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.dispatch.backends import Backend, CircuitBreaker
 from gateway.errors import GatewayError, UpstreamError
 from gateway.proxy.admission import Admission, Slot
+from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import parse_door, parse_request, read_body, upstream_message
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
@@ -44,7 +45,9 @@ from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.messages import MessagesCall
 from gateway.proxy.doors.responses import ResponsesCall
 from gateway.proxy.sse import error_event
+from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
+from gateway.trajectories.branches import digest_messages
 from gateway.trajectories.tagging import identify, prompt_identity
 from gateway.trajectories.tools import parse_outcomes
 
@@ -104,6 +107,11 @@ async def _unless_disconnected_do(receive: Receive, work: Awaitable[T]) -> T | N
         watcher.cancel()
 
 
+def _render_context(body: dict[str, Any]) -> Any:
+    """What besides the messages shapes the engine's rendering of a chat request."""
+    return [body.get("tools"), body.get("chat_template_kwargs"), body.get("chat_template")]
+
+
 class RelayStream(StreamingResponse):
     """A streamed relay whose clean-up runs however the response ends.
 
@@ -144,6 +152,7 @@ class Proxy:
         server = rt.settings.server
         self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
         self.memory = ResponseMemory(server.response_store_size, server.response_store_ttl_s)
+        self.planner = PromptPlanner(rt.session, rt.settings.capture)
         rt.metrics.add_collector(self.admission.collect)
 
     async def handle(
@@ -205,6 +214,7 @@ class Proxy:
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
             body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
+        requested = self._alias(body)
         self.rt.dispatcher.check_model(body["model"])
         if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
             await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
@@ -218,17 +228,37 @@ class Proxy:
             outcomes = door.adjust_outcomes(outcomes)
         seq = self.rt.tracker.call_arrived(state, outcomes, time.time())
         self.rt.dispatcher.scheduler.call_arrived(state)
-        return CallContext(
+        ctx = CallContext(
             id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
             seq=seq,
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
             headers={"x-trajectory-id": ident.trajectory_id}, door=door,
+            requested_model=requested,
         )
+        if endpoint.chat:
+            ctx.digests = digest_messages(body["messages"], _render_context(body))
+            ctx.continues = state.tree.continuation(ctx.digests, body["messages"])
+        return ctx
+
+    def _alias(self, body: dict[str, Any]) -> str | None:
+        """Map the client's model name to a served one (``model_aliases``); the name
+        the client asked for when it was changed."""
+        aliases = self.rt.settings.model_aliases
+        asked = body.get("model")
+        if not aliases or not isinstance(asked, str):
+            return None
+        dispatcher = self.rt.dispatcher
+        served = dispatcher.registry.known_models()
+        if dispatcher.capacity is not None:
+            served |= dispatcher.capacity.served_models()
+        body["model"] = resolve_model(aliases, asked, served)
+        return asked if body["model"] != asked else None
 
     async def _run(self, ctx: CallContext, endpoint: Endpoint, slot: Slot) -> Response:
         try:
-            upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream)
+            upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream,
+                                     self.planner if endpoint.chat else None)
         except BaseException as exc:
             if ctx.lease is None:
                 self.rt.tracker.call_abandoned(ctx.state)

@@ -102,3 +102,11 @@ class Call(Base):
     request_messages: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     completion_text: Mapped[str | None] = mapped_column(Text)
     weight_segments: Mapped[list[Any] | None] = mapped_column(JSON)
+    # the trajectory as a tree (gateway/trajectories/branches.py): the call's branch, and
+    # on a branch's first call the branch it forked from (prompt_offset is then the fork)
+    branch: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    parent_branch: Mapped[int | None] = mapped_column(Integer)
+    # prompt tokens the engine ran from the record instead of the harness's rendering
+    kept_len: Mapped[int | None] = mapped_column(Integer)
+    # the model name the client asked for, when an alias mapped it to ``model``
+    requested_model: Mapped[str | None] = mapped_column(String(256))

@@ -42,3 +42,7 @@ class CallRecord:
     #: [[start, end, weight_version], ...] over the completion tokens when the call ran
     #: across a weight update (None: every token from ``weight_version``).
     weight_segments: list[list[Any]] | None = None
+    branch: int = 0
+    parent_branch: int | None = None
+    kept_len: int | None = None
+    requested_model: str | None = None

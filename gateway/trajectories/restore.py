@@ -2,10 +2,12 @@
 
 After a restart (or an eviction) the tracker has forgotten a trajectory's token state and
 sequence number. The first call of such an id asks the store for its latest attempt and
-rebuilds the state an uninterrupted gateway would hold: the next ``seq``, the last
-prompt + completion tokens (so the next prompt is stored as a delta and a divergence is
-reported as a mismatch), its group, and whether the attempt was finished (a call on a
-finished attempt opens the next one). Concurrent first calls of one id share one lookup.
+rebuilds the state an uninterrupted gateway would hold: the next ``seq``, each branch's
+last prompt + completion tokens (so the next prompt is stored as a delta on the branch it
+extends; the messages behind them are not stored, so a harness's re-rendering of its
+history is joined to the record again only from the second call after the restart),
+its group, and whether the attempt was finished (a call on a finished attempt opens the
+next one). Concurrent first calls of one id share one lookup.
 
 Almost every id the gateway has not seen is new (an RL batch starts hundreds of fresh
 trajectories at once), so the lookup starts with one existence query for all the unknown
@@ -30,7 +32,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.store import queries
 from gateway.store.codec import unpack_ids
-from gateway.store.samples import build_sample
+from gateway.store.samples import build_samples
+from gateway.trajectories.branches import Branch, Tree
 from gateway.trajectories.tracker import Tracker, TrajectoryState
 
 log = logging.getLogger(__name__)
@@ -141,10 +144,11 @@ def _state_of(point: queries.RestorePoint) -> TrajectoryState:
     state.llm_time_s = sum(max(0.0, c.total_ms - c.queued_ms) for c in calls) / 1000
     if calls:
         state.backend_id, state.model = calls[-1].backend_id, calls[-1].model
-    sample = build_sample(traj, calls, attempt=point.attempt)
-    state.mismatches = len(sample.mismatches)
-    state.sequence = array("i", sample.token_ids)
+    samples = build_samples(traj, calls, attempt=point.attempt)
+    state.mismatches = sum(len(s.mismatches) for s in samples)
+    for s in sorted(samples, key=lambda s: s.main):  # the main branch last: it stays main
+        state.tree.adopt(Branch(s.branch, s.parent_branch, array("i", s.token_ids)))
     if point.finished and traj.finished_at is not None:
         state.finished_at, state.reward = traj.finished_at.timestamp(), traj.reward
-        state.final_context, state.sequence = len(state.sequence), array("i")
+        state.final_context, state.tree = len(state.sequence), Tree()
     return state

@@ -4,19 +4,21 @@ The tracker is the gateway's working memory about each trajectory. It is updated
 request path (cheap, synchronous) and read by the policies through snapshots. The store
 is the source of truth for what was recorded; this is what is needed to decide.
 
-Token sequence bookkeeping lives here too: each trajectory keeps its last full sequence
-(prompt + completion, packed ints) so that the next call's prompt can be stored as a
-delta, and a prompt that does not extend it is reported as a mismatch.
+Token sequence bookkeeping lives here too: each trajectory keeps a tree of branches
+(``gateway.trajectories.branches``), each branch its last full sequence (prompt +
+completion, packed ints), so that the next call's prompt is stored as a delta on the
+branch it extends, and a call that extends none opens a branch of its own.
 """
 
 from __future__ import annotations
 
 import enum
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gateway.trajectories.branches import Placement, Tree
 from gateway.trajectories.tools import ToolOutcome
 
 # Timeline kept per trajectory for the status page's Gantt: (kind, start, end) triples
@@ -52,7 +54,7 @@ class TrajectoryState:
     mismatches: int = 0
     backend_id: str | None = None
     outcomes: list[ToolOutcome] = field(default_factory=list)
-    sequence: array[int] = field(default_factory=lambda: array("i"))
+    tree: Tree = field(default_factory=Tree)
     finished_at: float | None = None
     reward: float | None = None
     last_queue_s: float = 0.0
@@ -76,6 +78,11 @@ class TrajectoryState:
         return Phase.TOOL
 
     @property
+    def sequence(self) -> array[int]:
+        """The main branch's tokens (prompt + completion of the last call)."""
+        return self.tree.sequence
+
+    @property
     def context_tokens(self) -> int:
         return self.final_context if self.finished_at is not None else len(self.sequence)
 
@@ -94,26 +101,13 @@ class TrajectoryState:
 
 
 @dataclass(frozen=True, slots=True)
-class PromptDelta:
-    """Where a prompt leaves the trajectory's previous sequence, and what it adds."""
+class TurnFacts:
+    """What the request side knew of a call, for placing it in the tree."""
 
-    offset: int
-    delta: list[int]
-    mismatch_pos: int | None
-
-
-def prompt_delta(previous: array[int], prompt: Sequence[int]) -> PromptDelta:
-    """Split ``prompt`` into the part shared with ``previous`` and the new tokens.
-
-    When ``prompt`` extends ``previous`` the offset is ``len(previous)``; otherwise the
-    first differing position is both the offset and the reported mismatch.
-    """
-    n = len(previous)
-    if len(prompt) >= n and array("i", prompt[:n]) == previous:
-        return PromptDelta(n, list(prompt[n:]), None)
-    limit = min(n, len(prompt))
-    pos = next((i for i in range(limit) if previous[i] != prompt[i]), limit)
-    return PromptDelta(pos, list(prompt[pos:]), pos)
+    expected: int | None = None  # the branch its messages continued
+    digests: tuple[bytes, ...] = ()  # its request messages (gateway.trajectories.branches)
+    said: Counter[str] | None = None  # the words of the turn the model produced
+    stop_id: int | None = None  # its last completion token, when it ended on a stop
 
 
 @dataclass(slots=True)
@@ -264,8 +258,10 @@ class Tracker:
         prompt: Sequence[int] | None,
         completion: Sequence[int],
         ok: bool,
-    ) -> PromptDelta | None:
-        """Account a finished call; returns the prompt's delta when token ids were captured."""
+        turn: TurnFacts | None = None,
+    ) -> Placement | None:
+        """Account a finished call; returns where its prompt sits in the trajectory's tree
+        when token ids were captured."""
         state.in_flight -= 1
         state.last_call_end = now
         state.llm_time_s += llm_s
@@ -283,13 +279,13 @@ class Tracker:
         if prompt is None:
             return None
         state.prompt_tokens += len(prompt)
-        delta = prompt_delta(state.sequence, prompt)
-        if delta.mismatch_pos is not None:
+        facts = turn or TurnFacts()
+        placed = state.tree.place(prompt, completion, expected=facts.expected,
+                                  digests=facts.digests, said=facts.said,
+                                  stop_id=facts.stop_id)
+        if placed.mismatch_pos is not None:
             state.mismatches += 1
-        seq = array("i", prompt)
-        seq.extend(completion)
-        state.sequence = seq
-        return delta
+        return placed
 
     def finish(self, trajectory_id: str, reward: float | None, now: float) -> None:
         state = self._states.get(trajectory_id)
@@ -298,7 +294,7 @@ class Tracker:
         state.finished_at = now
         state.reward = reward
         state.final_context = len(state.sequence)
-        state.sequence = array("i")  # the store has it; the policies keep the length
+        state.tree = Tree()  # the store has it; the policies keep the length
         state.view = None
         self._retire(state)
         self.finished_count += 1

@@ -144,8 +144,9 @@ def test_async_client_three_turns(sim_pool, gateway_at, db_url):
         assert httpx.get(f"{gw}/trajectories/{traj}/sample").json()["reward"] == 0.5
 
 
-def test_changed_tool_list_is_reported_as_a_mismatch(sim_pool, gateway_at, sqlite_url, closing):
-    """Dropping the tools re-renders the system prompt: the drift RL users must see."""
+def test_changed_tool_list_opens_a_branch(sim_pool, gateway_at, sqlite_url, closing):
+    """Dropping the tools re-renders the system prompt: a real change of history, so the
+    call opens a branch forked where the prompts part, and both are samples."""
     traj = f"drift-{uuid.uuid4().hex[:6]}"
     with gateway_at(sqlite_url, sim_pool) as gw:
         client = closing(openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY",
@@ -156,11 +157,18 @@ def test_changed_tool_list_is_reported_as_a_mismatch(sim_pool, gateway_at, sqlit
         messages += _tool_reply(first.choices[0].message)
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
         calls = httpx.get(f"{gw}/trajectories/{traj}").json()["calls"]
-        assert calls[0]["mismatch_pos"] is None
-        assert calls[1]["mismatch_pos"] == calls[1]["prompt_offset"] < calls[0]["prompt_len"]
+        assert [c["mismatch_pos"] for c in calls] == [None, None]  # not drift: a branch
+        assert [(c["branch"], c["parent_branch"]) for c in calls] == [(0, None), (1, 0)]
+        assert 0 < calls[1]["prompt_offset"] < calls[0]["prompt_len"]
         sample = httpx.get(f"{gw}/trajectories/{traj}/sample").json()
-        assert [m["seq"] for m in sample["mismatches"]] == [1]
+        assert sample["branch"] == 1 and sample["main"] and sample["mismatches"] == []
+        assert sample["fork_position"] == calls[1]["prompt_offset"]
         assert len(sample["token_ids"]) == calls[1]["prompt_len"] + len(calls[1]["completion_ids"])
+        every = httpx.get(f"{gw}/trajectories/{traj}/samples").json()["data"]
+        assert [s["branch"] for s in every] == [0, 1]
+        for s, call in zip(every, calls, strict=True):  # each turn under loss mask 1 once
+            assert s["token_ids"][-len(call["completion_ids"]):] == call["completion_ids"]
+            assert sum(s["loss_mask"]) == len(call["completion_ids"])
 
 
 def test_untagged_call_gets_an_id_and_models_are_aggregated(sim_pool, gateway_at, sqlite_url):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
-
 import orjson
 import pytest
 
@@ -12,7 +10,6 @@ from gateway.proxy.capture import Capture, inject
 from gateway.proxy.sse import SSEDecoder
 from gateway.trajectories.tagging import identify
 from gateway.trajectories.tools import parse_outcomes
-from gateway.trajectories.tracker import prompt_delta
 
 
 def _id(path=None, group=None, headers=None, body=None, keys=False):
@@ -58,18 +55,6 @@ def test_tool_outcomes_from_new_messages():
     assert parse_outcomes(msgs[:1]) == []
     timeout = [*msgs[:2], {"role": "tool", "tool_call_id": "c1", "content": "command timed out"}]
     assert parse_outcomes(timeout)[0].outcome == "timeout"
-
-
-def test_prompt_delta_extends_or_reports_mismatch():
-    prev = array("i", [1, 2, 3, 4])
-    ok = prompt_delta(prev, [1, 2, 3, 4, 5, 6])
-    assert (ok.offset, ok.delta, ok.mismatch_pos) == (4, [5, 6], None)
-    bad = prompt_delta(prev, [1, 2, 9, 4, 5])
-    assert (bad.offset, bad.delta, bad.mismatch_pos) == (2, [9, 4, 5], 2)
-    short = prompt_delta(prev, [1, 2])
-    assert (short.offset, short.delta, short.mismatch_pos) == (2, [], 2)
-    first = prompt_delta(array("i"), [7, 8])
-    assert (first.offset, first.delta, first.mismatch_pos) == (0, [7, 8], None)
 
 
 def test_inject_respects_what_client_asked():
