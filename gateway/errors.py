@@ -158,7 +158,9 @@ def anthropic_error_body(status: int, message: str) -> bytes:
 
 
 def _is_anthropic_path(request: Request) -> bool:
-    return request.url.path.endswith("/v1/messages")
+    """The Messages route and its sub-routes (``/v1/messages/count_tokens``, ...)."""
+    path = request.url.path
+    return path.endswith("/v1/messages") or "/v1/messages/" in path
 
 
 def _is_openai_path(request: Request) -> bool:
@@ -189,7 +191,9 @@ def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
             media_type="application/json",
         )
     if _is_anthropic_path(request):
-        return Response(anthropic_error_body(exc.status_code, str(exc.detail)),
+        message = str(exc.detail) if exc.status_code != 404 else \
+            f"{request.method} {request.url.path} is not served by this gateway"
+        return Response(anthropic_error_body(exc.status_code, message),
                         status_code=exc.status_code, media_type="application/json")
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return Response(

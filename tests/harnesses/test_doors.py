@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.errors import BadRequest
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.messages import MessagesCall
 from gateway.trajectories.tools import parse_outcomes
@@ -178,3 +179,159 @@ def test_responses_errors_in_openai_shape(scripted_gateway, body, needle, closin
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
         closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x")
                 ).responses.create(**body)
+
+
+# ---------------------------------------------------------------- Claude Code's wire details
+def _chat(body: dict) -> dict:
+    return MessagesCall({"model": MODEL, "max_tokens": 64, **body}, ResponseMemory()).chat_body
+
+
+def test_system_turn_inside_messages_stays_in_place():
+    """Claude Code sends its environment as messages[1], a system turn after the first
+    user turn (blocks one call, a string the next): it stays a system message there, so
+    the prompt only grows at its end."""
+    env = "# Environment\ncwd: /w"
+    for content in (env, [{"type": "text", "text": env, "cache_control": {"type": "ephemeral"}}]):
+        chat = _chat({"system": "Be brief.", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<reminder>\n"},
+                                         {"type": "text", "text": "list the files"}]},
+            {"role": "system", "content": content}]})
+        assert chat["messages"] == [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "<reminder>\nlist the files"},
+                                    {"role": "system", "content": env}]
+
+
+def test_billing_header_block_is_not_prompt_text_and_cache_control_is_ignored():
+    chat = _chat({"system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=9.9.9; cc_entrypoint=cli;"},
+        {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": " Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["messages"][0] == {"role": "system", "content": "You are an agent. Be brief."}
+
+
+def test_thinking_effort_context_management_and_metadata_are_accepted_and_ignored():
+    chat = _chat({
+        "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": '{"session_id": "s"}'},
+        "messages": [{"role": "user", "content": "go"},
+                     {"role": "assistant", "content": [
+                         {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                         {"type": "redacted_thinking", "data": "xx"},
+                         {"type": "text", "text": "done"}]},
+                     {"role": "user", "content": "ok"}]})
+    assert set(chat) == {"model", "messages", "max_tokens"}
+    assert chat["messages"][1] == {"role": "assistant", "content": "done"}
+
+
+def test_tool_result_with_cache_control_and_error_flag_false():
+    chat = _chat({"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "bash",
+                                           "input": {"cmd": "ls"}}]},
+        {"role": "user", "content": [{"tool_use_id": "tu1", "type": "tool_result",
+                                      "content": "(no output)", "is_error": False,
+                                      "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [{**ANT_TOOL, "cache_control": {"type": "ephemeral"}}]})
+    assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "tu1",
+                                    "content": "(no output)"}
+    assert chat["tools"][0]["function"]["name"] == "bash"
+
+
+def test_deferred_tools_stay_out_of_the_tool_list_and_load_where_referenced():
+    """Client-side tool search: a ``defer_loading`` tool is not in the engine's tool list
+    (the head of the prompt); a tool_reference to it shows its definition in the tool
+    result, so loading a tool only appends to the prompt."""
+    fetch = {"name": "WebFetch", "description": "fetch a URL", "defer_loading": True,
+             "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}}}
+    placeholder = {"name": "DeferredToolPlaceholder", "defer_loading": True,
+                   "input_schema": {"type": "object", "properties": {}}}
+    search = {"name": "ToolSearch", "input_schema": {"type": "object", "properties": {
+        "query": {"type": "string"}}}}
+    chat = _chat({"tools": [search, fetch, placeholder, ANT_TOOL], "messages": [
+        {"role": "user", "content": "fetch it"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "ToolSearch",
+                                           "input": {"query": "select:WebFetch"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": [
+            {"type": "tool_reference", "tool_name": "WebFetch"}]}]}]})
+    assert [t["function"]["name"] for t in chat["tools"]] == ["ToolSearch", "bash"]
+    loaded = json.loads(chat["messages"][-1]["content"])
+    assert loaded == {"type": "function", "function": {
+        "name": "WebFetch", "parameters": fetch["input_schema"], "description": "fetch a URL"}}
+    with pytest.raises(BadRequest, match="Nope"):
+        _chat({"tools": [search], "messages": [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": [
+                {"type": "tool_reference", "tool_name": "Nope"}]}]}]})
+
+
+def test_disable_parallel_tool_use():
+    chat = _chat({"tools": [ANT_TOOL], "messages": [{"role": "user", "content": "go"}],
+                  "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
+    assert chat["tool_choice"] == "auto" and chat["parallel_tool_calls"] is False
+
+
+def test_stream_message_start_carries_the_prompt_length_from_the_first_chunk():
+    """The engine's first chunk holds the prompt ids (asked for by the door): their count
+    is message_start's input_tokens; message_delta repeats it with the output count."""
+    call = MessagesCall({"model": MODEL, "max_tokens": 8, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]}, ResponseMemory())
+    assert call.chat_body["return_token_ids"] is True
+    out = call.event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                      "prompt_token_ids": list(range(17))})
+    out += call.event({"choices": [{"index": 0, "delta": {"content": "yo"}, "token_ids": [5],
+                                    "finish_reason": "stop"}]})
+    out += call.event({"choices": [], "usage": {"prompt_tokens": 17, "completion_tokens": 1}})
+    out += call.done()
+    events = {e.split(b"\n")[0][7:].decode(): json.loads(e.split(b"\n")[1][6:])
+              for e in out.split(b"\n\n") if e}
+    assert events["message_start"]["message"]["usage"] == {"input_tokens": 17, "output_tokens": 0}
+    assert events["message_delta"]["usage"] == {"input_tokens": 17, "output_tokens": 1}
+    assert b"token_ids" not in out
+
+
+def test_streamed_input_tokens_are_the_recorded_prompt_length(scripted_gateway, closing):
+    traj = _traj()
+    client = closing(anthropic.Anthropic(base_url=f"{scripted_gateway}/t/{traj}", api_key="x"))
+    with client.messages.stream(model=MODEL, max_tokens=64, system="Be brief.", messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "cwd: /w"}]) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        final = stream.get_final_message()
+    call = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"][0]
+    assert start.message.usage.input_tokens == call["prompt_len"] > 0
+    assert final.usage.input_tokens == call["prompt_len"]
+    assert final.usage.output_tokens == len(call["completion_ids"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_context_overflow_reaches_the_client_in_anthropic_shape(scripted_gateway, stream,
+                                                                closing):
+    """A prompt the engine's context cannot hold: the engine's own message, as Anthropic's
+    invalid_request_error, streamed or not."""
+    body = {"model": MODEL, "max_tokens": 64, "stream": stream,
+            "messages": [{"role": "user", "content": "hello " * 7000}]}
+    r = httpx.post(f"{scripted_gateway}/t/{_traj()}/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert "maximum context length" in err["error"]["message"]
+    client = closing(anthropic.Anthropic(base_url=f"{scripted_gateway}/t/{_traj()}",
+                                         api_key="x", max_retries=0))
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
+        client.messages.create(**body)
+
+
+def test_count_tokens_is_a_clear_404_in_anthropic_shape(scripted_gateway, closing):
+    """Claude Code counts tokens for some features (``/context``) and treats a failure as
+    "unknown"; the gateway has no count_tokens route yet, and says so in the shape the
+    Anthropic SDK reads."""
+    r = httpx.post(f"{scripted_gateway}/t/{_traj()}/v1/messages/count_tokens?beta=true",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    assert r.json() == {"type": "error", "error": {"type": "not_found_error", "message": (
+        f"POST /t/{r.request.url.path.split('/')[2]}/v1/messages/count_tokens is not "
+        "served by this gateway")}}
+    client = closing(anthropic.Anthropic(base_url=scripted_gateway, api_key="x", max_retries=0))
+    with pytest.raises(anthropic.NotFoundError, match="count_tokens"):
+        client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
