@@ -80,7 +80,7 @@ def render_chat(
     return "".join(parts)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from backends.sim.chat import choose_tool_call, plan_completion, render_chat
+from backends.sim.chat import ToolCall, choose_tool_call, plan_completion, render_chat
 from backends.sim.pause import router as pause_router
 from backends.sim.protocol import (
     APIError,
@@ -115,13 +115,19 @@ async def _respond(request: Request, sim: SimState, shape: ResponseShape,
     return _EngineStream(events(), on_close=lambda: sim.abort_all(choices))
 
 
-def _tool_choice(sim: SimState, body: ChatBody) -> Any:
-    """``tool_choice``, or the scripted one for this turn when a tool script is set."""
+def _tool_choice(sim: SimState, body: ChatBody) -> tuple[Any, ToolCall | None]:
+    """``tool_choice``, or the scripted one for this turn when a tool script is set; and
+    the scripted call itself when the script names one the request offers."""
     script = sim.config.tool_script
     if script is None or body.tool_choice == "none" or isinstance(body.tool_choice, dict):
-        return body.tool_choice
+        return body.tool_choice, None
     turn = sum(1 for m in body.messages if isinstance(m, dict) and m.get("role") == "assistant")
-    return "required" if turn < len(script) and script[turn] else "none"
+    step = script[turn] if turn < len(script) else False
+    if not step:
+        return "none", None
+    offered = {(t.get("function") or {}).get("name") for t in body.tools or ()
+               if isinstance(t, dict)}
+    return "required", step if isinstance(step, ToolCall) and step.name in offered else None
 
 
 @router.post("/v1/chat/completions")
@@ -140,8 +146,9 @@ async def chat_completions(request: Request) -> Response:
     choices = []
     for i in range(body.n):
         rng, seed = sim.rng_for(body.seed, i)
-        call = choose_tool_call(body.tools or [], _tool_choice(sim, body), rng, sim.tok,
-                                sim.config.tool_call_prob)
+        choice, scripted = _tool_choice(sim, body)
+        call = scripted or choose_tool_call(body.tools or [], choice, rng, sim.tok,
+                                            sim.config.tool_call_prob)
         comp = plan_completion(sim.tok, rng, natural_len=sim.draw_length(rng),
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                                tool_call=call, stop=body.stop_list)

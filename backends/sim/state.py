@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from backends.sim.chat import ToolCall
 from backends.sim.clock import WallClock
 from backends.sim.driver import SimEngine
 from backends.sim.engine import EngineCore, SchedulingPolicy
@@ -48,8 +49,11 @@ class SimServerConfig:
     tool_call_prob: float = 0.7
     #: Scripted tool use for harness tests: on turn N (the number of assistant messages
     #: in the request) a request with tools calls one iff ``tool_script[N]``; past the
-    #: end of the script it answers with text. None: ``tool_call_prob`` decides.
-    tool_script: tuple[bool, ...] | None = None
+    #: end of the script it answers with text. None: ``tool_call_prob`` decides. A
+    #: :class:`ToolCall` entry calls that tool with exactly those arguments when the
+    #: request offers it (an agent CLI that runs what it is told, e.g. a shell command),
+    #: and any tool otherwise.
+    tool_script: tuple[bool | ToolCall, ...] | None = None
     tick_real_s: float = 0.01
     #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
     latency: LatencyProfile | None = None
