@@ -24,6 +24,8 @@ FN_TOOL = {"type": "function", "name": "bash", "description": "run a shell comma
 ANT_TOOL = {"name": "bash", "description": "run a shell command",
             "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
                              "required": ["cmd"]}}
+COMPUTER = {"type": "computer_use_preview", "display_width": 1024, "display_height": 768,
+            "environment": "linux"}
 
 
 def _traj() -> str:
@@ -164,7 +166,7 @@ def test_messages_errors_in_anthropic_shape(scripted_gateway, path, body, needle
 
 
 @pytest.mark.parametrize(("body", "needle"), [
-    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "web_search"),
+    ({"model": MODEL, "input": "x", "tools": [COMPUTER]}, "computer_use_preview"),
     ({"model": MODEL, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_image"),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_missing"}, "resp_missing"),
@@ -179,6 +181,137 @@ def test_responses_errors_in_openai_shape(scripted_gateway, body, needle, closin
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
         closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x")
                 ).responses.create(**body)
+
+
+def _post(gw: str, traj: str, **body) -> httpx.Response:
+    return httpx.post(f"{gw}/t/{traj}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+
+
+NS_TOOLS = [{"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "close_agent", "description": "Close an agent.",
+     "parameters": {"type": "object", "properties": {"target": {"type": "string"}},
+                    "required": ["target"]}}]},
+    {"type": "web_search", "external_web_access": False}, {"type": "file_search"},
+    {"type": "code_interpreter", "container": {"type": "auto"}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_namespace_tool_flattened_and_hosted_tools_dropped(scripted_gateway, stream):
+    """Codex CLI's tool list: a namespace's functions reach the engine as
+    ``{namespace}__{name}``, a call comes back with ``name`` and ``namespace`` apart, and
+    echoed with its namespace it re-renders to the tokens the model generated; hosted
+    tools never reach the engine."""
+    traj = _traj()
+    r = _post(scripted_gateway, traj, input="close agent x", tools=NS_TOOLS, stream=stream,
+              include=["reasoning.encrypted_content"], store=False, reasoning={"summary": "auto"},
+              prompt_cache_key="k1", client_metadata={"turn_id": "t1"})
+    assert r.status_code == 200, r.text
+    final = _sse(r)[-1]["response"] if stream else r.json()
+    call = next(o for o in final["output"] if o["type"] == "function_call")
+    assert (call["name"], call["namespace"]) == ("close_agent", "agents")
+    assert "target" in json.loads(call["arguments"])
+    assert final["tools"] == NS_TOOLS and final["store"] is False
+    second = _post(scripted_gateway, traj, tools=NS_TOOLS, input=[
+        {"role": "user", "content": "close agent x"}, call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "closed"}])
+    assert second.status_code == 200 and second.json()["output"][0]["type"] == "message"
+    text = second.json()["output"][0]["content"][0]["text"]
+    check_exact_trace(scripted_gateway, traj,
+                      [("", [("agents__close_agent", call["arguments"])]), (text, [])])
+
+
+def test_responses_custom_tool_round_trip_is_token_exact(scripted_gateway):
+    """A freeform (``custom``) tool is one string parameter for the engine; its call comes
+    back as a ``custom_tool_call`` with that string, and echoed back it re-renders as the
+    model's own arguments."""
+    traj = _traj()
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
+    first = _post(scripted_gateway, traj, input="patch it", tools=tools).json()
+    call = first["output"][0]
+    assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch"
+    assert isinstance(call["input"], str) and call["input"]
+    second = _post(scripted_gateway, traj, tools=tools, input=[
+        {"role": "user", "content": "patch it"}, call,
+        {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "done"}])
+    assert second.status_code == 200, second.text
+    text = second.json()["output"][0]["content"][0]["text"]
+    args = json.dumps({"input": call["input"]})  # what the simulated model generated
+    check_exact_trace(scripted_gateway, traj, [("", [("apply_patch", args)]), (text, [])])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("ask", [{"include": ["message.output_text.logprobs"]},
+                                 {"top_logprobs": 2}])
+def test_responses_output_text_logprobs(scripted_gateway, stream, ask):
+    traj = _traj()
+    r = _post(scripted_gateway, traj, input="hi", stream=stream, **ask)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = _sse(r)
+        deltas = [lp for e in events if e["type"] == "response.output_text.delta"
+                  for lp in e["logprobs"]]
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        assert deltas == done["logprobs"]
+        final = events[-1]["response"]
+    else:
+        final = r.json()
+    part = final["output"][0]["content"][0]
+    assert part["logprobs"] and "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
+    assert all(lp["logprob"] <= 0 and isinstance(lp["bytes"], list) for lp in part["logprobs"])
+    assert {len(lp["top_logprobs"]) for lp in part["logprobs"]} == {ask.get("top_logprobs", 0)}
+    recorded = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"][0]
+    assert [lp["logprob"] for lp in part["logprobs"]] == pytest.approx(
+        recorded["completion_logprobs"][:-1], rel=1e-6)  # all but end-of-turn (stored float32)
+    plain = _post(scripted_gateway, _traj(), input="hi").json()  # not asked: none
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+
+
+def test_responses_function_call_output_without_call_id_is_a_400(scripted_gateway):
+    traj = _traj()
+    r = _post(scripted_gateway, traj, input=[{"role": "user", "content": "go"},
+                                             {"type": "function_call_output", "output": "x"}])
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "input[1].call_id" and "call_id" in err["message"]
+    assert httpx.get(f"{scripted_gateway}/trajectories/{traj}").status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_cut_at_max_output_tokens_is_incomplete_message_too(scripted_gateway, stream):
+    r = _post(scripted_gateway, _traj(), input="hi", max_output_tokens=1, stream=stream)
+    if stream:
+        events = _sse(r)
+        assert events[-1]["type"] == "response.incomplete"
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [i["status"] for i in done] == ["incomplete"]
+        final = events[-1]["response"]
+    else:
+        final = r.json()
+    assert final["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(o["type"], o["status"]) for o in final["output"]] == [("message", "incomplete")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_engine_400_in_the_doors_error_shape(scripted_gateway, stream, closing):
+    """A prompt past the context length is the engine's 400: the client gets it as
+    OpenAI's invalid_request_error with the engine's message, not as a gateway failure."""
+    traj = _traj()
+    too_long = "a " * 41_000  # one token per word: more than the server's 40960
+    r = _post(scripted_gateway, traj, input=too_long, stream=stream)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
+    assert "maximum context length" in err["message"]
+    client = closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="x",
+                                   max_retries=0))
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(model=MODEL, input=too_long)
 
 
 # ---------------------------------------------------------------- Claude Code's wire details

@@ -18,6 +18,8 @@ RESP_TOOLS = [{"type": "function", "name": "bash", "description": "run a shell c
 CLAUDE_TOOLS = [{"name": "bash", "description": "run a shell command",
                  "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
                                   "required": ["cmd"]}}]
+COMPUTER = {"type": "computer_use_preview", "display_width": 1024, "display_height": 768,
+            "environment": "linux"}
 
 
 def _tid(prefix: str) -> str:
@@ -122,7 +124,7 @@ def test_messages_unsupported_shapes_get_anthropic_400_and_no_trace(
 
 
 @pytest.mark.parametrize(("body", "missing"), [
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "web_search"),
+    ({"input": "hi", "tools": [COMPUTER]}, "computer_use_preview"),
     ({"input": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "input_image"),
     ({}, "input"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, "resp_unknown"),

@@ -1,0 +1,185 @@
+"""OpenAI's Codex CLI as shipped (``codex exec``, Responses API) against the gateway over
+a scripted simulated server: it calls its shell tool, runs the command, and finishes
+with a text answer, every call answered 200 and recorded with its tokens.
+
+Codex is given nothing but a model provider (base URL with the trajectory id, the
+Responses wire API, an env var holding the key) and the model name: no feature flags.
+What it sends and what each part becomes is in docs/integrations.md ("Codex CLI").
+
+The binary comes from ``make harnesses`` (scripts/setup-harnesses.sh); ``make pytest``
+points ``ROLLOUT_GATEWAY_NPM_BIN`` at its folder. Without it these tests FAIL, never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backends.sim.chat import ToolCall, output_text
+from backends.sim.tokenizer import get_tokenizer
+from gateway.app import create_app
+from tests.gateway.conftest import make_settings
+from tests.harnesses.conftest import MODEL
+from tests.servers import LoopThread, app_in_thread
+
+DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
+#: Codex 0.169's shell tool (unified exec): the simulated model calls it on turn 0 with
+#: a harmless read of a file the test wrote, then answers in text.
+SHELL_CALL = ToolCall("exec_command", json.dumps({"cmd": "cat proof.txt"}))
+KEY_ENV = "GATEWAY_API_KEY"
+
+
+@pytest.fixture(scope="module")
+def codex() -> Path:
+    """The Codex CLI installed by ``make harnesses``."""
+    exe = Path(os.environ.get("ROLLOUT_GATEWAY_NPM_BIN") or DEFAULT_NPM_BIN) / "codex"
+    if not os.access(exe, os.X_OK):
+        pytest.fail(f"The Codex CLI tests need {exe}, which does not exist. Install it with "
+                    "`make harnesses` (scripts/setup-harnesses.sh, pinned, from npm) or "
+                    "point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `codex`.",
+                    pytrace=False)
+    return exe
+
+
+class StatusLog:
+    """ASGI wrapper around the gateway app: the status of every HTTP answer it sent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.answers: list[tuple[str, str, int]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def logged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.answers.append((scope["method"], scope["path"], message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, logged)
+
+
+@pytest.fixture(scope="module")
+def codex_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[str, StatusLog]]:
+    """A gateway (SQLite) over one simulated server that calls Codex's shell tool on the
+    first turn and answers in text after; and the log of the gateway's answers."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    cfg = SimServerConfig(model=MODEL, speed=50, seed=11, output_len_median=20,
+                          tool_script=(SHELL_CALL,))
+    cm = start_sim_servers([cfg])
+    urls = loop_thread.run(cm.__aenter__())
+    db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'gw.db'}"
+    holder: list[StatusLog] = []
+
+    def app() -> StatusLog:
+        holder.append(StatusLog(create_app(make_settings(db, urls))))
+        return holder[0]
+
+    with ExitStack() as stack:
+        gw = stack.enter_context(app_in_thread(loop_thread, app))
+        yield gw, holder[0]
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+def codex_config(base_url: str) -> str:
+    """The whole ``~/.codex/config.toml``: one model provider and the model, no more."""
+    return (f'model = "{MODEL}"\nmodel_provider = "gateway"\n\n'
+            f'[model_providers.gateway]\nname = "rollout-gateway"\n'
+            f'base_url = "{base_url}"\nwire_api = "responses"\nenv_key = "{KEY_ENV}"\n')
+
+
+def run_codex(exe: Path, base_url: str, task: str, home: Path, work: Path
+              ) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``codex exec`` with a fresh HOME holding only :func:`codex_config`; its JSONL
+    events (``--json``) and final message (``-o``) come back.
+
+    ``--skip-git-repo-check``: the scratch work dir is not a git repository. No sandbox
+    or approval flag: ``exec`` never asks for approval, and its default read-only sandbox
+    lets the scripted command (a read) run. Telemetry and update checks cannot reach the
+    network here; the timeout bounds the run whatever they do."""
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(codex_config(base_url))
+    last = home / "last-message.txt"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CODEX_", "OPENAI_"))}
+    env.update(HOME=str(home), **{KEY_ENV: "EMPTY"})
+    proc = subprocess.run(
+        [str(exe), "exec", "--skip-git-repo-check", "--json", "-o", str(last), task],
+        cwd=work, env=env, capture_output=True, text=True, timeout=180,
+        stdin=subprocess.DEVNULL)
+    return proc, last.read_text() if last.exists() else ""
+
+
+def recorded_calls(gw: str, traj: str, *, at_least: int, wait_s: float = 10.0
+                   ) -> list[dict[str, Any]]:
+    """The trajectory's calls in ``seq`` order once ``at_least`` are recorded, each ok
+    with completion ids and one logprob per id.
+
+    Deliberately no check of prompt continuity, mismatches or the training sample: how a
+    harness's calls form samples (one sequence or a tree of branches) is being reworked,
+    and Codex re-sends its whole context each turn; this asserts only what holds either
+    way."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        r = httpx.get(f"{gw}/trajectories/{traj}", timeout=10)
+        calls = r.json().get("calls", []) if r.status_code == 200 else []
+        if len(calls) >= at_least or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(calls) >= at_least, (traj, r.status_code, len(calls))
+    calls.sort(key=lambda c: c["seq"])
+    for c in calls:
+        assert c["status"] == "ok" and c["error"] is None, c
+        assert c["endpoint"] == "responses"
+        assert len(c["completion_ids"]) > 0
+        assert len(c["completion_logprobs"]) == len(c["completion_ids"])
+        assert all(lp <= 0 for lp in c["completion_logprobs"])
+    return calls
+
+
+def test_codex_exec_runs_its_shell_tool_through_the_gateway(codex, codex_gateway, tmp_path):
+    gw, log = codex_gateway
+    traj = "codex-" + uuid.uuid4().hex[:8]
+    secret = "proof-" + uuid.uuid4().hex
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "proof.txt").write_text(secret + "\n")
+    base_url = f"{gw}/t/{traj}/v1"
+
+    proc, last = run_codex(codex, base_url, "Show me what proof.txt says.", tmp_path / "home",
+                           work)
+    said = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    ran = [e["item"] for e in events if e.get("type") == "item.completed"
+           and e["item"].get("type") == "command_execution"]
+    assert len(ran) == 1 and "cat proof.txt" in ran[0]["command"], said
+    assert ran[0]["exit_code"] == 0 and secret in ran[0]["aggregated_output"], said
+    assert any(e.get("type") == "turn.completed" for e in events), said
+    assert not [e for e in events if e.get("type") in ("turn.failed", "error")], said
+
+    mine = [a for a in log.answers if a[1].startswith(f"/t/{traj}/")]
+    assert mine and all(a == ("POST", f"/t/{traj}/v1/responses", 200) for a in mine), mine
+    calls = recorded_calls(gw, traj, at_least=2)
+    assert len(calls) == len(mine) == 2
+    assert [c["finish_reason"] for c in calls] == ["tool_calls", "stop"]
+    tok = get_tokenizer()
+    # the command's output went back to the model in the next call's prompt...
+    assert secret in tok.decode(calls[1]["prompt_delta_ids"])
+    # ...and Codex's final message is the text the model generated last
+    assert last.strip() == output_text(tok, calls[1]["completion_ids"]).strip() != ""
