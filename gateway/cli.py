@@ -148,15 +148,21 @@ def export(
     fmt: Annotated[str, typer.Option("--format", help="jsonl or parquet")] = "jsonl",
     database_url: Annotated[str | None, typer.Option()] = None,
     group_id: Annotated[str | None, typer.Option(help="only this group")] = None,
+    branches: Annotated[str, typer.Option(
+        help="which branches of a trajectory become rows: all (every generated token once, "
+        "under loss mask 1), main (the branch of its last call) or longest")] = "all",
 ) -> None:
-    """Export finished trajectories as training samples."""
+    """Export finished trajectories as training samples (a row per branch)."""
     from gateway.store.export import export_samples
 
     if fmt not in ("jsonl", "parquet"):
         raise typer.BadParameter("--format must be jsonl or parquet")
+    if branches not in ("all", "main", "longest"):
+        raise typer.BadParameter("--branches must be all, main or longest")
     url = database_url or Settings().database_url
-    count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id))
-    typer.echo(f"wrote {count} samples to {out}")
+    count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id,
+                                       branches=branches))
+    typer.echo(f"wrote the samples of {count} trajectories to {out}")
 
 
 @app.command("sim-backend")

@@ -10,17 +10,20 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from gateway.client.errors import GatewayConnectionError, raise_for_response
-from gateway.client.types import JobInfo, TrajectoryInfo, sample_from_json
+from gateway.client.types import JobInfo, TrajectoryInfo, sample_from_json, samples_from_json
 from gateway.store.samples import Sample
 from gateway.trajectories.tagging import ID_PATTERN
 
 T = TypeVar("T")
+#: which branches of a trajectory become samples: every one (default), the main one (the
+#: branch of its last call), or the one with the most generated tokens
+Branches = Literal["all", "main", "longest"]
 PAGE = 1000  # rows per GET /trajectories page
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -109,9 +112,15 @@ class Endpoints:
                        TrajectoryInfo.from_json, json=body)
 
     @staticmethod
-    def sample(trajectory_id: str) -> Request[Sample]:
+    def sample(trajectory_id: str, branch: int | None = None) -> Request[Sample]:
         return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/sample",
-                       sample_from_json)
+                       sample_from_json,
+                       params={"branch": branch} if branch is not None else None)
+
+    @staticmethod
+    def branch_samples(trajectory_id: str, branches: Branches) -> Request[list[Sample]]:
+        return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/samples",
+                       samples_from_json, params={"branches": branches})
 
     @staticmethod
     def pause(*, mode: str | None, wait_idle: bool, timeout_s: float

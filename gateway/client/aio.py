@@ -13,6 +13,7 @@ import httpx
 from gateway.client._base import (
     DEFAULT_TIMEOUT_S,
     PAGE,
+    Branches,
     ClientBase,
     Endpoints,
     Request,
@@ -130,26 +131,33 @@ class AsyncRolloutClient:
                                   f"after {timeout_s:g} s", finished=list(done.values()))
             await asyncio.sleep(self._cfg.poll_interval_s)
 
-    async def sample(self, trajectory_id: str) -> Sample:
-        return await self._send(Endpoints.sample(trajectory_id))
+    async def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
+        return await self._send(Endpoints.sample(trajectory_id, branch))
 
-    async def samples(self, ids: Iterable[str]) -> SampleBatch:
-        """Samples in the order of ``ids``, fetched ``concurrency`` at a time."""
+    async def branch_samples(self, trajectory_id: str, branches: Branches = "all"
+                             ) -> list[Sample]:
+        return await self._send(Endpoints.branch_samples(trajectory_id, branches))
+
+    async def samples(self, ids: Iterable[str], *, branches: Branches = "all") -> SampleBatch:
+        """Samples in the order of ``ids`` (each one's branches together), fetched
+        ``concurrency`` trajectories at a time."""
         gate = asyncio.Semaphore(self._concurrency)
 
-        async def one(tid: str) -> Sample:
+        async def one(tid: str) -> list[Sample]:
             async with gate:
-                return await self.sample(tid)
+                return await self.branch_samples(tid, branches)
 
-        return SampleBatch(list(await asyncio.gather(*(one(i) for i in ids))))
+        found = await asyncio.gather(*(one(i) for i in ids))
+        return SampleBatch([s for branch_list in found for s in branch_list])
 
     async def fetch_group(self, group_id: str, count: int | None = None, *,
-                          timeout_s: float = 600.0) -> SampleBatch:
+                          timeout_s: float = 600.0, branches: Branches = "all"
+                          ) -> SampleBatch:
         if count is None:
             infos = await self.list_trajectories(group_id=group_id, finished=True)
         else:
             infos = await self.wait_for_group(group_id, count, timeout_s=timeout_s)
-        return await self.samples(i.id for i in infos)
+        return await self.samples((i.id for i in infos), branches=branches)
 
     # -- weight sync -------------------------------------------------------------------
 

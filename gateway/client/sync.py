@@ -13,6 +13,7 @@ import httpx
 from gateway.client._base import (
     DEFAULT_TIMEOUT_S,
     PAGE,
+    Branches,
     ClientBase,
     Endpoints,
     Request,
@@ -133,21 +134,28 @@ class RolloutClient:
                                   f"after {timeout_s:g} s", finished=list(done.values()))
             time.sleep(self._cfg.poll_interval_s)
 
-    def sample(self, trajectory_id: str) -> Sample:
-        """One trajectory as a training sample (token ids, loss mask, logprobs, ...)."""
-        return self._send(Endpoints.sample(trajectory_id))
+    def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
+        """One branch of a trajectory as a training sample (token ids, loss mask,
+        logprobs, ...); by default its main branch (the one of its last call)."""
+        return self._send(Endpoints.sample(trajectory_id, branch))
 
-    def samples(self, ids: Iterable[str]) -> SampleBatch:
-        return SampleBatch([self.sample(i) for i in ids])
+    def branch_samples(self, trajectory_id: str, branches: Branches = "all") -> list[Sample]:
+        """A trajectory's branches as samples (docs/token-capture.md: trees)."""
+        return self._send(Endpoints.branch_samples(trajectory_id, branches))
+
+    def samples(self, ids: Iterable[str], *, branches: Branches = "all") -> SampleBatch:
+        """The samples of ``ids``, in order; every branch of each by default, so every
+        generated token is in the batch under loss mask 1 exactly once."""
+        return SampleBatch([s for i in ids for s in self.branch_samples(i, branches)])
 
     def fetch_group(self, group_id: str, count: int | None = None, *,
-                    timeout_s: float = 600.0) -> SampleBatch:
+                    timeout_s: float = 600.0, branches: Branches = "all") -> SampleBatch:
         """Samples of a group's finished trajectories; with ``count``, wait for that many."""
         if count is None:
             infos = self.list_trajectories(group_id=group_id, finished=True)
         else:
             infos = self.wait_for_group(group_id, count, timeout_s=timeout_s)
-        return self.samples(i.id for i in infos)
+        return self.samples((i.id for i in infos), branches=branches)
 
     # -- weight sync -------------------------------------------------------------------
 

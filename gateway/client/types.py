@@ -105,13 +105,21 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
         calls=[_known(CallSpan, c) for c in d.get("calls") or []],
         mismatches=[_known(Mismatch, m) for m in d.get("mismatches") or []],
         metadata=d.get("metadata"), attempt=int(d.get("attempt") or 0),
-        max_staleness=d.get("max_staleness"),
+        max_staleness=d.get("max_staleness"), branch=int(d.get("branch") or 0),
+        parent_branch=d.get("parent_branch"), fork_position=int(d.get("fork_position") or 0),
+        main=bool(d.get("main", True)), num_branches=int(d.get("num_branches") or 1),
     )
+
+
+def samples_from_json(d: dict[str, Any]) -> list[Sample]:
+    """The samples of ``/trajectories/{id}/samples`` (one per branch)."""
+    return [sample_from_json(item) for item in d.get("data") or []]
 
 
 @dataclass(slots=True)
 class SampleBatch:
-    """Training samples of a batch, in the order they were asked for."""
+    """Training samples of a batch, in the order they were asked for (a trajectory's
+    branches one after another, by branch id, when every branch was asked for)."""
 
     samples: list[Sample]
 
@@ -129,6 +137,14 @@ class SampleBatch:
     def num_mismatches(self) -> int:
         return sum(len(s.mismatches) for s in self.samples)
 
+    def by_trajectory(self) -> dict[str, list[Sample]]:
+        """Each trajectory's samples (its branches): what GRPO advantages go by, since
+        every branch of a trajectory carries that trajectory's reward."""
+        out: dict[str, list[Sample]] = {}
+        for s in self.samples:
+            out.setdefault(s.trajectory_id, []).append(s)
+        return out
+
     def by_group(self) -> dict[str | None, list[Sample]]:
         out: dict[str | None, list[Sample]] = {}
         for s in self.samples:
@@ -136,7 +152,7 @@ class SampleBatch:
         return out
 
     def to_table(self) -> pa.Table:
-        """One row per trajectory, columns of ``gateway.store.export.SAMPLE_SCHEMA``."""
+        """One row per sample (branch), columns of ``gateway.store.export.SAMPLE_SCHEMA``."""
         return samples_table(self.samples)
 
     def to_parquet(self, path: str | Path) -> Path:

@@ -124,18 +124,13 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
     _observe(rt, ctx, rec)
 
 
-#: finish reasons after which the last completion id is the engine's stop token
-_STOPPED = frozenset({"stop", "tool_calls"})
-
-
 def _turn_facts(ctx: CallContext) -> TurnFacts:
     """What placing the call in its trajectory's tree needs from the request side."""
     cap = ctx.capture.completion(0)
     calls = [(c["function"]["name"], c["function"]["arguments"])
              for c in cap.tool_calls.values()]
-    stop = cap.token_ids[-1] if cap.token_ids and cap.finish_reason in _STOPPED else None
     return TurnFacts(expected=ctx.continues.branch if ctx.continues else None,
-                     digests=ctx.digests, said=words("".join(cap.text), calls), stop_id=stop)
+                     digests=ctx.digests, said=words("".join(cap.text), calls))
 
 
 def weight_segments(first: str, later: list[tuple[int, str]], total: int

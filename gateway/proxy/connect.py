@@ -89,7 +89,7 @@ async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
     usable = cont is not None and cont.echo_complete
     ctx.kept_len = await planner.plan(
         ctx.body, url, record=cont.sequence.tolist() if usable and cont else None,
-        turn_end=cont.turn_end if cont else 0, stop_id=cont.stop_id if cont else None)
+        turn_end=cont.turn_end if cont else 0)
 
 
 def requeue(rt: Runtime, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:

@@ -16,17 +16,21 @@ the model said, then new messages: :meth:`gateway.trajectories.branches.Tree.con
    recorded tokens, nothing is changed.
 2. Otherwise ``head`` = the engine's tokens for the messages up to and including the
    model's turn, without a generation prompt. When ``full`` starts with ``head``, the new
-   messages are ``full[len(head):]``; the template's tokens after the turn's end-of-turn
-   token (``glue``, e.g. the newline after ``<|im_end|>``) are ``head``'s tail after that
-   token, which the model generated as its last token.
-3. The engine is sent ``record + glue + new`` as the prompt (vLLM:
+   messages are ``full[len(head):]``.
+3. The template closes an assistant turn with the same tokens whatever it said
+   (``<|im_end|>`` and a newline in ChatML): the *closing*, found once per model as the
+   common suffix of two probe turns that differ only in their text. ``head`` must end
+   with it. The model generated the closing's first token when the turn stopped on it;
+   the rest of the closing (``glue``) is the template's. A turn cut at ``max_tokens`` gets
+   the whole closing, as the harness's history closes it.
+4. The engine is sent ``record + glue + new`` as the prompt (vLLM:
    ``kv_transfer_params.prompt_token_ids`` on the chat route, so tool parsing and the
    answer's shape stay those of a chat call) and the call records ``kept_len``: how many
    prompt tokens came from the record.
 
-Anything unexpected (no stop token at the end of the turn, a template whose rendering of
-the turn is not a prefix of the whole, a tokenizer error or timeout) leaves the request as
-the harness sent it; the call then opens a branch and is reported as a mismatch.
+Anything unexpected (a template whose rendering of the turn is not a prefix of the whole
+or does not end with the closing, a tokenizer error or timeout) leaves the request as the
+harness sent it; the call then opens a branch and is reported as a mismatch.
 
 The same ``/tokenize`` answer clamps ``max_tokens`` to the context the prompt leaves.
 """
@@ -46,8 +50,9 @@ log = logging.getLogger(__name__)
 
 #: chat fields that change how the engine renders the messages, passed to /tokenize too
 _RENDER_FIELDS = ("tools", "chat_template_kwargs", "chat_template", "documents")
-#: how far from the end of the turn's rendering its end-of-turn token may sit
-_GLUE_MAX = 8
+#: two assistant turns that differ only in their text: their common suffix is the closing
+_PROBES = tuple([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}]
+                for text in ("A", "Z"))
 _MAX_TOKEN_KEYS = ("max_completion_tokens", "max_tokens")
 
 
@@ -84,30 +89,31 @@ class Tokenizer:
         return tokens if isinstance(tokens, list) else None
 
 
-def _glue(head: list[int], stop_id: int) -> list[int] | None:
-    """The template's tokens after the turn's end-of-turn token (the last ``stop_id``)."""
-    for back in range(1, min(_GLUE_MAX, len(head)) + 1):
-        if head[-back] == stop_id:
-            return head[len(head) - back + 1:]
-    return None
+async def closing_of(tok: Tokenizer) -> list[int] | None:
+    """The tokens the engine's template closes every assistant turn with."""
+    a, z = [await tok(list(probe), generation=False) for probe in _PROBES]
+    if not a or not z:
+        return None
+    n = 0
+    while n < min(len(a), len(z)) and a[-1 - n] == z[-1 - n]:
+        n += 1
+    return a[len(a) - n:] if n else None
 
 
 async def record_prompt(tok: Tokenizer, body: dict[str, Any], record: list[int],
-                        turn_end: int, stop_id: int | None) -> tuple[list[int] | None,
-                                                                     list[int] | None]:
+                        turn_end: int, closing: list[int] | None
+                        ) -> tuple[list[int] | None, list[int] | None]:
     """``(prompt, full)``: the prompt to run (the record, then the new messages as the
     engine renders them), or None where the engine's own rendering already extends the
     record or the two cannot be joined; ``full`` is the rendering of the whole request."""
     messages = body["messages"]
     full = await tok(messages, generation=True)
-    if full is None or full[:len(record)] == record or stop_id is None:
+    if full is None or full[:len(record)] == record or not closing or not record:
         return None, full
     head = await tok(messages[:turn_end], generation=False)
-    if head is None or full[:len(head)] != head:
+    if head is None or full[:len(head)] != head or head[-len(closing):] != closing:
         return None, full
-    glue = _glue(head, stop_id)
-    if glue is None:
-        return None, full
+    glue = closing[1:] if record[-1] == closing[0] else closing
     return record + glue + full[len(head):], full
 
 
@@ -144,11 +150,12 @@ class PromptPlanner:
         self._session = session
         self._settings = settings
         self._context: dict[str, int] = {}  # served model -> its max_model_len, once seen
+        self._closing: dict[str, list[int] | None] = {}  # served model -> its turn closing
         self.kept = 0  # calls whose prompt came partly from the record
         self.unjoined = 0  # calls that continued a branch but could not be joined to it
 
     async def plan(self, body: dict[str, Any], base_url: str, *, record: list[int] | None,
-                   turn_end: int, stop_id: int | None) -> int | None:
+                   turn_end: int) -> int | None:
         """Rewrite ``body`` in place; the number of prompt tokens taken from the record
         (``record`` given: the request continues a branch whose turn it echoed)."""
         model = str(body.get("model"))
@@ -161,7 +168,10 @@ class PromptPlanner:
         prompt: list[int] | None = None
         if use_record:
             assert record is not None
-            prompt, full = await record_prompt(tok, body, record, turn_end, stop_id)
+            if self._closing.get(model) is None:  # (asked again after a failed probe)
+                self._closing[model] = await closing_of(tok)
+            prompt, full = await record_prompt(tok, body, record, turn_end,
+                                               self._closing[model])
             if prompt is None and full is not None and full[:len(record)] != record:
                 self.unjoined += 1
         else:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
-from gateway.store.samples import Sample, build_sample
+from gateway.store.samples import Sample, build_samples
 
 SAMPLE_SCHEMA = pa.schema([
     ("trajectory_id", pa.string()),
@@ -29,6 +29,10 @@ SAMPLE_SCHEMA = pa.schema([
     ("num_calls", pa.int32()),
     ("num_mismatches", pa.int32()),
     ("metadata", pa.string()),
+    ("branch", pa.int32()),
+    ("parent_branch", pa.int32()),
+    ("fork_position", pa.int32()),
+    ("is_main", pa.bool_()),
 ])
 
 
@@ -41,6 +45,8 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "num_calls": len(s.calls),
         "num_mismatches": len(s.mismatches),
         "metadata": orjson.dumps(s.metadata).decode() if s.metadata is not None else None,
+        "branch": s.branch, "parent_branch": s.parent_branch,
+        "fork_position": s.fork_position, "is_main": s.main,
     }
 
 
@@ -49,8 +55,9 @@ def samples_table(samples: list[Sample]) -> pa.Table:
 
 
 async def iter_samples(
-    sessionmaker: async_sessionmaker[AsyncSession], ids: list[str]
+    sessionmaker: async_sessionmaker[AsyncSession], ids: list[str], branches: str = "all"
 ) -> AsyncIterator[Sample]:
+    """The samples of ``ids`` (latest attempt), each trajectory's ``branches``."""
     for trajectory_id in ids:
         async with sessionmaker() as session:
             traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
@@ -58,13 +65,16 @@ async def iter_samples(
                 continue
             calls = await queries.get_calls(session, trajectory_id=trajectory_id,
                                             attempt=traj.attempt)
-        yield build_sample(traj, calls)
+        for sample in build_samples(traj, calls, branches=branches):
+            yield sample
 
 
 async def export_samples(
-    url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True
+    url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True,
+    branches: str = "all",
 ) -> int:
-    """Write every finished trajectory (optionally of one group) to ``out``."""
+    """Write every finished trajectory (optionally of one group) to ``out``, a row per
+    branch (``branches``: all, main or longest); the number of trajectories written."""
     engine = make_engine(url)
     try:
         sm = make_sessionmaker(engine)
@@ -74,12 +84,15 @@ async def export_samples(
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("exporting", total=len(ids))
             with out.open("wb") if fmt == "jsonl" else _null() as fh:
-                async for s in iter_samples(sm, ids):
+                seen: str | None = None
+                async for s in iter_samples(sm, ids, branches):
                     if fh is not None:
                         fh.write(orjson.dumps(sample_record(s)) + b"\n")
                     else:
                         samples.append(s)
-                    bar.advance(task)
+                    if s.trajectory_id != seen:
+                        seen = s.trajectory_id
+                        bar.advance(task)
         if fmt == "parquet":
             pq.write_table(samples_table(samples), out)
         return len(ids)

@@ -126,9 +126,6 @@ class Branch:
     messages: tuple[bytes, ...] = ()
     #: the words of the model's last turn, which a harness's echo of it must contain
     said: Counter[str] | None = None
-    #: the last completion token when the turn ended on a stop token (else None: the turn
-    #: was cut, and its re-rendering carries an end-of-turn the model never generated)
-    stop_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +149,6 @@ class Continuation:
     turn_start: int
     turn_end: int
     sequence: array[int]
-    stop_id: int | None
     echo_complete: bool  # the rendering contains every word the model said
 
 
@@ -194,14 +190,14 @@ class Tree:
                 and messages[end].get("role") == "assistant":
             end += 1
         if end == start or end == len(messages):
-            return Continuation(best.id, start, end, best.sequence, best.stop_id, False)
+            return Continuation(best.id, start, end, best.sequence, False)
         said = best.said or Counter()
         complete = not (said - echoed_words(messages[start:end]))
-        return Continuation(best.id, start, end, best.sequence, best.stop_id, complete)
+        return Continuation(best.id, start, end, best.sequence, complete)
 
     def place(self, prompt: Sequence[int], completion: Sequence[int], *,
               expected: int | None = None, digests: tuple[bytes, ...] = (),
-              said: Counter[str] | None = None, stop_id: int | None = None) -> Placement:
+              said: Counter[str] | None = None) -> Placement:
         """Put a finished call in the tree and make its branch the main one.
 
         ``expected``: the branch the call's messages continued (a divergence from it is a
@@ -222,8 +218,7 @@ class Tree:
             self.branches[target.id] = target
         seq = array("i", prompt)
         seq.extend(completion)
-        target.sequence, target.messages, target.said, target.stop_id = (
-            seq, digests, said, stop_id)
+        target.sequence, target.messages, target.said = seq, digests, said
         self.main = target.id
         self._bound()
         return Placement(target.id, parent, offset, list(prompt[offset:]), mismatch)

@@ -107,7 +107,6 @@ class TurnFacts:
     expected: int | None = None  # the branch its messages continued
     digests: tuple[bytes, ...] = ()  # its request messages (gateway.trajectories.branches)
     said: Counter[str] | None = None  # the words of the turn the model produced
-    stop_id: int | None = None  # its last completion token, when it ended on a stop
 
 
 @dataclass(slots=True)
@@ -281,8 +280,7 @@ class Tracker:
         state.prompt_tokens += len(prompt)
         facts = turn or TurnFacts()
         placed = state.tree.place(prompt, completion, expected=facts.expected,
-                                  digests=facts.digests, said=facts.said,
-                                  stop_id=facts.stop_id)
+                                  digests=facts.digests, said=facts.said)
         if placed.mismatch_pos is not None:
             state.mismatches += 1
         return placed

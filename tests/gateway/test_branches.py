@@ -63,7 +63,7 @@ RESULT = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 def _tree_after_first_turn() -> Tree:
     tree = Tree()
     said = words("", [("get_weather", '{"city": "Paris"}')])
-    tree.place([1, 2, 3], [4, 5, 6], digests=digest_messages(MSGS), said=said, stop_id=6)
+    tree.place([1, 2, 3], [4, 5, 6], digests=digest_messages(MSGS), said=said)
     return tree
 
 
@@ -76,7 +76,7 @@ def test_a_request_continues_a_branch_when_it_resends_its_history_and_echoes_the
     assert (cont.branch, cont.turn_start, cont.turn_end, cont.echo_complete) == (0, 2, 3, True)
     other_tools = digest_messages(resent, context=[{"type": "function"}])
     assert tree.continuation(other_tools, resent) is None  # another system block
-    assert list(cont.sequence) == [1, 2, 3, 4, 5, 6] and cont.stop_id == 6
+    assert list(cont.sequence) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_turn_echoed_as_text_still_continues_but_a_truncated_one_does_not():
