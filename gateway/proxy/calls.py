@@ -156,7 +156,8 @@ def _attach_text(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
     if len(ctx.capture.choices) > 1:
         rec.extra_choices = [
             {"index": i, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-             "text": "".join(c.text)}
+             "text": "".join(c.text),
+             "logprobs": c.logprobs if len(c.logprobs) == len(c.token_ids) else None}
             for i, c in sorted(ctx.capture.choices.items()) if i != 0
         ]
     if not rt.settings.traces.store_text:

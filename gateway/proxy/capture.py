@@ -19,6 +19,7 @@ class ClientAsked:
 
     token_ids: bool
     logprobs: bool
+    usage: bool = True  # a streamed call's usage chunk (``stream_options.include_usage``)
 
 
 def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
@@ -36,7 +37,14 @@ def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
         if not asked_lp:
             body["logprobs"] = 0
     body["return_token_ids"] = True
-    return ClientAsked(token_ids=asked_ids, logprobs=asked_lp)
+    asked_usage = True
+    if body.get("stream") is True:  # without it a streamed call's usage is never seen
+        options = body.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        asked_usage = options.get("include_usage") is True
+        if not asked_usage:
+            body["stream_options"] = {**options, "include_usage": True}
+    return ClientAsked(token_ids=asked_ids, logprobs=asked_lp, usage=asked_usage)
 
 
 @dataclass(slots=True)
@@ -69,7 +77,7 @@ class Capture:
         """Record ``payload`` and strip it in place; True if it was modified.
 
         Runs once per streamed token event, so it looks each key up once and touches
-        only the keys that are there."""
+        only the keys that are there. A payload left empty is not to be relayed."""
         self.chunks += 1
         modified = False
         if "prompt_token_ids" in payload:
@@ -77,6 +85,9 @@ class Capture:
         usage = payload.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+            if stream and not self.asked.usage and not payload.get("choices"):
+                payload.clear()  # the usage chunk the client did not ask for: not relayed
+                return True
         for ch in payload.get("choices") or ():
             if isinstance(ch, dict) and self._feed_choice(ch, stream=stream):
                 modified = True

@@ -244,6 +244,8 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
                     payload = ({**raw, **head} if restart
                                else _reshape(ctx, raw, head, stream=True))
                     ctx.capture.feed(payload, stream=True)
+                    if not payload:  # the usage chunk, which the client did not ask for
+                        continue
                     if ctx.capture.completion(0).finish_reason == "abort":
                         aborted = True
                         if not _strip_abort(payload):

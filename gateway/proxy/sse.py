@@ -52,6 +52,8 @@ class SSEDecoder:
             return event + b"\n\n"
         if type(payload) is not dict or not self._capture.feed(payload, stream=True):
             return event + b"\n\n"
+        if not payload:  # an event the client did not ask for (the usage chunk)
+            return b""
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 

@@ -207,3 +207,34 @@ def test_client_disconnect_aborts_at_the_simulated_engine(sim_pool, gateway_at, 
         assert disconnects() == before + 1
         running = sum(httpx.get(f"{u}/sim/stats").json()["running"] for u in sim_pool)
         assert running == 0
+
+
+def test_streamed_usage_is_recorded_without_reaching_a_client_that_did_not_ask(
+        sim_pool, gateway_at, sqlite_url):
+    traj = f"usage-{uuid.uuid4().hex[:6]}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "stream": True}
+    with gateway_at(sqlite_url, sim_pool) as gw:
+        raw = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", json=body, timeout=30).text
+        events = [e for e in raw.split("\n\n") if e.startswith("data: {")]
+        assert events and all('"usage":{' not in e for e in events)  # as the client asked
+        asked = httpx.post(f"{gw}/t/{traj}-b/v1/chat/completions", timeout=30, json={
+            **body, "stream_options": {"include_usage": True}}).text
+        assert '"choices":[],' in asked.replace(" ", "") and '"usage":{' in asked.replace(" ", "")
+        for tid in (traj, f"{traj}-b"):
+            (call,) = httpx.get(f"{gw}/trajectories/{tid}").json()["calls"]
+            assert call["usage"]["completion_tokens"] == len(call["completion_ids"]) > 0
+            assert call["usage"]["prompt_tokens"] == call["prompt_len"] > 0
+
+
+def test_extra_choices_keep_their_logprobs(sim_pool, gateway_at, sqlite_url):
+    traj = f"n2-{uuid.uuid4().hex[:6]}"
+    with gateway_at(sqlite_url, sim_pool) as gw:
+        r = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        (call,) = httpx.get(f"{gw}/trajectories/{traj}").json()["calls"]
+        (extra,) = call["extra_choices"]
+        assert len(extra["logprobs"]) == len(extra["token_ids"]) > 0
+        assert all(lp <= 0 for lp in extra["logprobs"])
