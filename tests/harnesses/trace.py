@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,3 +38,45 @@ def assert_exact_trace(gw: str, traj: str, *, calls: int | None = None,
             if text:
                 assert text in tok.decode(c["completion_ids"])
     return got
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What a trajectory's samples kept of what its calls generated."""
+
+    calls: int  # calls answered (status ok)
+    generated: int  # completion tokens over those calls
+    kept: int  # of them, under loss mask 1 in an exported sample with their logprob
+    branches: int
+    on_record: int  # calls whose prompt the engine ran partly from the record (token in)
+
+    def line(self, name: str) -> str:
+        return (f"{name}: {self.kept}/{self.generated} generated tokens under loss mask 1 "
+                f"({self.kept / max(self.generated, 1):.0%}), {self.calls} calls answered, "
+                f"{self.branches} branches, {self.on_record} calls ran on the record")
+
+
+def assert_every_token_kept(gw: str, traj: str) -> Kept:
+    """Every token the trajectory's calls generated is in exactly one of its exported
+    samples (``/samples``, every branch), under loss mask 1, with the engine's logprob,
+    in the order it was generated; the samples are also the export's rows."""
+    calls = httpx.get(f"{gw}/trajectories/{traj}", timeout=10).json()["calls"]
+    ok = [c for c in calls if c["status"] == "ok" and c["attempt"] == calls[-1]["attempt"]]
+    samples = httpx.get(f"{gw}/trajectories/{traj}/samples", timeout=10).json()["data"]
+    by_branch: dict[int, list[dict[str, Any]]] = {}
+    for c in ok:
+        by_branch.setdefault(c["branch"], []).append(c)
+    assert sorted(by_branch) == [s["branch"] for s in samples]
+    kept = 0
+    for s in samples:
+        own = [(t, lp) for t, lp, m in zip(s["token_ids"], s["logprobs"], s["loss_mask"],
+                                            strict=True) if m]
+        want = [(t, lp) for c in sorted(by_branch[s["branch"]], key=lambda c: c["seq"])
+                for t, lp in zip(c["completion_ids"], c["completion_logprobs"], strict=True)]
+        assert own == want, f"branch {s['branch']} of {traj}"
+        assert sum(1 for m in s["loss_mask"][:s["fork_position"]] if m) == 0
+        kept += len(own)
+    generated = sum(len(c["completion_ids"]) for c in ok)
+    assert kept == generated
+    return Kept(len(ok), generated, kept, len(samples),
+                sum(1 for c in ok if c.get("kept_len")))
