@@ -167,6 +167,8 @@ def test_messages_errors_in_anthropic_shape(scripted_gateway, path, body, needle
 
 @pytest.mark.parametrize(("body", "needle"), [
     ({"model": MODEL, "input": "x", "tools": [COMPUTER]}, "computer_use_preview"),
+    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}],
+      "tool_choice": {"type": "web_search"}}, "web_search"),  # dropped: nothing to force
     ({"model": MODEL, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_image"),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_missing"}, "resp_missing"),

@@ -168,10 +168,12 @@ class ResponsesCall:
 
     def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
         chat: dict[str, Any] = {"model": body["model"], "messages": self.messages}
-        if self.tools.chat_tools:
+        choice = body.get("tool_choice")
+        choice = None if choice is None else self.tools.choice(choice)
+        if self.tools.chat_tools:  # (a choice without tools is one the engine refuses)
             chat["tools"] = self.tools.chat_tools
-            if body.get("tool_choice") is not None:
-                chat["tool_choice"] = self.tools.choice(body["tool_choice"])
+            if choice is not None:
+                chat["tool_choice"] = choice
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) \
