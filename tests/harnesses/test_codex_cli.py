@@ -30,6 +30,7 @@ from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
 from tests.gateway.conftest import make_settings
 from tests.harnesses.conftest import MODEL
+from tests.harnesses.trace import assert_every_token_kept
 from tests.servers import LoopThread, app_in_thread
 
 DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
@@ -130,10 +131,9 @@ def recorded_calls(gw: str, traj: str, *, at_least: int, wait_s: float = 10.0
     """The trajectory's calls in ``seq`` order once ``at_least`` are recorded, each ok
     with completion ids and one logprob per id.
 
-    Deliberately no check of prompt continuity, mismatches or the training sample: how a
-    harness's calls form samples (one sequence or a tree of branches) is being reworked,
-    and Codex re-sends its whole context each turn; this asserts only what holds either
-    way."""
+    Deliberately no check of prompt continuity or mismatches, and no single-sample
+    shape: how a harness's calls form samples (a tree of branches) is the business of
+    :func:`assert_every_token_kept`, which holds whatever the branches are."""
     deadline = time.monotonic() + wait_s
     while True:
         r = httpx.get(f"{gw}/trajectories/{traj}", timeout=10)
@@ -183,3 +183,5 @@ def test_codex_exec_runs_its_shell_tool_through_the_gateway(codex, codex_gateway
     assert secret in tok.decode(calls[1]["prompt_delta_ids"])
     # ...and Codex's final message is the text the model generated last
     assert last.strip() == output_text(tok, calls[1]["completion_ids"]).strip() != ""
+    # every generated token is in an exported sample (whichever branch), under loss mask 1
+    print(assert_every_token_kept(gw, traj).line("codex exec"))
