@@ -112,3 +112,17 @@ def test_token_in_off_reports_the_drift_as_a_branch_with_a_mismatch(
     # nothing lost: each turn is under loss mask 1 in its own branch's sample
     assert sum(samples[0]["loss_mask"]) == len(first["completion_ids"])
     assert sum(samples[1]["loss_mask"]) == len(second["completion_ids"])
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_over_the_context_is_clamped_to_what_the_prompt_leaves(
+        scripted_gateway, key):
+    """Claude Code asks for 32,000 tokens whatever its prompt: the engine would answer 400
+    (prompt + max_tokens over the context); the gateway lowers it to the room left."""
+    traj = f"clamp-{uuid.uuid4().hex[:8]}"
+    r = httpx.post(f"{scripted_gateway}/t/{traj}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], key: 10**6})
+    assert r.status_code == 200, r.text
+    (call,) = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"]
+    assert call["status"] == "ok"  # unclamped, the simulated engine answers 400 (as vLLM)
+    assert call["prompt_len"] + len(call["completion_ids"]) <= 40960  # its max_model_len
