@@ -32,6 +32,7 @@ from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
 from tests.gateway.conftest import make_settings
 from tests.harnesses.conftest import MODEL
+from tests.harnesses.trace import assert_every_token_kept
 from tests.servers import LoopThread, app_in_thread
 
 DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
@@ -185,3 +186,5 @@ def test_claude_code_runs_its_bash_tool_through_the_gateway(claude, claude_gatew
     assert any(secret in tok.decode(c["prompt_delta_ids"]) for c in after)
     # ...and Claude Code's final answer is the text the model generated last
     assert final[0]["result"].strip() == output_text(tok, calls[-1]["completion_ids"]).strip()
+    # every generated token is in the trajectory's samples under loss mask 1
+    print(assert_every_token_kept(gw, traj).line("claude -p"))
