@@ -17,14 +17,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
@@ -32,7 +29,7 @@ from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
 from tests.gateway.conftest import make_settings
 from tests.harnesses.conftest import MODEL
-from tests.harnesses.trace import assert_every_token_kept
+from tests.harnesses.trace import StatusLog, assert_every_token_kept, recorded_calls
 from tests.servers import LoopThread, app_in_thread
 
 DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
@@ -54,26 +51,6 @@ def claude() -> Path:
                     "point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `claude`.",
                     pytrace=False)
     return exe
-
-
-class StatusLog:
-    """ASGI wrapper around the gateway app: the status of every HTTP answer it sent."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.answers: list[tuple[str, str, int]] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def logged(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                self.answers.append((scope["method"], scope["path"], message["status"]))
-            await send(message)
-
-        await self.app(scope, receive, logged)
 
 
 @pytest.fixture(scope="module")
@@ -124,31 +101,6 @@ def run_claude(exe: Path, base_url: str, task: str, home: Path, work: Path
         stdin=subprocess.DEVNULL)
 
 
-def recorded_calls(gw: str, traj: str, *, at_least: int, wait_s: float = 10.0
-                   ) -> list[dict[str, Any]]:
-    """The trajectory's calls in ``seq`` order once ``at_least`` are recorded, each ok
-    with completion ids and one logprob per id.
-
-    No check of prompt continuity, mismatches or the training sample: how a harness's
-    calls form samples (one sequence or a tree of branches) is being reworked."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        r = httpx.get(f"{gw}/trajectories/{traj}", timeout=10)
-        calls = r.json().get("calls", []) if r.status_code == 200 else []
-        if len(calls) >= at_least or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert len(calls) >= at_least, (traj, r.status_code, len(calls))
-    calls.sort(key=lambda c: c["seq"])
-    for c in calls:
-        assert c["status"] == "ok" and c["error"] is None, c
-        assert c["endpoint"] == "messages"
-        assert len(c["completion_ids"]) > 0
-        assert len(c["completion_logprobs"]) == len(c["completion_ids"])
-        assert all(lp <= 0 for lp in c["completion_logprobs"])
-    return calls
-
-
 def test_claude_code_runs_its_bash_tool_through_the_gateway(claude, claude_gateway, tmp_path):
     gw, log = claude_gateway
     traj = "claude-" + uuid.uuid4().hex[:8]
@@ -176,7 +128,7 @@ def test_claude_code_runs_its_bash_tool_through_the_gateway(claude, claude_gatew
     posts = [a for a in mine if a[:2] == ("POST", f"/t/{traj}/v1/messages")]
     assert posts and all(200 <= a[2] < 300 for a in posts), mine
     assert {a[:2] for a in mine if a not in posts} <= {("HEAD", f"/t/{traj}/api/hello")}, mine
-    calls = recorded_calls(gw, traj, at_least=len(posts))
+    calls = recorded_calls(gw, traj, endpoint="messages", at_least=len(posts))
     assert len(calls) == len(posts)
     agent = [c for c in calls if c["finish_reason"] == "tool_calls"]
     assert len(agent) == 1

@@ -15,14 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
@@ -30,7 +27,7 @@ from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
 from tests.gateway.conftest import make_settings
 from tests.harnesses.conftest import MODEL
-from tests.harnesses.trace import assert_every_token_kept
+from tests.harnesses.trace import StatusLog, assert_every_token_kept, recorded_calls
 from tests.servers import LoopThread, app_in_thread
 
 DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
@@ -50,26 +47,6 @@ def codex() -> Path:
                     "point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `codex`.",
                     pytrace=False)
     return exe
-
-
-class StatusLog:
-    """ASGI wrapper around the gateway app: the status of every HTTP answer it sent."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.answers: list[tuple[str, str, int]] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def logged(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                self.answers.append((scope["method"], scope["path"], message["status"]))
-            await send(message)
-
-        await self.app(scope, receive, logged)
 
 
 @pytest.fixture(scope="module")
@@ -126,32 +103,6 @@ def run_codex(exe: Path, base_url: str, task: str, home: Path, work: Path
     return proc, last.read_text() if last.exists() else ""
 
 
-def recorded_calls(gw: str, traj: str, *, at_least: int, wait_s: float = 10.0
-                   ) -> list[dict[str, Any]]:
-    """The trajectory's calls in ``seq`` order once ``at_least`` are recorded, each ok
-    with completion ids and one logprob per id.
-
-    Deliberately no check of prompt continuity or mismatches, and no single-sample
-    shape: how a harness's calls form samples (a tree of branches) is the business of
-    :func:`assert_every_token_kept`, which holds whatever the branches are."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        r = httpx.get(f"{gw}/trajectories/{traj}", timeout=10)
-        calls = r.json().get("calls", []) if r.status_code == 200 else []
-        if len(calls) >= at_least or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert len(calls) >= at_least, (traj, r.status_code, len(calls))
-    calls.sort(key=lambda c: c["seq"])
-    for c in calls:
-        assert c["status"] == "ok" and c["error"] is None, c
-        assert c["endpoint"] == "responses"
-        assert len(c["completion_ids"]) > 0
-        assert len(c["completion_logprobs"]) == len(c["completion_ids"])
-        assert all(lp <= 0 for lp in c["completion_logprobs"])
-    return calls
-
-
 def test_codex_exec_runs_its_shell_tool_through_the_gateway(codex, codex_gateway, tmp_path):
     gw, log = codex_gateway
     traj = "codex-" + uuid.uuid4().hex[:8]
@@ -175,7 +126,7 @@ def test_codex_exec_runs_its_shell_tool_through_the_gateway(codex, codex_gateway
 
     mine = [a for a in log.answers if a[1].startswith(f"/t/{traj}/")]
     assert mine and all(a == ("POST", f"/t/{traj}/v1/responses", 200) for a in mine), mine
-    calls = recorded_calls(gw, traj, at_least=2)
+    calls = recorded_calls(gw, traj, endpoint="responses", at_least=2)
     assert len(calls) == len(mine) == 2
     assert [c["finish_reason"] for c in calls] == ["tool_calls", "stop"]
     tok = get_tokenizer()

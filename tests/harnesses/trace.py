@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,3 +81,46 @@ def assert_every_token_kept(gw: str, traj: str) -> Kept:
     assert kept == generated
     return Kept(len(ok), generated, kept, len(samples),
                 sum(1 for c in ok if c.get("kept_len")))
+
+
+class StatusLog:
+    """ASGI wrapper around the gateway app: the status of every HTTP answer it sent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.answers: list[tuple[str, str, int]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def logged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.answers.append((scope["method"], scope["path"], message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, logged)
+
+
+def recorded_calls(gw: str, traj: str, *, endpoint: str, at_least: int, wait_s: float = 10.0
+                   ) -> list[dict[str, Any]]:
+    """The trajectory's calls in ``seq`` order once ``at_least`` are recorded, each ok,
+    through ``endpoint``, with completion ids and one logprob per id. (How they form
+    samples is :func:`assert_every_token_kept`'s business.)"""
+    deadline = time.monotonic() + wait_s
+    while True:
+        r = httpx.get(f"{gw}/trajectories/{traj}", timeout=10)
+        calls = r.json().get("calls", []) if r.status_code == 200 else []
+        if len(calls) >= at_least or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(calls) >= at_least, (traj, r.status_code, len(calls))
+    calls.sort(key=lambda c: c["seq"])
+    for c in calls:
+        assert c["status"] == "ok" and c["error"] is None, c
+        assert c["endpoint"] == endpoint
+        assert len(c["completion_ids"]) > 0
+        assert len(c["completion_logprobs"]) == len(c["completion_ids"])
+        assert all(lp <= 0 for lp in c["completion_logprobs"])
+    return calls
