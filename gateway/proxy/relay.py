@@ -214,7 +214,7 @@ class Proxy:
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
             body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
         )
-        requested = self._alias(body)
+        requested = self.resolve_alias(body)
         self.rt.dispatcher.check_model(body["model"])
         if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
             await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
@@ -241,7 +241,7 @@ class Proxy:
             ctx.continues = state.tree.continuation(ctx.digests, body["messages"])
         return ctx
 
-    def _alias(self, body: dict[str, Any]) -> str | None:
+    def resolve_alias(self, body: dict[str, Any]) -> str | None:
         """Map the client's model name to a served one (``model_aliases``); the name
         the client asked for when it was changed."""
         aliases = self.rt.settings.model_aliases

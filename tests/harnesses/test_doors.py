@@ -457,16 +457,24 @@ def test_context_overflow_reaches_the_client_in_anthropic_shape(scripted_gateway
         client.messages.create(**body)
 
 
-def test_count_tokens_is_a_clear_404_in_anthropic_shape(scripted_gateway, closing):
-    """Claude Code counts tokens for some features (``/context``) and treats a failure as
-    "unknown"; the gateway has no count_tokens route yet, and says so in the shape the
-    Anthropic SDK reads."""
-    r = httpx.post(f"{scripted_gateway}/t/{_traj()}/v1/messages/count_tokens?beta=true",
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+def test_count_tokens_is_the_engines_count_of_the_prompt_messages_would_run(
+        scripted_gateway, closing):
+    """Claude Code counts tokens for some features (``/context``): the answer is the
+    engine's count of the prompt ``/v1/messages`` runs for the same body, and nothing is
+    recorded."""
+    traj = _traj()
+    client = closing(anthropic.Anthropic(base_url=f"{scripted_gateway}/t/{traj}",
+                                         api_key="x", max_retries=0))
+    body = {"model": MODEL, "system": "Be brief.", "tools": [ANT_TOOL],
+            "messages": [{"role": "user", "content": "list the files"}]}
+    counted = client.messages.count_tokens(**body)
+    assert httpx.get(f"{scripted_gateway}/trajectories/{traj}").status_code == 404
+    client.messages.create(max_tokens=20, **body)
+    (call,) = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"]
+    assert counted.input_tokens == call["prompt_len"] > 0
+    r = httpx.post(f"{scripted_gateway}/v1/messages/count_tokens",
+                   json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    r = httpx.post(f"{scripted_gateway}/v1/messages/batches", json={})
     assert r.status_code == 404
-    assert r.json() == {"type": "error", "error": {"type": "not_found_error", "message": (
-        f"POST /t/{r.request.url.path.split('/')[2]}/v1/messages/count_tokens is not "
-        "served by this gateway")}}
-    client = closing(anthropic.Anthropic(base_url=scripted_gateway, api_key="x", max_retries=0))
-    with pytest.raises(anthropic.NotFoundError, match="count_tokens"):
-        client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert r.json()["error"]["type"] == "not_found_error"

@@ -1,0 +1,75 @@
+"""``POST /v1/messages/count_tokens``: the Messages API's token counter, from the engine.
+
+Claude Code and the anthropic SDK ask it for a conversation's size before sending it. The
+answer is the engine's own count for the prompt ``/v1/messages`` would run (the same
+translation to chat, rendered by the engine's ``/tokenize`` with its chat template), so
+it matches ``usage.input_tokens`` of that call. Nothing is recorded: no model call runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import APIRouter, Depends, Path, Request
+
+from gateway.api.deps import get_proxy, get_rt, require_api_key
+from gateway.errors import NoBackendAvailable, UpstreamError
+from gateway.proxy.bodies import parse_door, read_body
+from gateway.proxy.doors.messages import chat_messages
+from gateway.proxy.relay import Proxy
+from gateway.runtime import Runtime
+from gateway.trajectories.tagging import validate_id
+
+router = APIRouter(tags=["anthropic"], dependencies=[Depends(require_api_key)])
+_SUFFIX = "/v1/messages/count_tokens"
+
+
+async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
+    body = parse_door(await read_body(request, rt.settings.server.max_body_bytes))
+    proxy.resolve_alias(body)
+    model = body["model"]
+    rt.dispatcher.check_model(model)
+    messages, tools, _ = chat_messages(body, proxy.memory)
+    backends = rt.dispatcher.registry.routable(model)
+    if not backends:
+        raise NoBackendAvailable(f"no healthy backend serves {model!r} to count tokens")
+    req = {"model": model, "messages": messages, "add_generation_prompt": True,
+           **({"tools": tools} if tools else {})}
+    timeout = aiohttp.ClientTimeout(total=rt.settings.capture.tokenize_timeout_s)
+    try:
+        async with rt.session.post(backends[0].url + "/tokenize", data=orjson.dumps(req),
+                                   headers={"content-type": "application/json"},
+                                   timeout=timeout) as resp:
+            data = await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise UpstreamError(f"the engine could not count the tokens: {exc}") from None
+    if resp.status != 200:
+        raise UpstreamError(f"the engine's /tokenize answered {resp.status}: "
+                            f"{data[:300].decode(errors='replace')}")
+    return {"input_tokens": int(orjson.loads(data)["count"])}
+
+
+@router.post(_SUFFIX, name="count_tokens")
+async def count_tokens(request: Request, rt: Runtime = Depends(get_rt),
+                       proxy: Proxy = Depends(get_proxy)) -> dict[str, Any]:
+    return await _count(request, rt, proxy)
+
+
+@router.post("/t/{trajectory_id}" + _SUFFIX, name="count_tokens_t")
+async def count_tokens_t(request: Request, trajectory_id: str = Path(max_length=128),
+                         rt: Runtime = Depends(get_rt),
+                         proxy: Proxy = Depends(get_proxy)) -> dict[str, Any]:
+    validate_id(trajectory_id)
+    return await _count(request, rt, proxy)
+
+
+@router.post("/g/{group_id}/t/{trajectory_id}" + _SUFFIX, name="count_tokens_gt")
+async def count_tokens_gt(request: Request, group_id: str = Path(max_length=128),
+                          trajectory_id: str = Path(max_length=128),
+                          rt: Runtime = Depends(get_rt),
+                          proxy: Proxy = Depends(get_proxy)) -> dict[str, Any]:
+    validate_id(group_id, what="group_id")
+    validate_id(trajectory_id)
+    return await _count(request, rt, proxy)
