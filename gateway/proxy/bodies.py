@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.errors import BadRequest, PayloadTooLarge, openai_error_body
 
 
 def parse_door(raw: bytes) -> dict[str, Any]:
@@ -78,3 +78,20 @@ def upstream_message(data: bytes) -> str | None:
         if isinstance(body.get("message"), str):
             return str(body["message"])
     return None
+
+
+def openai_4xx_body(data: bytes, status: int) -> bytes:
+    """An engine's 4xx answer in OpenAI's error envelope, its message kept: vLLM answers
+    ``{"error": {"type": "BadRequestError", "code": 400, ...}}`` where OpenAI clients and
+    harnesses look for ``invalid_request_error`` and ``context_length_exceeded``."""
+    message = upstream_message(data) or data[:300].decode(errors="replace")
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    code = "context_length_exceeded" if "maximum context length" in message else None
+    kind = {404: "not_found_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return openai_error_body(message, error_type=kind,
+                             param=param if isinstance(param, str) else None, code=code)

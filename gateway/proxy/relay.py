@@ -28,7 +28,13 @@ from gateway.dispatch.backends import Backend, CircuitBreaker
 from gateway.errors import GatewayError, UpstreamError
 from gateway.proxy.admission import Admission, Slot
 from gateway.proxy.aliases import resolve_model
-from gateway.proxy.bodies import parse_door, parse_request, read_body, upstream_message
+from gateway.proxy.bodies import (
+    openai_4xx_body,
+    parse_door,
+    parse_request,
+    read_body,
+    upstream_message,
+)
 from gateway.proxy.calls import CallContext, finish_call
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.client import UpstreamResponse
@@ -290,6 +296,8 @@ class Proxy:
             error.message = upstream_message(data) or error.message
             error.status_code = status
             data = ctx.door.error_body(error)
+        elif status < 500:  # the engine's message, in OpenAI's shape (vLLM's differs)
+            data = openai_4xx_body(data, status)
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 

@@ -15,6 +15,7 @@ import uuid
 
 import httpx
 import openai
+import pytest
 
 from backends.sim.tokenizer import IM_END, get_tokenizer
 
@@ -238,3 +239,23 @@ def test_extra_choices_keep_their_logprobs(sim_pool, gateway_at, sqlite_url):
         (extra,) = call["extra_choices"]
         assert len(extra["logprobs"]) == len(extra["token_ids"]) > 0
         assert all(lp <= 0 for lp in extra["logprobs"])
+
+
+def test_an_engine_400_reaches_a_chat_client_in_openai_shape(sim_pool, gateway_at, sqlite_url):
+    """vLLM's own error envelope (``type: BadRequestError``, ``code: 400``) is rewritten to
+    OpenAI's, with the engine's message; a context overrun says so in ``code``."""
+    traj = f"ctx-{uuid.uuid4().hex[:6]}"
+    long = "word " * 50_000  # past the simulated engine's 40,960-token context
+    with gateway_at(sqlite_url, sim_pool) as gw:
+        r = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": long}]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["code"] == "context_length_exceeded"
+        assert "maximum context length" in err["message"]
+        client = openai.OpenAI(base_url=f"{gw}/t/{traj}/v1", api_key="EMPTY", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
+            client.completions.create(model=MODEL, prompt=long, max_tokens=5)
+        assert info.value.code == "context_length_exceeded"
+        client.close()
