@@ -152,11 +152,16 @@ class Continuation:
     echo_complete: bool  # the rendering contains every word the model said
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n and a[:n] == b[:n]:
-        return n
-    return next((i for i in range(n) if a[i] != b[i]), n)
+def _common_prefix(a: array[int], b: array[int]) -> int:
+    """Length of the longest common prefix (slices compared in C, by bisection)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Tree:
@@ -202,28 +207,29 @@ class Tree:
 
         ``expected``: the branch the call's messages continued (a divergence from it is a
         mismatch: re-rendered history the gateway could not replace with the record)."""
+        ids = array("i", prompt)
         target: Branch | None = None
         for b in self.branches.values():
             n = len(b.sequence)
-            if n <= len(prompt) and (target is None or n > len(target.sequence)) \
-                    and array("i", prompt[:n]) == b.sequence:
+            if n <= len(ids) and (target is None or n > len(target.sequence)) \
+                    and (n == 0 or b.sequence[-1] == ids[n - 1]) and ids[:n] == b.sequence:
                 target = b
         if target is not None:
             offset, parent, mismatch = len(target.sequence), None, None
         else:
-            parent, offset = self._fork_point(prompt, expected)
+            parent, offset = self._fork_point(ids, expected)
             mismatch = offset if parent is not None and parent == expected else None
             target = Branch(self.count, parent)
             self.count += 1
             self.branches[target.id] = target
-        seq = array("i", prompt)
+        seq = ids
         seq.extend(completion)
         target.sequence, target.messages, target.said = seq, digests, said
         self.main = target.id
         self._bound()
         return Placement(target.id, parent, offset, list(prompt[offset:]), mismatch)
 
-    def _fork_point(self, prompt: Sequence[int], expected: int | None
+    def _fork_point(self, prompt: array[int], expected: int | None
                     ) -> tuple[int | None, int]:
         """The branch sharing the longest prefix with ``prompt`` (ties: the expected
         branch, then the main one), and that prefix's length."""

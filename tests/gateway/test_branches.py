@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gateway.trajectories.branches import Tree, digest_messages, echoed_words, words
 
 
@@ -112,3 +115,30 @@ def test_echoed_words_count_every_word_of_the_rendering():
     assert echoed_words([TURN]) == Counter({"get_weather": 1, "city": 1, "Paris": 1})
     assert not (words("It is sunny.") - echoed_words([{"role": "assistant",
                                                        "content": " It is sunny. "}]))
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6),
+                          st.lists(st.integers(1, 3), min_size=0, max_size=4),
+                          st.lists(st.integers(1, 3), min_size=1, max_size=3)),
+                min_size=1, max_size=30))
+def test_replaying_the_placements_rebuilds_every_prompt(calls):
+    """Whatever the calls, the stored form (branch, parent, offset, delta) rebuilds each
+    call's prompt token for token, as build_samples replays it."""
+    tree = Tree()
+    stored: dict[int, list[int]] = {}  # what replaying the records gives per branch
+    lines: list[list[int]] = []  # prompt + completion of each call so far
+    for pick, cut, extra, completion in calls:
+        base = lines[pick % len(lines)] if lines else []
+        prompt = base[:max(0, len(base) - cut)] + extra or [1]  # continue, cut or fork
+        placed = tree.place(prompt, completion)
+        if placed.branch not in stored:
+            parent = stored[placed.parent] if placed.parent is not None else []
+            stored[placed.branch] = parent[:placed.offset]
+            assert len(stored[placed.branch]) == placed.offset
+        seq = stored[placed.branch]
+        assert len(seq) == placed.offset
+        seq += placed.delta
+        assert seq == prompt
+        seq += completion
+        lines.append(prompt + completion)
+    assert tree.count == len(stored)
