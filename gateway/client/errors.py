@@ -22,9 +22,13 @@ read here, so ``message`` is always the gateway's own words.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from gateway.client.types import JobInfo
 
 
 class GatewayClientError(Exception):
@@ -44,11 +48,16 @@ class WaitTimeout(GatewayClientError, TimeoutError):
 
 
 class JobFailed(GatewayClientError):
-    """An admin job (pool resize, backend removal) ended without succeeding."""
+    """An admin job (pool resize, backend removal, weight update) ended without
+    succeeding. ``job`` is the :class:`~gateway.client.types.JobInfo` of the finished job
+    (``job.errors``, ``job.raw["phases"]``); ``job["errors"]`` still works for code
+    written when it was the job's JSON."""
 
-    def __init__(self, message: str, *, job: dict[str, Any]) -> None:
+    def __init__(self, message: str, *, job: JobInfo | Mapping[str, Any]) -> None:
+        from gateway.client.types import JobInfo
+
         super().__init__(message)
-        self.job = job
+        self.job = job if isinstance(job, JobInfo) else JobInfo.from_json(dict(job))
 
 
 class GatewayHTTPError(GatewayClientError):

@@ -89,6 +89,13 @@ class JobInfo:
         return cls(id=str(d["id"]), kind=str(d.get("kind", "")),
                    status=JobStatus(d["status"]), errors=list(d.get("errors") or []), raw=d)
 
+    def __getitem__(self, key: str) -> Any:
+        """The job's JSON by key (``job["phases"]``), as when jobs were plain dicts."""
+        return self.raw[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
 
 def waiting_for_weights(job: JobInfo) -> bool:
     """A weight-update job has paused the engines and waits for the new weights."""

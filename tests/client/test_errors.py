@@ -59,3 +59,17 @@ def test_url_helpers() -> None:
     assert new_id("step3").startswith("step3-") and new_id() != new_id()
     with pytest.raises(ValueError, match="invalid group_id"):
         openai_base_url("http://gw", "t", "a/b")
+
+
+def test_job_failed_carries_the_job_info_and_still_reads_like_its_json() -> None:
+    from gateway.client import JobFailed, JobInfo
+    from gateway.dispatch.jobs import JobStatus
+
+    raw = {"id": "7", "kind": "reconfigure", "status": "failed", "errors": ["a: boom"],
+           "phases": [{"name": "start"}]}
+    for given in (raw, JobInfo.from_json(raw)):
+        exc = JobFailed("job 7 failed: a: boom", job=given)
+        assert isinstance(exc.job, JobInfo)
+        assert exc.job.status is JobStatus.FAILED and exc.job.errors == ["a: boom"]
+        assert exc.job.raw["phases"] == [{"name": "start"}]
+        assert exc.job["status"] == "failed" and exc.job.get("missing", 1) == 1

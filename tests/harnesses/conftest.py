@@ -12,8 +12,11 @@ messages (no mismatch), and the training sample is their concatenation.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ from backends.sim.chat import output_text, render_tool_call
 from backends.sim.tokenizer import get_tokenizer
 from gateway.app import create_app
 from tests.gateway.conftest import gateway_at, loop_thread, make_settings, sim_pool
+from tests.harnesses.trace import StatusLog
 from tests.servers import LoopThread, app_in_thread
 
 __all__ = ["gateway_at", "loop_thread", "sim_pool"]
@@ -76,3 +80,42 @@ def check_exact_trace(gw: str, traj: str, seen: list[tuple[str, list[tuple[str, 
     assert sum(sample["loss_mask"]) == sum(len(c["completion_ids"]) for c in calls)
     assert sample["mismatches"] == []
     return sample
+
+
+DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
+
+
+def npm_cli(name: str, what: str) -> Path:
+    """A coding-agent CLI installed by ``make harnesses``; the test fails (never skips)
+    with how to install it when it is missing."""
+    exe = Path(os.environ.get("ROLLOUT_GATEWAY_NPM_BIN") or DEFAULT_NPM_BIN) / name
+    if not os.access(exe, os.X_OK):
+        pytest.fail(f"The {what} tests need {exe}, which does not exist. Install it with "
+                    "`make harnesses` (scripts/setup-harnesses.sh, pinned, from npm) or "
+                    f"point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `{name}`.",
+                    pytrace=False)
+    return exe
+
+
+@contextmanager
+def logged_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory,
+                   cfg: Any, **settings: Any) -> Iterator[tuple[str, StatusLog]]:
+    """A gateway (SQLite, ``settings``) over one simulated server (``cfg``), and the log
+    of every answer the gateway sent."""
+    from backends.sim.runner import start_sim_servers
+
+    cm = start_sim_servers([cfg])
+    urls = loop_thread.run(cm.__aenter__())
+    db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'gw.db'}"
+    holder: list[StatusLog] = []
+
+    def app() -> StatusLog:
+        holder.append(StatusLog(create_app(make_settings(db, urls, **settings))))
+        return holder[0]
+
+    try:
+        with ExitStack() as stack:
+            gw = stack.enter_context(app_in_thread(loop_thread, app))
+            yield gw, holder[0]
+    finally:
+        loop_thread.run(cm.__aexit__(None, None, None))

@@ -19,20 +19,16 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
 from backends.sim.tokenizer import get_tokenizer
-from gateway.app import create_app
-from tests.gateway.conftest import make_settings
-from tests.harnesses.conftest import MODEL
+from tests.harnesses.conftest import MODEL, logged_gateway, npm_cli
 from tests.harnesses.trace import StatusLog, assert_every_token_kept, recorded_calls
-from tests.servers import LoopThread, app_in_thread
+from tests.servers import LoopThread
 
-DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
 #: The simulated model calls Claude Code's Bash tool on turn 0 with a harmless read of a
 #: file the test wrote, then answers in text.
 COMMAND = "cat proof.txt"
@@ -44,13 +40,7 @@ ALIASES = {"claude-*": MODEL}
 @pytest.fixture(scope="module")
 def claude() -> Path:
     """Claude Code installed by ``make harnesses``."""
-    exe = Path(os.environ.get("ROLLOUT_GATEWAY_NPM_BIN") or DEFAULT_NPM_BIN) / "claude"
-    if not os.access(exe, os.X_OK):
-        pytest.fail(f"The Claude Code tests need {exe}, which does not exist. Install it "
-                    "with `make harnesses` (scripts/setup-harnesses.sh, pinned, from npm) or "
-                    "point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `claude`.",
-                    pytrace=False)
-    return exe
+    return npm_cli("claude", "Claude Code")
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +49,14 @@ def claude_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFac
     """A gateway (SQLite, Claude's model names aliased to the served model) over one
     simulated server that calls Bash on the first turn and answers in text after; and the
     log of the gateway's answers."""
-    from backends.sim.runner import start_sim_servers
     from backends.sim.state import SimServerConfig
 
     # Claude Code's first prompt (system prompt, a dozen tool schemas) is ~42k tokens of
     # the simulated tokenizer (~12k of Qwen3's): a 128k context, as Qwen3 serves with YaRN
     cfg = SimServerConfig(model=MODEL, speed=50, seed=13, output_len_median=20,
                           max_model_len=131072, tool_script=(BASH_CALL,))
-    cm = start_sim_servers([cfg])
-    urls = loop_thread.run(cm.__aenter__())
-    db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'gw.db'}"
-    holder: list[StatusLog] = []
-
-    def app() -> StatusLog:
-        holder.append(StatusLog(create_app(make_settings(db, urls, model_aliases=ALIASES))))
-        return holder[0]
-
-    with ExitStack() as stack:
-        gw = stack.enter_context(app_in_thread(loop_thread, app))
-        yield gw, holder[0]
-    loop_thread.run(cm.__aexit__(None, None, None))
+    with logged_gateway(loop_thread, tmp_path_factory, cfg, model_aliases=ALIASES) as served:
+        yield served
 
 
 def run_claude(exe: Path, base_url: str, task: str, home: Path, work: Path

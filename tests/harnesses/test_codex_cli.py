@@ -17,20 +17,16 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
 from backends.sim.tokenizer import get_tokenizer
-from gateway.app import create_app
-from tests.gateway.conftest import make_settings
-from tests.harnesses.conftest import MODEL
+from tests.harnesses.conftest import MODEL, logged_gateway, npm_cli
 from tests.harnesses.trace import StatusLog, assert_every_token_kept, recorded_calls
-from tests.servers import LoopThread, app_in_thread
+from tests.servers import LoopThread
 
-DEFAULT_NPM_BIN = Path.home() / ".cache/rollout-gateway/npm/node_modules/.bin"
 #: Codex 0.169's shell tool (unified exec): the simulated model calls it on turn 0 with
 #: a harmless read of a file the test wrote, then answers in text.
 SHELL_CALL = ToolCall("exec_command", json.dumps({"cmd": "cat proof.txt"}))
@@ -40,13 +36,7 @@ KEY_ENV = "GATEWAY_API_KEY"
 @pytest.fixture(scope="module")
 def codex() -> Path:
     """The Codex CLI installed by ``make harnesses``."""
-    exe = Path(os.environ.get("ROLLOUT_GATEWAY_NPM_BIN") or DEFAULT_NPM_BIN) / "codex"
-    if not os.access(exe, os.X_OK):
-        pytest.fail(f"The Codex CLI tests need {exe}, which does not exist. Install it with "
-                    "`make harnesses` (scripts/setup-harnesses.sh, pinned, from npm) or "
-                    "point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `codex`.",
-                    pytrace=False)
-    return exe
+    return npm_cli("codex", "Codex CLI")
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +44,12 @@ def codex_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFact
                   ) -> Iterator[tuple[str, StatusLog]]:
     """A gateway (SQLite) over one simulated server that calls Codex's shell tool on the
     first turn and answers in text after; and the log of the gateway's answers."""
-    from backends.sim.runner import start_sim_servers
     from backends.sim.state import SimServerConfig
 
     cfg = SimServerConfig(model=MODEL, speed=50, seed=11, output_len_median=20,
                           tool_script=(SHELL_CALL,))
-    cm = start_sim_servers([cfg])
-    urls = loop_thread.run(cm.__aenter__())
-    db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'gw.db'}"
-    holder: list[StatusLog] = []
-
-    def app() -> StatusLog:
-        holder.append(StatusLog(create_app(make_settings(db, urls))))
-        return holder[0]
-
-    with ExitStack() as stack:
-        gw = stack.enter_context(app_in_thread(loop_thread, app))
-        yield gw, holder[0]
-    loop_thread.run(cm.__aexit__(None, None, None))
+    with logged_gateway(loop_thread, tmp_path_factory, cfg) as served:
+        yield served
 
 
 def codex_config(base_url: str) -> str:
