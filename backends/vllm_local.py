@@ -1,8 +1,12 @@
 """Local vLLM servers: one ``python -m vllm.entrypoints.openai.api_server`` per instance.
 
-Each instance runs in its own process group (``start_new_session``), so stopping it
-signals the API server *and* the engine-core and worker processes it forked; nothing is
-left behind when the API server dies first. Readiness is the first ``200`` from
+Each instance runs under a guard (:mod:`backends.engine_guard`) in its own process group
+(``start_new_session``): stopping it signals the guard, the API server *and* the
+engine-core and worker processes it forked; nothing is left behind when the API server
+dies first, and nothing outlives the gateway: when the gateway's process ends, however
+it ends, the guard stops the engine. Each engine also has a record in ``state_dir``
+(:mod:`backends.engine_records`); before its first start the launcher reaps the engines
+of gateways that died on this host. Readiness is the first ``200`` from
 ``GET /health``: vLLM binds its HTTP port only after the engine is up.
 
 Flags every instance gets (the gateway relies on them; see
@@ -14,6 +18,12 @@ Flags every instance gets (the gateway relies on them; see
 - ``--enable-auto-tool-choice --tool-call-parser PARSER``: without them vLLM answers 400
   to any request with ``tools`` (the default ``tool_choice`` is ``"auto"``).
 
+and in the environment ``VLLM_SERVER_DEV_MODE=1`` (unless ``env`` says otherwise): vLLM
+registers its ``/pause``, ``/resume``, ``/is_paused`` and weight routes only in dev mode,
+and the gateway's engine pauses and weight updates use them (``docs/weight-updates.md``).
+Dev mode also opens vLLM's other development routes, so keep engine ports reachable by
+the gateway only (the default host is loopback).
+
 GPU placement: on ``device="cuda"`` the instance sees ``CUDA_VISIBLE_DEVICES`` = its GPU
 ids; on ``device="cpu"`` (the CPU build of vLLM used by the tests) the "GPUs" are CPU
 cores and become ``VLLM_CPU_OMP_THREADS_BIND`` (``(0, 1)`` -> ``"0|1"``: one core per TP
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -36,21 +47,37 @@ from typing import Literal
 
 import aiohttp
 
+from backends import engine_guard
 from backends.base import InstanceSpec, LaunchedInstance, LaunchError
+from backends.engine_guard import TAG_VAR, children, group_members, stop_tagged
+from backends.engine_records import (
+    EngineRecord,
+    default_state_dir,
+    new_tag,
+    reap_orphans,
+    record_path,
+    remove_record,
+    write_record,
+)
 
+log = logging.getLogger(__name__)
 Device = Literal["cuda", "cpu"]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+GUARD_SCRIPT = engine_guard.__file__
 LOG_TAIL_BYTES = 4000
 
 
 @dataclass(slots=True)
 class _Process:
-    """What ``LaunchedInstance.handle`` holds for a local server."""
+    """What ``LaunchedInstance.handle`` holds for a local server: the guard's process
+    (the group leader), the write end of its pipe, the engine's tag."""
 
     proc: asyncio.subprocess.Process
     pgid: int
     port: int
+    tag: str
+    pipe: int
     stopped: bool = False
     stop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -60,7 +87,9 @@ class LocalVLLMLauncher:
 
     ``model_path`` is what vLLM loads (default: ``spec.model``); the server answers to
     ``served_model_name`` (default: ``spec.model``), so a pool can name its model
-    ``"tiny"`` while loading it from a directory.
+    ``"tiny"`` while loading it from a directory. ``state_dir`` holds the engines'
+    records (default: ``~/.local/state/rollout-gateway/engines``); ``orphan_grace_s`` is
+    how long an engine gets between SIGTERM and SIGKILL when its gateway is gone.
     """
 
     name = "vllm-local"
@@ -79,6 +108,8 @@ class LocalVLLMLauncher:
         start_timeout_s: float = 600.0,
         poll_interval_s: float = 0.5,
         log_dir: Path | None = None,
+        state_dir: Path | None = None,
+        orphan_grace_s: float = 10.0,
     ) -> None:
         self.python = python
         self.model_path = model_path
@@ -91,45 +122,88 @@ class LocalVLLMLauncher:
         self.start_timeout_s = start_timeout_s
         self.poll_interval_s = poll_interval_s
         self._log_dir = log_dir
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.orphan_grace_s = orphan_grace_s
         self._running: dict[int, LaunchedInstance] = {}
+        self._reaped = False
+        self._reap_lock = asyncio.Lock()
 
     # -- the Launcher protocol -------------------------------------------------------
 
     async def start(self, spec: InstanceSpec) -> LaunchedInstance:
         _validate(spec)
+        await self.reap_orphans()
         port = self._free_port()
         log_path = await self._log_path(spec, port)
-        argv = self.command(spec, port)
-        env = self.environment(spec)
-        log = await asyncio.to_thread(log_path.open, "ab")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise LaunchError(f"{spec.id}: cannot run {self.python}: {exc}") from exc
-        finally:
-            log.close()
-        handle = _Process(proc=proc, pgid=proc.pid, port=port)
+        tag = new_tag()
+        handle = await self._spawn(spec, port, tag, log_path)
         instance = LaunchedInstance(
             spec=spec,
             url=f"http://{_url_host(self.host)}:{port}",
             handle=handle,
             log_path=str(log_path),
-            meta={"pid": str(proc.pid), "port": str(port), "device": self.device},
+            meta={"pid": str(handle.proc.pid), "port": str(port), "device": self.device,
+                  "tag": tag},
         )
-        self._running[proc.pid] = instance
+        self._running[handle.proc.pid] = instance
+        try:
+            record = EngineRecord.new(tag, handle.proc.pid, port, spec, str(log_path))
+            await asyncio.to_thread(write_record, self.state_dir, record)
+        except OSError as exc:  # the guard still covers the gateway's death
+            log.warning("%s: cannot write the engine record in %s: %s", spec.id,
+                        self.state_dir, exc)
         try:
             await self._await_ready(instance, handle)
         except BaseException:
             await self.stop(instance, grace_s=5.0)
             raise
+        engine = await asyncio.to_thread(children, handle.proc.pid)
+        if engine:
+            instance.meta["engine_pid"] = str(engine[0])
         return instance
+
+    async def _spawn(self, spec: InstanceSpec, port: int, tag: str, log_path: Path) -> _Process:
+        """Start the guard, which starts vLLM (``command``) as its child."""
+        pipe_r, pipe_w = os.pipe()  # both ends close-on-exec; only pipe_r is passed on
+        guard = [sys.executable, "-I", GUARD_SCRIPT, "--tag", tag, "--fd", str(pipe_r),
+                 "--grace", f"{self.orphan_grace_s:g}",
+                 "--record", str(record_path(self.state_dir, tag)), "--"]
+        log_file = await asyncio.to_thread(log_path.open, "ab")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *guard, *self.command(spec, port),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**self.environment(spec), TAG_VAR: tag},
+                start_new_session=True,
+                pass_fds=(pipe_r,),
+            )
+        except OSError as exc:
+            os.close(pipe_w)
+            raise LaunchError(f"{spec.id}: cannot run the engine guard: {exc}") from exc
+        finally:
+            log_file.close()
+            os.close(pipe_r)
+        return _Process(proc=proc, pgid=proc.pid, port=port, tag=tag, pipe=pipe_w)
+
+    async def reap_orphans(self) -> None:
+        """Once per launcher, before its first start: stop the engines on this host whose
+        gateway is gone (:func:`backends.engine_records.reap_orphans`)."""
+        async with self._reap_lock:
+            if self._reaped:
+                return
+            self._reaped = True
+            try:
+                reaped = await asyncio.to_thread(reap_orphans, self.state_dir,
+                                                 self.orphan_grace_s)
+            except OSError as exc:
+                log.warning("cannot look for orphaned engines in %s: %s", self.state_dir, exc)
+                return
+        for r in reaped:
+            log.warning("stopped %s, left running by a gateway that is gone (pids %s)%s",
+                        r.record.describe(), r.pids,
+                        f"; {r.left} would not exit" if r.left else "")
 
     async def stop(self, instance: LaunchedInstance, *, grace_s: float = 10.0) -> None:
         handle = _handle(instance)
@@ -137,7 +211,11 @@ class LocalVLLMLauncher:
             if handle.stopped:
                 return
             await _terminate_group(handle, grace_s)
+            # a process of the engine that left the group still carries its tag
+            await asyncio.to_thread(stop_tagged, handle.tag, 1.0)
             handle.stopped = True
+            os.close(handle.pipe)
+            await asyncio.to_thread(remove_record, self.state_dir, handle.tag)
             self._running.pop(handle.proc.pid, None)
 
     async def alive(self, instance: LaunchedInstance) -> bool:
@@ -150,10 +228,12 @@ class LocalVLLMLauncher:
     # -- building the process ---------------------------------------------------------
 
     def command(self, spec: InstanceSpec, port: int) -> list[str]:
-        """The argv that starts ``spec`` on ``port``."""
+        """The argv that starts ``spec`` on ``port``: on ``spec.weights_path`` when the pool
+        set one (its current weights), with the launcher model's tokenizer."""
+        base = self.model_path or spec.model
         argv = [
             self.python, "-m", API_SERVER_MODULE,
-            "--model", self.model_path or spec.model,
+            "--model", spec.weights_path or base,
             "--served-model-name", self.served_model_name or spec.model,
             "--host", self.host,
             "--port", str(port),
@@ -163,13 +243,15 @@ class LocalVLLMLauncher:
             "--enable-prompt-tokens-details",
             "--disable-access-log-for-endpoints", "/health,/metrics",
         ]  # fmt: skip
+        if spec.weights_path and spec.weights_path != base:  # a checkpoint may lack one
+            argv += ["--tokenizer", base]
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         return [*argv, *self.extra_args, *spec.extra_args]
 
     def environment(self, spec: InstanceSpec) -> dict[str, str]:
         """The child's environment: ours, the configured overrides, then placement."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_SERVER_DEV_MODE": "1", **self.env}
         if self.device == "cuda":
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
@@ -218,24 +300,6 @@ class LocalVLLMLauncher:
                         f"log {instance.log_path}:\n{tail}"
                     )
                 await asyncio.sleep(self.poll_interval_s)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group ``pgid`` (Linux ``/proc``)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry.name))
-    return members
 
 
 async def _terminate_group(handle: _Process, grace_s: float) -> None:

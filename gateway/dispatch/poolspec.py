@@ -88,6 +88,9 @@ class VLLMOptions(_Strict):
     tool_call_parser: str | None = "hermes"
     start_timeout_s: float = Field(600.0, gt=0)
     log_dir: Path | None = None
+    state_dir: Path | None = Field(
+        None, description="where each engine's record is kept, so that a restarted gateway "
+        "stops the engines a dead one left (default ~/.local/state/rollout-gateway/engines)")
 
 
 class SimLauncherSpec(SimOptions):
@@ -230,4 +233,4 @@ def vllm_launcher(opts: VLLMOptions) -> Launcher:
     return LocalVLLMLauncher(
         python=opts.python, model_path=opts.model_path, device=opts.device,
         extra_args=opts.extra_args, env=opts.env, tool_call_parser=opts.tool_call_parser,
-        start_timeout_s=opts.start_timeout_s, log_dir=opts.log_dir)
+        start_timeout_s=opts.start_timeout_s, log_dir=opts.log_dir, state_dir=opts.state_dir)

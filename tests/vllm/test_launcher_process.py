@@ -5,12 +5,20 @@ These run in the default test run; the real-engine tests are in ``test_real_vllm
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from backends.base import InstanceSpec, Launcher, LaunchError
+from backends.engine_guard import TAG_VAR, start_ticks, tagged
+from backends.engine_records import EngineRecord, ProcessId, reap_orphans, write_record
 from backends.vllm_local import API_SERVER_MODULE, LocalVLLMLauncher, group_members
 
 
@@ -73,13 +81,15 @@ async def test_bad_spec_is_refused(spec: InstanceSpec) -> None:
 
 async def test_exit_during_start_raises_with_log_tail(tmp_path: Path) -> None:
     # The project's own python has no vllm: the module import fails at once.
-    launcher = LocalVLLMLauncher(python=sys.executable, log_dir=tmp_path, start_timeout_s=30)
+    launcher = LocalVLLMLauncher(python=sys.executable, log_dir=tmp_path, start_timeout_s=30,
+                                 state_dir=tmp_path / "state")
     with pytest.raises(LaunchError, match=r"exited with code 1[\s\S]*No module named"):
         await launcher.start(InstanceSpec(id="nomod", model="m"))
 
 
 async def test_missing_executable_raises(tmp_path: Path) -> None:
-    launcher = LocalVLLMLauncher(python=str(tmp_path / "nope"), log_dir=tmp_path)
+    launcher = LocalVLLMLauncher(python=str(tmp_path / "nope"), log_dir=tmp_path,
+                                 state_dir=tmp_path / "state")
     with pytest.raises(LaunchError, match="cannot run"):
         await launcher.start(InstanceSpec(id="x", model="m"))
 
@@ -88,20 +98,23 @@ async def test_start_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     # A "server" that never answers and has a child that ignores SIGTERM.
     pidfile = tmp_path / "pid"
     fake = _script(
-        tmp_path, f"echo $$ > {pidfile}\necho starting\n(trap '' TERM; sleep 60) &\nsleep 60"
+        tmp_path,
+        f"echo starting\n(trap '' TERM; sleep 60) &\necho $$ $PPID $! > {pidfile}\nsleep 60",
     )
     launcher = LocalVLLMLauncher(
-        python=fake, log_dir=tmp_path, start_timeout_s=1.0, poll_interval_s=0.1
+        python=fake, log_dir=tmp_path, start_timeout_s=1.0, poll_interval_s=0.1,
+        state_dir=tmp_path / "state",
     )
     with pytest.raises(LaunchError, match=r"not ready after 1 s[\s\S]*starting"):
         await launcher.start(InstanceSpec(id="slow", model="m"))
-    assert group_members(int(pidfile.read_text())) == []
+    engine, guard, child = map(int, pidfile.read_text().split())
+    assert group_members(guard) == []
+    assert start_ticks(engine) is None and start_ticks(child) is None
 
 
-async def test_stop_and_alive_on_a_running_process(tmp_path: Path) -> None:
-    # /health is never answered, so drive the handle through a start that times out is
-    # not enough; instead use a real HTTP server as the fake vLLM.
-    fake = _script(
+def _http_fake(tmp_path: Path) -> str:
+    """A fake vLLM that answers ``GET /health`` on the port the launcher gives it."""
+    return _script(
         tmp_path,
         '[ "$9" = "--port" ] || exit 3\n'
         f'exec {sys.executable} -c "'
@@ -110,12 +123,81 @@ async def test_stop_and_alive_on_a_running_process(tmp_path: Path) -> None:
         "s.end_headers()),'log_message':lambda *a:None});"
         'h.HTTPServer((\'127.0.0.1\', int(sys.argv[1])), H).serve_forever()" "${10}"',
     )
-    launcher = LocalVLLMLauncher(python=fake, log_dir=tmp_path, poll_interval_s=0.05)
+
+
+async def test_stop_and_alive_on_a_running_process(tmp_path: Path) -> None:
+    # /health is never answered, so drive the handle through a start that times out is
+    # not enough; instead use a real HTTP server as the fake vLLM.
+    fake = _http_fake(tmp_path)
+    launcher = LocalVLLMLauncher(python=fake, log_dir=tmp_path, poll_interval_s=0.05,
+                                 state_dir=tmp_path / "state")
     instance = await launcher.start(InstanceSpec(id="fake", model="m"))
-    pid = int(instance.meta["pid"])
+    pid = int(instance.meta["pid"])  # the guard, leader of the engine's process group
     assert await launcher.alive(instance)
-    assert group_members(pid) == [pid]
+    assert sorted(group_members(pid)) == sorted([pid, int(instance.meta["engine_pid"])])
+    assert [p.name for p in (tmp_path / "state").iterdir()] == [f"{instance.meta['tag']}.json"]
     await launcher.stop(instance, grace_s=2)
+    assert list((tmp_path / "state").iterdir()) == []
     assert not await launcher.alive(instance)
     assert group_members(pid) == []
     await launcher.stop(instance)  # idempotent
+
+
+async def test_the_guard_exits_with_the_engine_and_cleans_up(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    launcher = LocalVLLMLauncher(python=_http_fake(tmp_path), log_dir=tmp_path,
+                                 poll_interval_s=0.05, state_dir=state)
+    instance = await launcher.start(InstanceSpec(id="crash", model="m"))
+    assert launcher.environment(instance.spec)["VLLM_SERVER_DEV_MODE"] == "1"
+    os.kill(int(instance.meta["engine_pid"]), signal.SIGKILL)  # the engine crashes
+    deadline = time.monotonic() + 10
+    while await launcher.alive(instance):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    handle: Any = instance.handle
+    assert handle.proc.returncode == 128 + signal.SIGKILL  # the engine's status, passed on
+    assert tagged(instance.meta["tag"]) == [] and list(state.iterdir()) == []
+    await launcher.stop(instance)
+
+
+def _tagged_process(tag: str, *, stubborn: bool = False) -> subprocess.Popen[bytes]:
+    script = "trap '' TERM; sleep 60" if stubborn else "sleep 60"
+    return subprocess.Popen(["sh", "-c", script], env={**os.environ, TAG_VAR: tag},
+                            start_new_session=True)
+
+
+def test_reap_stops_only_the_engines_whose_gateway_is_gone(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["sleep", "60"])
+    dead_owner = ProcessId.of(dead.pid)
+    dead.kill()
+    dead.wait()
+    me = ProcessId.of(os.getpid())
+    recycled = ProcessId(os.getpid(), (me.start_ticks or 0) + 1)  # our pid, not our start
+    cases = {  # tag -> (owner, record changes, reaped?)
+        "deadowner": (dead_owner, {}, True),
+        "recycledpid": (recycled, {}, True),
+        "liveowner": (me, {}, False),
+        "otherhost": (dead_owner, {"host": "elsewhere"}, False),
+        "lastboot": (dead_owner, {"boot_id": "before-the-reboot"}, False),
+    }
+    procs = {tag: _tagged_process(tag, stubborn=tag == "deadowner") for tag in cases}
+    try:
+        for tag, (owner, changes, _) in cases.items():
+            record = EngineRecord.new(tag, procs[tag].pid, 8000, InstanceSpec(id=tag, model="m"),
+                                      None)
+            record.owner = owner
+            for key, value in changes.items():
+                setattr(record, key, value)
+            write_record(tmp_path, record)
+        reaped = reap_orphans(tmp_path, grace_s=0.5)
+        assert sorted(r.record.tag for r in reaped) == ["deadowner", "recycledpid"]
+        assert all(r.pids and not r.left for r in reaped)
+        for tag, (_, _, gone) in cases.items():
+            procs[tag].poll()
+            assert (tagged(tag) == []) is gone, tag
+        # a record from before the last boot names no process that can exist: dropped
+        assert sorted(p.stem for p in tmp_path.glob("*.json")) == ["liveowner", "otherhost"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
