@@ -14,6 +14,7 @@ from gateway.api import admin, count_tokens, openai, policy, status, trajectorie
 from gateway.config import Settings
 from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
+from gateway.readiness import announced
 from gateway.runtime import open_runtime
 
 
@@ -43,7 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         async with open_runtime(settings) as rt:
             app.state.runtime = rt  # for embedding code (tests, demo); routes use request.state
-            yield {"rt": rt, "proxy": Proxy(rt)}
+            async with announced(rt, wait=settings.server.wait_ready):
+                yield {"rt": rt, "proxy": Proxy(rt)}
 
     raw: ASGIApp = openai.serve_raw
     if settings.server.cors_origins:

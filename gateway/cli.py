@@ -43,16 +43,23 @@ def serve(
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy async URL")] = None,
     policy: Annotated[str | None, typer.Option(
         help="scheduling policy (default ours-lane; docs/policies.md)")] = None,
+    wait_ready: Annotated[bool | None, typer.Option(
+        "--wait-ready/--no-wait-ready",
+        help="open the port only once the pool's initial engines are up (exit 3 if none "
+        "comes up); default: open it at once, GET /ready answers 503 until then "
+        "(ROLLOUT_GATEWAY_SERVER__WAIT_READY)")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
-    """Run the gateway."""
+    """Run the gateway. With a pool, a log line says when its engines are up."""
     import uvicorn
 
     from gateway.app import create_app
 
     base = Settings()
     settings = base.model_copy(update={
-        "server": base.server.model_copy(update={"host": host, "port": port}),
+        "server": base.server.model_copy(update={
+            "host": host, "port": port,
+            **({"wait_ready": wait_ready} if wait_ready is not None else {})}),
         **({"backends": Settings(backends=backend).backends} if backend else {}),
         **({"pool": pool} if pool else {}),
         **({"database_url": database_url} if database_url else {}),

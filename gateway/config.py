@@ -104,6 +104,10 @@ class ServerSettings(BaseModel):
         4096, ge=0, description="LLM calls admitted at once (queued or running); more are "
         "answered 503 with Retry-After. 0: no limit")
     overload_retry_after_s: float = Field(1.0, ge=0)
+    wait_ready: bool = Field(
+        False, description="open the HTTP port only once the managed pool is ready (its "
+        "initial layout started and an engine up; `serve --wait-ready`); startup fails if no "
+        "engine of it came up. Off: the port opens at once and GET /ready says when")
     shutdown_delay_s: float = Field(
         2.0, ge=0, description="after SIGTERM, keep serving this long with /health at 503 so "
         "load balancers stop sending, then stop accepting")

@@ -12,16 +12,26 @@ from starlette.responses import JSONResponse, Response
 from gateway.api.deps import get_rt
 from gateway.api.snapshot import backend_row, live_view, phase_counts
 from gateway.policies.registry import LIVE_NAMES
+from gateway.readiness import readiness
 from gateway.runtime import Runtime
 
 router = APIRouter(tags=["status"])
 
 
-@router.get("/health", summary="Readiness: 200 while serving, 503 while shutting down")
+@router.get("/health", summary="Liveness: 200 while serving (engines up or not), 503 while "
+            "shutting down; the body says whether the pool is ready")
 async def health(rt: Runtime = Depends(get_rt)) -> Response:
     healthy = sum(1 for b in rt.registry if b.routable)
-    body = {"status": "ok" if rt.ready else "shutting_down", "backends_routable": healthy}
+    body = {"status": "ok" if rt.ready else "shutting_down", "backends_routable": healthy,
+            "ready": readiness(rt).to_dict()}
     return JSONResponse(body, status_code=200 if rt.ready else 503)
+
+
+@router.get("/ready", summary="Readiness: 200 once the pool's initial engines are up, 503 "
+            "before (and while shutting down)")
+async def ready(rt: Runtime = Depends(get_rt)) -> Response:
+    state = readiness(rt)
+    return JSONResponse(state.to_dict(), status_code=200 if state.ready else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

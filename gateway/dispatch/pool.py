@@ -93,6 +93,7 @@ class PoolManager:
         self.active: list[Slot] = list(self.inventory)
         self.instances: dict[str, PoolInstance] = {}
         self.planned: list[InstanceSpec] = []  # the target of the last accepted job
+        self.initial: Job | None = None  # the job that starts the spec's layout (readiness)
         self._lock = asyncio.Lock()
         self._restarting = 0
         self._watch: asyncio.Task[None] | None = None
@@ -111,7 +112,8 @@ class PoolManager:
     def start(self) -> Job:
         """Bring up the spec's initial layout and start crash detection."""
         self._watch = asyncio.create_task(self._watch_loop(), name="pool-watch")
-        return self._submit("initial", {"layout": "from spec"}, self.initial_specs())
+        self.initial = self._submit("initial", {"layout": "from spec"}, self.initial_specs())
+        return self.initial
 
     def initial_specs(self) -> list[InstanceSpec]:
         ls = self.spec.launcher
