@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api import admin, count_tokens, openai, policy, status, trajectories, web
+from gateway.api import admin, count_tokens, groups, openai, policy, status, trajectories, web
 from gateway.config import Settings
 from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
@@ -65,6 +65,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, count_tokens, trajectories, admin, policy, status, web):
+    for module in (openai, count_tokens, trajectories, groups, admin, policy, status, web):
         app.include_router(module.router)
     return app

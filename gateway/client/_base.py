@@ -15,7 +15,12 @@ from urllib.parse import quote
 
 import httpx
 
-from gateway.client.errors import GatewayConnectionError, raise_for_response
+from gateway.client.errors import (
+    GatewayConnectionError,
+    GatewayHTTPError,
+    WaitTimeout,
+    raise_for_response,
+)
 from gateway.client.types import JobInfo, TrajectoryInfo, sample_from_json, samples_from_json
 from gateway.store.samples import Sample
 from gateway.trajectories.tagging import ID_PATTERN
@@ -26,6 +31,9 @@ T = TypeVar("T")
 Branches = Literal["all", "main", "longest"]
 PAGE = 1000  # rows per GET /trajectories page
 DEFAULT_TIMEOUT_S = 30.0
+#: seconds one request to ``GET /groups/{id}/samples`` waits on the server; a longer
+#: wait is several of them, so no idle connection outlives a proxy's timeout
+LONG_POLL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +129,16 @@ class Endpoints:
     def branch_samples(trajectory_id: str, branches: Branches) -> Request[list[Sample]]:
         return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/samples",
                        samples_from_json, params={"branches": branches})
+
+    @staticmethod
+    def group_samples(group_id: str, count: int | None, *, wait_s: float,
+                      branches: Branches) -> Request[list[Sample]]:
+        """One long poll of ``GET /groups/{id}/samples`` (answers 408 after ``wait_s``)."""
+        params: dict[str, Any] = {"timeout_s": round(wait_s, 3), "branches": branches}
+        if count is not None:
+            params["count"] = count
+        return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/samples",
+                       samples_from_json, params=params, timeout=wait_s + DEFAULT_TIMEOUT_S)
 
     @staticmethod
     def pause(*, mode: str | None, wait_idle: bool, timeout_s: float
@@ -228,6 +246,22 @@ def connection_error(req: Request[Any], base_url: str, exc: httpx.TransportError
                      ) -> GatewayConnectionError:
     return GatewayConnectionError(
         f"{req.method} {base_url}{req.path} failed: {type(exc).__name__}: {exc}")
+
+
+def long_poll_s(deadline: float, now: float) -> float:
+    """How long the next ``GET /groups/{id}/samples`` may wait on the server."""
+    return min(LONG_POLL_S, max(0.0, deadline - now))
+
+
+def group_timeout(exc: GatewayHTTPError, group_id: str, count: int | None,
+                  timeout_s: float) -> WaitTimeout | None:
+    """The :class:`WaitTimeout` that the group route's 408 (fewer than ``count``
+    finished) becomes, with the finished ids; ``None`` for any other error."""
+    if exc.status_code != 408 or not isinstance(exc.detail, dict):
+        return None
+    ids = [str(i) for i in exc.detail.get("trajectory_ids") or ()]
+    return WaitTimeout(f"group {group_id!r}: {len(ids)} of {count} finished after "
+                       f"{timeout_s:g} s", finished=ids)
 
 
 def pending(ids: Iterable[str], done: dict[str, TrajectoryInfo]) -> list[str]:

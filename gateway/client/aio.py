@@ -18,10 +18,18 @@ from gateway.client._base import (
     Endpoints,
     Request,
     connection_error,
+    group_timeout,
+    long_poll_s,
     parse,
     pending,
 )
-from gateway.client.errors import GatewayClientError, JobFailed, NotFoundError, WaitTimeout
+from gateway.client.errors import (
+    GatewayClientError,
+    GatewayHTTPError,
+    JobFailed,
+    NotFoundError,
+    WaitTimeout,
+)
 from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, waiting_for_weights
 from gateway.store.samples import Sample
 
@@ -153,11 +161,19 @@ class AsyncRolloutClient:
     async def fetch_group(self, group_id: str, count: int | None = None, *,
                           timeout_s: float = 600.0, branches: Branches = "all"
                           ) -> SampleBatch:
-        if count is None:
-            infos = await self.list_trajectories(group_id=group_id, finished=True)
-        else:
-            infos = await self.wait_for_group(group_id, count, timeout_s=timeout_s)
-        return await self.samples((i.id for i in infos), branches=branches)
+        """See :meth:`gateway.client.RolloutClient.fetch_group` (one long poll at a time)."""
+        deadline = _now() + timeout_s
+        while True:
+            req = Endpoints.group_samples(group_id, count, branches=branches,
+                                          wait_s=long_poll_s(deadline, _now()))
+            try:
+                return SampleBatch(await self._send(req))
+            except GatewayHTTPError as exc:
+                timeout = group_timeout(exc, group_id, count, timeout_s)
+                if timeout is None:
+                    raise
+                if _now() >= deadline:
+                    raise timeout from None
 
     # -- weight sync -------------------------------------------------------------------
 

@@ -18,10 +18,18 @@ from gateway.client._base import (
     Endpoints,
     Request,
     connection_error,
+    group_timeout,
+    long_poll_s,
     parse,
     pending,
 )
-from gateway.client.errors import GatewayClientError, JobFailed, NotFoundError, WaitTimeout
+from gateway.client.errors import (
+    GatewayClientError,
+    GatewayHTTPError,
+    JobFailed,
+    NotFoundError,
+    WaitTimeout,
+)
 from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, waiting_for_weights
 from gateway.store.samples import Sample
 
@@ -150,12 +158,22 @@ class RolloutClient:
 
     def fetch_group(self, group_id: str, count: int | None = None, *,
                     timeout_s: float = 600.0, branches: Branches = "all") -> SampleBatch:
-        """Samples of a group's finished trajectories; with ``count``, wait for that many."""
-        if count is None:
-            infos = self.list_trajectories(group_id=group_id, finished=True)
-        else:
-            infos = self.wait_for_group(group_id, count, timeout_s=timeout_s)
-        return self.samples((i.id for i in infos), branches=branches)
+        """Samples of a group's finished trajectories (each one's branches together, by
+        creation time); with ``count``, wait until that many are finished. The gateway
+        waits and answers the whole group at once (``GET /groups/{id}/samples``).
+        Raises :class:`WaitTimeout` (``finished``: the ids) when ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            req = Endpoints.group_samples(group_id, count, branches=branches,
+                                          wait_s=long_poll_s(deadline, time.monotonic()))
+            try:
+                return SampleBatch(self._send(req))
+            except GatewayHTTPError as exc:
+                timeout = group_timeout(exc, group_id, count, timeout_s)
+                if timeout is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise timeout from None
 
     # -- weight sync -------------------------------------------------------------------
 

@@ -1,0 +1,102 @@
+"""Group API: wait for a GRPO group to finish and answer all its samples in one response.
+
+``GET /groups/{group_id}/samples?count=N&timeout_s=T`` holds the request (a bounded long
+poll) until ``N`` trajectories of the group are finished, then answers the samples of
+every finished trajectory of the group, each trajectory's branches together (as
+``GET /trajectories/{id}/samples`` gives them). A trainer thus makes one request per
+group instead of one list poll per interval and one sample request per trajectory. When
+``T`` seconds pass first the answer is 408 with how many had finished; the client asks
+again until its own deadline. Without ``count`` it answers at once with what is finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+
+from gateway.api.deps import get_rt
+from gateway.errors import Conflict
+from gateway.runtime import Runtime
+from gateway.store import queries
+from gateway.store.samples import Sample, build_samples
+from gateway.trajectories.tagging import validate_id
+
+router = APIRouter(prefix="/groups", tags=["groups"])
+DRAIN_TIMEOUT_S = 5.0
+POLL_S = 0.1  # how often a waiting request looks at the store
+MAX_COUNT = 10_000  # trajectories one answer may wait for
+MAX_WAIT_S = 600.0
+
+_TIMEOUT_DOC = {"description": "``count`` trajectories were not finished within "
+                "``timeout_s``: ``{detail, group_id, count, finished, trajectory_ids}`` "
+                "(the ids of those finished)"}
+
+
+async def _finished(rt: Runtime, group_id: str) -> list[str]:
+    await rt.writer.drain(DRAIN_TIMEOUT_S)
+    async with rt.sessionmaker() as session:
+        return await queries.finished_trajectory_ids(session, group_id=group_id,
+                                                     limit=MAX_COUNT)
+
+
+async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
+                         current_version: str) -> tuple[list[str], list[Sample]]:
+    """The trajectory ids by creation time, and the samples of their latest attempts in
+    that order, each one's branches together (the writer was drained just before)."""
+    out: list[tuple[Any, str, list[Sample]]] = []
+    async with rt.sessionmaker() as session:
+        for tid in ids:
+            traj = await queries.get_trajectory(session, trajectory_id=tid)
+            if traj is None:
+                continue
+            calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
+            built = build_samples(traj, calls, branches=branches,
+                                  current_version=current_version)
+            out.append((traj.created_at, tid, built))
+    out.sort(key=lambda row: (row[0], row[1]))
+    return [tid for _, tid, _ in out], [s for _, _, built in out for s in built]
+
+
+@router.get("/{group_id}/samples", summary="Wait until a group has `count` finished "
+            "trajectories, then every branch of each as a training sample",
+            responses={408: _TIMEOUT_DOC})
+async def group_samples(
+    group_id: str,
+    count: int | None = Query(None, ge=1, le=MAX_COUNT, description="wait until this many "
+                              "of the group's trajectories are finished (default: answer "
+                              "at once with those finished)"),
+    timeout_s: float = Query(30.0, ge=0, le=MAX_WAIT_S, description="how long to wait; "
+                             "then 408 with how many were finished"),
+    branches: Literal["all", "main", "longest"] = Query(
+        "all", description="all branches, the main one, or the one with the most "
+        "generated tokens (docs/token-capture.md)"),
+    max_staleness: int | None = Query(None, ge=0, description="answer 409 if a "
+                                      "generated token is more versions behind than this"),
+    current_version: str | None = Query(None, max_length=128, description="staleness is "
+                                        "measured against this (default: the gateway's "
+                                        "weight version)"),
+    rt: Runtime = Depends(get_rt),
+) -> Any:
+    validate_id(group_id, what="group_id")
+    deadline = time.monotonic() + timeout_s
+    while len(ids := await _finished(rt, group_id)) < (count or 0):
+        if time.monotonic() >= deadline:
+            return JSONResponse(status_code=408, content={
+                "detail": f"group {group_id!r}: {len(ids)} of {count} trajectories "
+                          f"finished after {timeout_s:g} s",
+                "group_id": group_id, "count": count, "finished": len(ids),
+                "trajectory_ids": ids})
+        await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    ordered, built = await _group_samples(
+        rt, ids, branches=branches, current_version=current_version or rt.weight_version)
+    stale = max((s.max_staleness or 0 for s in built), default=0)
+    if max_staleness is not None and stale > max_staleness:
+        raise Conflict(f"group {group_id!r} is {stale} versions stale (bound "
+                       f"{max_staleness})", param="max_staleness")
+    return {"object": "list", "group_id": group_id, "finished": len(ordered),
+            "trajectory_ids": ordered, "data": [dataclasses.asdict(s) for s in built]}
