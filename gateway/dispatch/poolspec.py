@@ -18,12 +18,20 @@ path never pulls in Ray or vLLM.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from backends.base import Launcher
 from gateway.dispatch.layout import InstanceRequest, Slot, place
@@ -91,6 +99,14 @@ class VLLMOptions(_Strict):
     state_dir: Path | None = Field(
         None, description="where each engine's record is kept, so that a restarted gateway "
         "stops the engines a dead one left (default ~/.local/state/rollout-gateway/engines)")
+
+    @field_validator("python", "model_path", "log_dir", "state_dir")
+    @classmethod
+    def _home(cls, value: Any) -> Any:
+        """``~/...`` paths name the home of the user running the gateway."""
+        if isinstance(value, Path):
+            return value.expanduser()
+        return os.path.expanduser(value) if isinstance(value, str) else value
 
 
 class SimLauncherSpec(SimOptions):

@@ -3,7 +3,10 @@
 It takes the launcher's argv (``--port``, ``--served-model-name``; the rest is ignored),
 starts an "engine core" child with ``multiprocessing`` (spawn, as vLLM does, so there is
 a resource tracker too), then answers ``/health``, ``/v1/models``, ``/metrics`` and
-non-streamed chat completions in vLLM's shape. Environment knobs (set through the pool
+non-streamed chat completions in vLLM's shape, and, as vLLM does only when started with
+``VLLM_SERVER_DEV_MODE=1``, its weight-version and pause routes (``/weight_info``,
+``/update_weight_version``, ``/is_paused``; the other control routes just answer 200).
+Environment knobs (set through the pool
 spec's ``launcher.env``): ``STANDIN_DELAY_S`` seconds before it binds its port (vLLM
 loading), ``STANDIN_EXIT`` an exit status to leave with at once (a start that fails).
 The engine core does not watch its parent: when the API server dies it lives on, as an
@@ -27,7 +30,12 @@ def engine_core() -> None:
         time.sleep(1)
 
 
-def handler(model: str) -> type[BaseHTTPRequestHandler]:
+CONTROL = ("/pause", "/resume", "/abort_requests", "/collective_rpc", "/reset_prefix_cache")
+
+
+def handler(model: str, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
+    weights = {"weight_version": "default"}
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
             pass
@@ -43,6 +51,10 @@ def handler(model: str) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._json({"object": "list", "data": [{"id": model, "object": "model"}]})
+            elif dev_mode and self.path == "/weight_info":
+                self._json(weights)
+            elif dev_mode and self.path == "/is_paused":
+                self._json({"is_paused": False})
             elif self.path in ("/health", "/metrics"):
                 self.send_response(200)
                 self.send_header("content-length", "0")
@@ -51,7 +63,15 @@ def handler(model: str) -> type[BaseHTTPRequestHandler]:
                 self.send_error(404)
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            route = self.path.split("?")[0]
+            if dev_mode and route == "/update_weight_version":
+                weights["weight_version"] = json.loads(body)["new_version"]
+                self._json({"success": True, **weights})
+                return
+            if dev_mode and route in CONTROL:
+                self._json({"success": True})
+                return
             if self.path != "/v1/chat/completions":
                 self.send_error(404)
                 return
@@ -82,7 +102,9 @@ def main() -> None:
     core = multiprocessing.get_context("spawn").Process(target=engine_core, daemon=False)
     core.start()
     time.sleep(float(os.environ.get("STANDIN_DELAY_S") or 0))
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(args.served_model_name))
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    server = ThreadingHTTPServer(("127.0.0.1", args.port),
+                                 handler(args.served_model_name, dev_mode))
     print(f"stand-in engine {os.getpid()} (core {core.pid}) on port {args.port}", flush=True)
     server.serve_forever()
 

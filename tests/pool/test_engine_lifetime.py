@@ -10,87 +10,32 @@ the reaper find them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from backends.engine_guard import tagged
-from tests.reliability.procs import Child
-from tests.servers import free_port
-
-STANDIN = Path(__file__).with_name("standin_engine.py")
-ADMIN = {"Authorization": "Bearer tok"}
-Start = Callable[..., Child]
-
-
-def pool_spec(tmp_path: Path, python: str, *, env: dict[str, str] | None = None,
-              count: int = 2, max_restarts: int = 3) -> Path:
-    """A CPU pool of ``count`` TP1 engines run by ``python`` (the stand-in or vLLM)."""
-    spec = {
-        "model": "tiny", "inventory": {"gpus": count},
-        "launcher": {"kind": "vllm", "python": python, "device": "cpu",
-                     "start_timeout_s": 300, "env": env or {},
-                     "log_dir": str(tmp_path / "logs"), "state_dir": str(tmp_path / "state")},
-        "layout": [{"tp": 1, "count": count}], "check_interval_s": 0.2,
-        "restart": {"max_restarts": max_restarts, "backoff_s": 0.2},
-    }
-    path = tmp_path / "pool.json"
-    path.write_text(json.dumps(spec))
-    return path
-
-
-def standin_python(tmp_path: Path) -> str:
-    """An executable the launcher runs as its "python": the stand-in engine."""
-    path = tmp_path / "standin-python"
-    path.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
-    path.chmod(0o755)
-    return str(path)
-
-
-def records(state_dir: Path) -> dict[str, dict[str, Any]]:
-    """The engine records in ``state_dir`` by tag."""
-    if not state_dir.is_dir():
-        return {}
-    return {p.stem: json.loads(p.read_text()) for p in state_dir.glob("*.json")}
-
-
-def processes(tags: Iterator[str] | list[str]) -> list[int]:
-    return [pid for tag in tags for pid in tagged(tag)]
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.1)
+from tests.pool.lifetime import (
+    ADMIN,
+    Start,
+    gateways,
+    pool_spec,
+    processes,
+    records,
+    standin_python,
+    wait_for,
+)
 
 
 @pytest.fixture
 def start_gateway(tmp_path: Path) -> Iterator[Start]:
-    """``start_gateway(spec, name, *args)``: a ``serve`` child (SIGKILLed at the end)."""
-    children: list[Child] = []
-    db = f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}"
-
-    def start(spec: Path, name: str, *args: str) -> Child:
-        port = free_port()
-        child = Child(["serve", "--port", str(port), "--pool", str(spec), "--database-url", db,
-                       *args], port, log=tmp_path / f"{name}.log",
-                      env={"ROLLOUT_GATEWAY_SERVER__SHUTDOWN_DELAY_S": "0",
-                           "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok"})
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.stop()
+    with gateways(tmp_path) as start:
+        yield start
 
 
 def test_a_sigkilled_gateway_takes_its_engines_with_it(
@@ -105,7 +50,8 @@ def test_a_sigkilled_gateway_takes_its_engines_with_it(
 
     gw.proc.send_signal(signal.SIGKILL)  # as an OOM kill or a crash would
     gw.proc.wait(10)
-    wait_for(lambda: not processes(tags), 20, f"engines gone: {processes(tags)}")
+    took = wait_for(lambda: not processes(tags), 20, f"engines gone: {processes(tags)}")
+    print(f"every process of both engines gone {took:.2f} s after the gateway's kill -9")
     wait_for(lambda: not records(state), 5, "the guards removed their records")
     for log in (tmp_path / "logs").iterdir():
         assert "the gateway is gone" in log.read_text(), log
