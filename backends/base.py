@@ -30,7 +30,12 @@ class InstanceState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """What to run: one server over ``gpus`` with tensor parallelism ``tp``."""
+    """What to run: one server over ``gpus`` with tensor parallelism ``tp``.
+
+    ``weights_path``: the checkpoint the server loads at start instead of the launcher's
+    model (the pool's current weights after an update; None: the launcher's default).
+    It is not part of the placement: the pool sets it when it starts the instance.
+    """
 
     id: str
     model: str
@@ -38,6 +43,7 @@ class InstanceSpec:
     gpus: tuple[int, ...] = ()
     node: str = "local"
     extra_args: tuple[str, ...] = ()
+    weights_path: str | None = None
 
 
 @dataclass(slots=True)

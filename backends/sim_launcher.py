@@ -35,7 +35,8 @@ class SimLauncher(_SimLauncher):
     def config_for(self, spec: InstanceSpec) -> SimServerConfig:
         seed = self.template.seed + sum(map(ord, spec.id))
         return dataclasses.replace(self.template, tp=spec.tp, served_model_name=spec.model,
-                                   seed=seed)
+                                   seed=seed, weights_path=spec.weights_path
+                                   or self.template.weights_path)
 
     async def crash(self, instance: LaunchedInstance) -> None:
         """End the server without telling anyone (its ``alive`` turns false)."""

@@ -228,10 +228,12 @@ class LocalVLLMLauncher:
     # -- building the process ---------------------------------------------------------
 
     def command(self, spec: InstanceSpec, port: int) -> list[str]:
-        """The argv that starts ``spec`` on ``port``."""
+        """The argv that starts ``spec`` on ``port``: on ``spec.weights_path`` when the pool
+        set one (its current weights), with the launcher model's tokenizer."""
+        base = self.model_path or spec.model
         argv = [
             self.python, "-m", API_SERVER_MODULE,
-            "--model", self.model_path or spec.model,
+            "--model", spec.weights_path or base,
             "--served-model-name", self.served_model_name or spec.model,
             "--host", self.host,
             "--port", str(port),
@@ -241,6 +243,8 @@ class LocalVLLMLauncher:
             "--enable-prompt-tokens-details",
             "--disable-access-log-for-endpoints", "/health,/metrics",
         ]  # fmt: skip
+        if spec.weights_path and spec.weights_path != base:  # a checkpoint may lack one
+            argv += ["--tokenizer", base]
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         return [*argv, *self.extra_args, *spec.extra_args]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.sim.clock import Clock
 from backends.sim.engine import EngineCore
@@ -42,6 +43,18 @@ class RequestHandle:
     num_generated: int = 0
     finish: FinishReason | None = None
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    #: ``[start, end, weight version]`` over the delivered output tokens, as vLLM's
+    #: output processor tracks them (``weight_version_starts``)
+    spans: list[list[Any]] = field(default_factory=list)
+
+    def delivered(self, n: int, version: str) -> None:
+        """``n`` more tokens reached the client, made by the weights labelled ``version``."""
+        start = self.num_generated
+        self.num_generated += n
+        if self.spans and self.spans[-1][2] == version:
+            self.spans[-1][1] = self.num_generated
+        else:
+            self.spans.append([start, self.num_generated, version])
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas until (and including) the one that finishes the request."""
@@ -71,6 +84,11 @@ class SimEngine:
         self.paused = False
         self._resumed = asyncio.Event()
         self._resumed.set()
+        #: the label of the weights the steps run with (vLLM ``/weight_info``)
+        self.weight_version = "default"
+        #: clear while a batch of steps has run and its tokens are not delivered yet
+        self._delivered = asyncio.Event()
+        self._delivered.set()
 
     async def submit(self, req: SimRequest) -> RequestHandle:
         """Queue a request after the per-request API overhead; ValueError if it can't fit."""
@@ -93,6 +111,23 @@ class SimEngine:
         """Stop stepping after the current batch; requests stay queued (vLLM ``keep``)."""
         self.paused = True
         self._resumed.clear()
+
+    async def settled(self) -> None:
+        """Return once the tokens of the steps already run are delivered (vLLM answers a
+        pause once its output queue is empty)."""
+        await self._delivered.wait()
+
+    def abort_ids(self, request_ids: set[str]) -> int:
+        """Finish the requests whose id (or id before ``-<choice>``) is in
+        ``request_ids`` with ``abort`` and the tokens delivered so far."""
+        found = [h for rid, h in self._handles.items()
+                 if rid in request_ids or rid.rsplit("-", 1)[0] in request_ids]
+        for handle in found:
+            del self._handles[handle.request.id]
+            self.core.abort(handle.request.id)
+            handle.finish = FinishReason.ABORT
+            handle.queue.put_nowait(Delta(0, FinishReason.ABORT))
+        return len(found)
 
     def abort_in_flight(self) -> int:
         """Finish every request with ``abort`` and the tokens it has so far delivered;
@@ -130,10 +165,15 @@ class SimEngine:
                 self.lag_s += now - t_free - self.tick_s
                 t_free = now - self.tick_s
             start = t_free
+            version = self.weight_version  # it only changes while paused, between batches
             batch = self._run_batch()
             t_free = start + sum(o.duration_s for o in batch)
-            await self.clock.sleep(t_free - self.clock.now())
-            self._deliver(batch, start)
+            self._delivered.clear()
+            try:
+                await self.clock.sleep(t_free - self.clock.now())
+                self._deliver(batch, start, version)
+            finally:
+                self._delivered.set()
 
     def _run_batch(self) -> list[StepOutput]:
         batch: list[StepOutput] = []
@@ -144,7 +184,7 @@ class SimEngine:
             elapsed += out.duration_s
         return batch
 
-    def _deliver(self, batch: list[StepOutput], start: float) -> None:
+    def _deliver(self, batch: list[StepOutput], start: float, version: str) -> None:
         pending: dict[str, tuple[RequestHandle, Delta]] = {}
         t = start
         for out in batch:
@@ -155,7 +195,7 @@ class SimEngine:
                     continue
                 if handle.first_token_at is None:
                     handle.first_token_at = t
-                handle.num_generated += n
+                handle.delivered(n, version)
                 pending.setdefault(rid, (handle, Delta(0)))[1].num_new += n
             for rid, reason in out.finished:
                 handle = self._handles.pop(rid, None)

@@ -41,7 +41,9 @@ class SimLauncher:
 
     def config_for(self, spec: InstanceSpec) -> SimServerConfig:
         seed = self.template.seed + sum(map(ord, spec.id))
-        return dataclasses.replace(self.template, model=spec.model, tp=spec.tp, seed=seed)
+        return dataclasses.replace(self.template, model=spec.model, tp=spec.tp, seed=seed,
+                                   weights_path=spec.weights_path
+                                   or self.template.weights_path)
 
     async def start(self, spec: InstanceSpec) -> LaunchedInstance:
         try:

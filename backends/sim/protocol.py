@@ -31,6 +31,8 @@ class _Body(BaseModel):
     return_token_ids: bool = False
     priority: int = 0
     seed: int | None = None
+    #: vLLM's request id (``chatcmpl-<request_id>``), e.g. to abort it by name
+    request_id: str | None = None
 
     @property
     def stop_list(self) -> list[str]:

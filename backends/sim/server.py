@@ -153,7 +153,8 @@ async def chat_completions(request: Request) -> Response:
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                                tool_call=call, stop=body.stop_list)
         choices.append(Choice.plan(sim.tok, i, comp, seed))
-    shape = ResponseShape(sim.tok, sim.new_id("chatcmpl"), sim.config.served_name, prompt_ids,
+    rid = sim.new_id("chatcmpl", body.request_id)
+    shape = ResponseShape(sim.tok, rid, sim.config.served_name, prompt_ids,
                           chat=True, logprobs=body.logprobs,
                           top_logprobs=body.top_logprobs or 0,
                           return_token_ids=body.return_token_ids)
@@ -229,7 +230,8 @@ async def completions(request: Request) -> Response:
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                                stop=body.stop_list)
         choices.append(Choice.plan(sim.tok, i, comp, seed))
-    shape = ResponseShape(sim.tok, sim.new_id("cmpl"), sim.config.served_name, prompt_ids,
+    rid = sim.new_id("cmpl", body.request_id)
+    shape = ResponseShape(sim.tok, rid, sim.config.served_name, prompt_ids,
                           chat=False, logprobs=body.logprobs is not None,
                           top_logprobs=body.logprobs or 0,
                           return_token_ids=body.return_token_ids)

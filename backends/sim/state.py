@@ -57,6 +57,9 @@ class SimServerConfig:
     tick_real_s: float = 0.01
     #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
     latency: LatencyProfile | None = None
+    #: the checkpoint it "loads" at start (a simulated server has no weights; this is what
+    #: it reports, as vLLM's ``/v1/models`` root names the model it loaded)
+    weights_path: str | None = None
 
     @property
     def served_name(self) -> str:
@@ -87,10 +90,20 @@ class SimState:
         self.seen: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.num_requests = 0
         self.num_disconnects = 0
-        self.weight_version = ""
+        self.weights_path = config.weights_path
         self.num_pauses = 0
         self.num_pause_aborts = 0
         self.num_reloads = 0
+        self._seen_by_id: dict[str, dict[str, Any]] = {}
+
+    @property
+    def weight_version(self) -> str:
+        """The engine's weight label (vLLM ``/weight_info``; ``"default"`` until set)."""
+        return self.engine.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.engine.weight_version = version
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_name:
@@ -118,14 +131,19 @@ class SimState:
         return max(1, round(rng.lognormvariate(math.log(c.output_len_median),
                                                c.output_len_sigma)))
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def new_id(self, prefix: str, given: str | None = None) -> str:
+        """A response id: ``<prefix>-<given>`` (vLLM's for a ``request_id``), or random."""
+        return f"{prefix}-{given or uuid.uuid4().hex}"
 
     def record_seen(self, rid: str, body: _Body, prompt_len: int, max_tokens: int) -> None:
         self.num_requests += 1
-        self.seen.append({"id": rid, "priority": body.priority, "prompt_tokens": prompt_len,
-                          "max_tokens": max_tokens, "n": body.n, "stream": body.stream,
-                          "ignore_eos": body.ignore_eos})
+        if len(self.seen) == self.seen.maxlen:
+            self._seen_by_id.pop(self.seen[0]["id"], None)
+        entry = {"id": rid, "priority": body.priority, "prompt_tokens": prompt_len,
+                 "max_tokens": max_tokens, "n": body.n, "stream": body.stream,
+                 "ignore_eos": body.ignore_eos, "weight_spans": []}
+        self.seen.append(entry)
+        self._seen_by_id[rid] = entry
 
     async def submit(self, rid: str, prompt_ids: list[int], choices: list[Choice],
                      priority: int) -> None:
@@ -133,6 +151,9 @@ class SimState:
             req = SimRequest(f"{rid}-{c.index}", prompt_ids, max_tokens=len(c.comp.ids),
                              ignore_eos=True, priority=priority, output_ids=c.comp.ids)
             c.handle = await self.engine.submit(req)
+            entry = self._seen_by_id.get(rid)
+            if entry is not None and c.index == 0:  # the spans fill in as tokens go out
+                entry["weight_spans"] = c.handle.spans
 
         try:
             await asyncio.gather(*(one(c) for c in choices))
@@ -159,6 +180,6 @@ class SimState:
             "requests_total": self.num_requests, "lag_s": self.engine.lag_s,
             "paused": self.engine.paused, "pauses": self.num_pauses,
             "pause_aborts": self.num_pause_aborts, "reloads": self.num_reloads,
-            "weight_version": self.weight_version,
+            "weight_version": self.weight_version, "weights_path": self.weights_path,
             "requests_seen": list(self.seen),
         }

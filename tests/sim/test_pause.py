@@ -107,7 +107,7 @@ async def test_wait_returns_after_in_flight_calls_finish(url: str) -> None:
 
 async def test_version_routes_and_bad_input(url: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        assert (await http.get("/weight_info")).json() == {"weight_version": ""}
+        assert (await http.get("/weight_info")).json() == {"weight_version": "default"}
         r = await http.post("/update_weight_version", json={"new_version": "v7"})
         assert r.json() == {"success": True, "new_version": "v7"}
         assert (await http.get("/weight_info")).json() == {"weight_version": "v7"}
@@ -116,3 +116,41 @@ async def test_version_routes_and_bad_input(url: str) -> None:
         assert (await http.post("/update_weight_version", json={})).status_code == 400
         rpc = await http.post("/collective_rpc", json={"method": "reload_weights"})
         assert rpc.status_code == 200
+
+
+async def test_abort_requests_by_id_while_frozen_and_weight_spans(url: str,
+                                                                 tmp_path: object) -> None:
+    """A keep pause, one request aborted by its vLLM id (the other stays frozen), a new
+    weight label, resume: each request's ``weight_spans`` say which label made which
+    delivered token, as vLLM's output processor tracks them."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        frozen = asyncio.create_task(http.post("/v1/completions", json={
+            **_body(300), "request_id": "keep-me"}))
+        gone = asyncio.create_task(http.post("/v1/completions", json={
+            **_body(300), "request_id": "abort-me"}))
+        await asyncio.sleep(0.3)
+        await http.post("/pause", params={"mode": "keep"})
+        r = await http.post("/abort_requests", json={"request_ids": ["cmpl-abort-me"]})
+        assert r.json() == {"status": "aborted", "aborted": 1}
+        aborted = (await gone).json()
+        assert aborted["id"] == "cmpl-abort-me"
+        k = len(aborted["choices"][0]["token_ids"])
+        assert aborted["choices"][0]["finish_reason"] == "abort" and 0 < k < 300
+        await http.post("/update_weight_version", json={"new_version": "v2"})
+        ckpt = tmp_path / "step-2"  # type: ignore[operator]
+        bad = await http.post("/collective_rpc", json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}})
+        assert bad.status_code == 500  # no such checkpoint: vLLM fails the same way
+        ckpt.mkdir()
+        ok = await http.post("/collective_rpc", json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}})
+        assert ok.status_code == 200
+        assert (await http.post("/reset_prefix_cache")).json() == {"success": True}
+        await http.post("/resume")
+        assert len((await frozen).json()["choices"][0]["token_ids"]) == 300
+        stats = (await http.get("/sim/stats")).json()
+    spans = {s["id"]: s["weight_spans"] for s in stats["requests_seen"]}
+    assert spans["cmpl-abort-me"] == [[0, k, "default"]]
+    (_, j, first), (j2, end, second) = spans["cmpl-keep-me"]
+    assert (first, second, j2, end) == ("default", "v2", j, 300) and 0 < j < 300
+    assert stats["weights_path"] == str(ckpt)
