@@ -209,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=Dataset.from_list(tasks(4 * args.groups * args.steps, args.seed)),
         rollout_func=gw.rollout_func,
         callbacks=[gw.callback(), AfterPush(gw, model_name, out)])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        gw.close()
     out.update(steps=[s.to_dict() for s in gw.steps], final_version=gw.version,
                initial_push=asdict(gw.pushes[0]),
                trl_log=[{k: v for k, v in row.items() if isinstance(v, int | float)}

@@ -5,11 +5,12 @@ the completion, the sampling logprobs and an ``env_mask`` (1 on tokens the model
 generated, 0 on tool output inside the completion). That is the gateway's sample of an
 agentic trajectory, so :class:`GatewayGRPO` plugs the gateway in with three objects::
 
-    gw = GatewayGRPO("http://gw:8000", my_agent, weights_dir="ckpt", admin_token=TOKEN)
-    trainer = GRPOTrainer(model, reward_funcs=gw.reward_func, args=config,
-                          train_dataset=prompts, rollout_func=gw.rollout_func,
-                          callbacks=[gw.callback()])
-    trainer.train()
+    with GatewayGRPO("http://gw:8000", my_agent, weights_dir="ckpt",
+                     admin_token=TOKEN) as gw:
+        trainer = GRPOTrainer(model, reward_funcs=gw.reward_func, args=config,
+                              train_dataset=prompts, rollout_func=gw.rollout_func,
+                              callbacks=[gw.callback()])
+        trainer.train()
 
 * ``rollout_func`` runs ``my_agent`` once per row of TRL's generation batch (TRL repeats
   each prompt ``num_generations`` times: each repetition is one trajectory, each prompt
@@ -44,7 +45,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar
 
 import torch
 from transformers import TrainerCallback
@@ -217,6 +219,17 @@ class GatewayGRPO:
         self.steps: list[StepRecord] = []
         self.pushes: list[Push] = []
         self._handed_at: float | None = None
+
+    def close(self) -> None:
+        """Close the blocking client (the async ones live for one step each)."""
+        self.client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     # -- rollouts ----------------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""``gateway.client.trl`` against a live gateway over simulated vLLM servers.
+
+TRL itself is not run here (tests/vllm/test_trl_grpo_vllm.py trains with it on a real
+engine): a stand-in with the attributes ``rollout_func`` reads plays the trainer. Checked:
+the rows TRL gets are the samples (prompt before the first completion, the rest with the
+loss mask as ``env_mask``), rows keep TRL's order and groups, rewards come from the
+gateway, a forked trajectory is refused or one branch picked and the rest counted, and a
+push saves the model and moves every engine to the next version.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.client import RolloutClient
+from gateway.client.trl import GatewayGRPO, Rollout
+from tests.client.conftest import ADMIN_TOKEN, MODEL, GatewayFactory
+
+pytest.importorskip("trl")  # the extra; the dev install has it
+
+
+def _trainer(generations: int, step: int = 0) -> Any:
+    return SimpleNamespace(num_generations=generations, num_generations_eval=generations,
+                           model=SimpleNamespace(training=True),
+                           state=SimpleNamespace(global_step=step))
+
+
+async def _two_turns(r: Rollout) -> float:
+    messages: list[Any] = [{"role": "user", "content": f"{r.prompt} ({r.index})"}]
+    async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+        for _ in range(2):
+            reply = await llm.chat.completions.create(model=MODEL, messages=messages,
+                                                      max_tokens=12)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "go on"}]
+    return float(r.index)
+
+
+async def _with_side_call(r: Rollout) -> float:
+    await _two_turns(r)
+    async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+        await llm.chat.completions.create(  # a title call: a branch of its own
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "a title?"}])
+    return 1.0
+
+
+class _Model:
+    def save_pretrained(self, path: Path) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text(json.dumps({"saved": True}))
+
+
+def test_rows_are_the_gateway_samples(gateway: GatewayFactory, sqlite_url: str,
+                                      tmp_path: Path) -> None:
+    with gateway(sqlite_url, admin_token=ADMIN_TOKEN) as gw_url, ExitStack() as closing:
+        gw = GatewayGRPO(gw_url, _two_turns, weights_dir=tmp_path, admin_token=ADMIN_TOKEN,
+                         run_id="t1")
+        closing.callback(gw.close)
+        prompts = ["sum 1 2", "sum 1 2", "sum 3 4", "sum 3 4"]
+        rows = gw.rollout_func(prompts, _trainer(2))
+        assert rows["trajectory_id"] == ["t1-s0-p0-0", "t1-s0-p0-1", "t1-s0-p1-0",
+                                         "t1-s0-p1-1"]
+        assert rows["gateway_reward"] == [0.0, 1.0, 0.0, 1.0]
+        assert gw.reward_func(prompts, [], rows["gateway_reward"]) == [0.0, 1.0, 0.0, 1.0]
+        with RolloutClient(gw_url, admin_token=ADMIN_TOKEN) as client:
+            for i, tid in enumerate(rows["trajectory_id"]):
+                (s,) = client.branch_samples(tid)
+                n = s.num_prompt_tokens
+                assert rows["prompt_ids"][i] == s.token_ids[:n]
+                assert rows["completion_ids"][i] == s.token_ids[n:]
+                assert rows["logprobs"][i] == s.logprobs[n:]
+                assert rows["env_mask"][i] == s.loss_mask[n:]
+                assert 0 in rows["env_mask"][i] and rows["env_mask"][i][0] == 1
+        (record,) = gw.steps
+        assert record.groups == ["t1-s0-p0", "t1-s0-p1"] and record.version == "0"
+        assert record.completion_tokens > 0
+        assert record.versions == {"0": record.completion_tokens}
+        assert record.off_version_tokens == record.dropped_tokens == 0
+        assert record.max_staleness == 0 and record.rollout_s > 0
+
+        push = gw.push(_Model())
+        assert push.version == "1" == gw.version and Path(push.path, "config.json").exists()
+        assert set(push.phases) >= {"pause", "update", "resume"}
+        status = httpx.get(f"{gw_url}/status", timeout=10).json()
+        assert status["weight_version"] == "1"
+        for b in status["backends"]:
+            info = httpx.get(f"{b['url']}/weight_info", timeout=10).json()
+            assert info["weight_version"] == "1"
+        rows = gw.rollout_func(prompts[:2], _trainer(2, step=1))
+        assert gw.steps[-1].versions == {"1": gw.steps[-1].completion_tokens}
+
+
+def test_a_forked_trajectory_is_refused_or_one_branch_kept(
+        gateway: GatewayFactory, sqlite_url: str, tmp_path: Path) -> None:
+    with gateway(sqlite_url) as gw_url, ExitStack() as closing:
+        strict = GatewayGRPO(gw_url, _with_side_call, weights_dir=tmp_path, run_id="t2")
+        closing.callback(strict.close)
+        with pytest.raises(ValueError, match=r"has 2 branches.*multi_branch"):
+            strict.rollout_func(["x", "x"], _trainer(2))
+        longest = GatewayGRPO(gw_url, _with_side_call, weights_dir=tmp_path, run_id="t3",
+                              multi_branch="longest")
+        closing.callback(longest.close)
+        rows = longest.rollout_func(["x", "x"], _trainer(2))
+        assert len(rows["completion_ids"]) == 2
+        assert longest.steps[-1].dropped_tokens > 0  # the title calls' tokens
