@@ -28,7 +28,7 @@ class CallContext:
     endpoint: str
     state: TrajectoryState
     body: dict[str, Any]
-    seq: int
+    seq: int  # provisional until the call is recorded (Tracker.record_seq)
     stream: bool
     arrived: float
     started_wall: float
@@ -96,6 +96,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
         completion=cap.token_ids, ok=status == "ok", turn=_turn_facts(ctx),
     )
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
+    ctx.seq = rt.tracker.record_seq(ctx.state)  # in placement order, gap-free
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
         attempt=ctx.state.attempt,

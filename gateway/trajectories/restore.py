@@ -133,7 +133,8 @@ def _state_of(point: queries.RestorePoint) -> TrajectoryState:
     created = min((c.started_at for c in calls), default=traj.created_at)
     state = TrajectoryState(traj.id, traj.group_id, created_at=created.timestamp(),
                             attempt=point.attempt)
-    state.turns = max((c.seq for c in calls), default=-1) + 1
+    state.recorded = max((c.seq for c in calls), default=-1) + 1
+    state.turns = state.recorded
     ok = [c for c in calls if c.status == "ok"]
     state.calls_done, state.calls_failed = len(ok), len(calls) - len(ok)
     lengths = [len(unpack_ids(c.completion_ids)) for c in ok]

@@ -40,7 +40,8 @@ class TrajectoryState:
     group_id: str | None
     created_at: float
     attempt: int = 0  # which run of this id (a finished id called again opens the next)
-    turns: int = 0
+    turns: int = 0  # calls that arrived in this attempt
+    recorded: int = 0  # calls recorded in this attempt: the next record's ``seq``
     calls_done: int = 0
     calls_failed: int = 0
     prompt_tokens: int = 0
@@ -221,15 +222,29 @@ class Tracker:
     def call_arrived(
         self, state: TrajectoryState, outcomes: list[ToolOutcome], now: float
     ) -> int:
-        """Register a new call; returns its sequence number within the trajectory."""
+        """Register a new call; returns its provisional number within the attempt (the
+        ``seq`` it gets if the calls before it are recorded first), for views and logs.
+        Its stored ``seq`` is given when its record is made (:meth:`record_seq`)."""
         if state.last_call_end is not None and not state.in_flight and not state.queued:
             state.tool_time_s += max(0.0, now - state.last_call_end)
             state.add_segment(2, state.last_call_end, now)
         state.outcomes.extend(outcomes)
         state.queued += 1
         state.view = None
-        seq = state.turns
         state.turns += 1
+        return state.recorded + state.queued + state.in_flight - 1
+
+    @staticmethod
+    def record_seq(state: TrajectoryState) -> int:
+        """The ``seq`` of the call being recorded now in ``state``'s attempt.
+
+        Numbers are given in the order calls are recorded, which is the order they were
+        placed in the tree (``call_finished``): a call that never reached a backend (the
+        client left while it was queued, it was refused) takes none, so the recorded calls
+        of an attempt are numbered 0, 1, 2, ... without gaps or repeats, and replaying them
+        in ``seq`` order rebuilds the tree they were placed in."""
+        seq = state.recorded
+        state.recorded += 1
         return seq
 
     def call_dispatched(
