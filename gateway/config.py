@@ -57,6 +57,24 @@ class TraceSettings(BaseModel):
     spool_max_bytes: int = Field(2 * 1024**3, ge=0)
 
 
+class RestoreSettings(BaseModel):
+    """How the first call of a trajectory the gateway does not hold (after a restart)
+    finds its state in the store (gateway/trajectories/restore.py). All in seconds."""
+
+    wait_s: float = Field(
+        10.0, gt=0, description="how long such a call waits for the store to say whether it "
+        "knows the trajectory (and for the trace writer to store what it still holds of "
+        "it); past it the call is answered 503 with Retry-After and not run, never served "
+        "as a new trajectory on a guess")
+    query_timeout_s: float = Field(
+        5.0, gt=0, description="one lookup query; a failed or timed-out query is tried "
+        "again on a fresh connection while calls still wait for it")
+    retry_after_s: float = Field(2.0, ge=0, description="the Retry-After of that 503")
+    batch_window_s: float = Field(
+        0.001, ge=0, description="the unknown ids arriving within this share one existence "
+        "query (a batch start of hundreds of new trajectories costs one query)")
+
+
 class DispatchSettings(BaseModel):
     """How the dispatcher holds calls it cannot place yet. All in seconds."""
 
@@ -163,6 +181,7 @@ class Settings(BaseSettings):
     traces: TraceSettings = TraceSettings()
     dispatch: DispatchSettings = DispatchSettings()
     capture: CaptureSettings = CaptureSettings()
+    restore: RestoreSettings = RestoreSettings()
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod

@@ -15,6 +15,8 @@
     +-- UpstreamError                 (502 bad_gateway: a backend failed)
     |   +-- UpstreamTimeout           (504 gateway_timeout)
     +-- NoBackendAvailable            (503 service_unavailable)
+    +-- StoreUnavailable              (503 with Retry-After: a trajectory's state could not
+                                       be read from the store; the call was not run)
 
 ``/v1/*`` routes answer in OpenAI's envelope ``{"error": {message, type, param, code}}``;
 every other route in FastAPI's ``{"detail": ...}``. The choice is made by path in one
@@ -135,6 +137,18 @@ class NoBackendAvailable(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
     code = "no_backend"
+
+
+class StoreUnavailable(GatewayError):
+    """The store could not say in time what it holds of a trajectory the gateway does not
+    (after a restart): the call is refused rather than run on a guess."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "store_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
 def openai_error_body(

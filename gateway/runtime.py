@@ -181,9 +181,11 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
             dispatcher=Dispatcher(registry, scheduler, settings=settings.dispatch),
             tracker=tracker, writer=writer, metrics=GatewayMetrics(),
             weight_version=settings.weight_version,
-            restorer=Restorer(tracker, sessionmaker, db_ok=lambda: writer.db_ok),
+            restorer=Restorer(tracker, sessionmaker, settings=settings.restore,
+                              written=lambda tid, t: writer.stored(tid, timeout_s=t)),
         )
         rt.metrics.add_collector(rt.collect)
+        stack.push_async_callback(rt.restorer.close)
         wire_scheduler(rt, scheduler)
         scheduler.start()
         stack.push_async_callback(scheduler.close)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,11 +25,15 @@ def default_spool_path(database_url: str) -> Path:
 
 
 class Spool:
-    """Blocking file operations: call them through ``asyncio.to_thread``."""
+    """Blocking file operations: call them through ``asyncio.to_thread``.
+
+    They take turns (a lock): a thread a cancelled task left running still finishes its
+    append before the next operation, so two never interleave in the file."""
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
+        self._lock = threading.Lock()
         self._offset_path = path.with_suffix(".offset")
         self.size = path.stat().st_size if path.exists() else 0
         self.offset = int(self._offset_path.read_text()) if self._offset_path.exists() else 0
@@ -41,6 +46,10 @@ class Spool:
 
     def append(self, records: Sequence[CallRecord]) -> int:
         """Append what fits under ``max_bytes``; returns how many records were kept."""
+        with self._lock:
+            return self._append(records)
+
+    def _append(self, records: Sequence[CallRecord]) -> int:
         lines = [orjson.dumps(r) + b"\n" for r in records]
         kept = 0
         budget = self.max_bytes - self.size
@@ -61,6 +70,10 @@ class Spool:
 
     def read(self, limit: int) -> tuple[list[CallRecord], int]:
         """Up to ``limit`` records from the replay position, and the position after them."""
+        with self._lock:
+            return self._read(limit)
+
+    def _read(self, limit: int) -> tuple[list[CallRecord], int]:
         records: list[CallRecord] = []
         with self.path.open("rb") as fh:
             fh.seek(self.offset)
@@ -76,6 +89,15 @@ class Spool:
 
     def commit(self, position: int) -> None:
         """Records before ``position`` are in the database; forget them."""
+        with self._lock:
+            self._commit(position)
+
+    def wait_idle(self) -> None:
+        """Return once no other operation is under way."""
+        with self._lock:
+            pass
+
+    def _commit(self, position: int) -> None:
         self.offset = position
         if self.offset >= self.size:
             self.path.unlink(missing_ok=True)

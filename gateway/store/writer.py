@@ -9,6 +9,17 @@ When the database is unreachable, nothing already accepted is lost: the failed b
 whatever queues up behind it move to a local spool file (off the event loop), which is
 replayed in order once the database answers again, and on the next start if the process
 stops first. Only a full spool (``spool_max_bytes``) drops records, and they are counted.
+
+What a killed process loses (SIGKILL, a crash, power) is what is only in memory: records
+in the queue and in the batch being written. A record waits there from its call's end
+until its batch is written: at most ``flush_interval_s`` (0.25 s by default) after the
+batch's first record, plus the insert itself; longer while the database is slow or holds
+a lock (the batch waits in memory until the write fails and moves to the spool, or ends).
+A graceful stop (SIGTERM) writes or spools everything.
+
+The restore after a restart reads the store, so it must not run ahead of this writer:
+:meth:`TraceWriter.stored` waits until a trajectory's records, and the spool an earlier
+process left, are in the database (gateway/trajectories/restore.py).
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
@@ -180,6 +191,11 @@ class TraceWriter:
         self._accepted = 0
         self._settled = 0
         self._progress = asyncio.Event()
+        # for the restore: records accepted and not yet in the database, by trajectory, and
+        # whether the spool an earlier process left has been written
+        self._unwritten: Counter[str] = Counter()
+        self._inherited = asyncio.Event()
+        self._landed = asyncio.Event()  # set whenever records reach the database (or are lost)
         self.written = 0
         self.dropped = 0
         self.rejected = 0
@@ -219,6 +235,7 @@ class TraceWriter:
                               self.dropped)
                 return False
             self._overflow.append(record)
+        self._unwritten[record.trajectory_id] += 1
         self._pending += 1
         self._accepted += 1
         self._idle.clear()
@@ -244,6 +261,32 @@ class TraceWriter:
             return False
         return True
 
+    async def stored(self, trajectory_id: str, *, timeout_s: float) -> bool:
+        """Wait until the database holds every record of ``trajectory_id`` this writer
+        accepted, and the spool an earlier process left behind. False on timeout.
+
+        A record counts once it is written, or lost for good (rejected by the database,
+        or dropped when the spool is full): nothing is left to wait for then."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self._inherited.is_set() or self._unwritten.get(trajectory_id):
+                    self._landed.clear()
+                    await self._landed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _landed_or_lost(self, records: Sequence[CallRecord]) -> None:
+        """``records`` are in the database, or will never be: stop waiting for them.
+        (Records replayed from an earlier process's spool were never counted here.)"""
+        for rec in records:
+            left = self._unwritten.get(rec.trajectory_id, 0)
+            if left > 1:
+                self._unwritten[rec.trajectory_id] = left - 1
+            elif left:
+                del self._unwritten[rec.trajectory_id]
+        self._landed.set()
+
     def _reached(self, target: int) -> bool:
         return self._settled >= target and not self._overflow and not self.spool_bytes
 
@@ -265,6 +308,8 @@ class TraceWriter:
             await self._spill(rest)
             log.error("trace writer stopped with %d records not in the database; "
                       "%d bytes spooled for the next start", len(rest), self.spool_bytes)
+        if self._spool is not None:  # a spill the cancelled task left running ends first
+            await asyncio.to_thread(self._spool.wait_idle)
 
     def _take_queued(self) -> list[CallRecord]:
         out = []
@@ -280,8 +325,9 @@ class TraceWriter:
             self._queue.put_nowait(self._overflow.popleft())
 
     async def _next_batch(self) -> list[CallRecord]:
+        """The next batch, gathered in ``_inflight`` (where a stop finds it to spool)."""
         self._refill()
-        batch = [await self._queue.get()]
+        batch = self._inflight = [await self._queue.get()]
         deadline = time.monotonic() + self._settings.flush_interval_s
         while len(batch) < self._settings.batch_size:
             try:
@@ -300,16 +346,18 @@ class TraceWriter:
         return batch
 
     async def _run(self) -> None:
-        await self._replay_spool()
+        await self._replay_spool()  # what an earlier process left: before anything else
+        self._inherited.set()
+        self._landed.set()
         self._mark_idle()
         while True:
-            self._inflight = batch = await self._next_batch()
+            batch = await self._next_batch()
             if await self._try_write(batch):
                 self._settle(len(batch))
                 self._inflight = []
             else:
+                await self._spill(batch)  # a stop in the middle spools it again: harmless
                 self._inflight = []
-                await self._spill(batch)
                 await self._replay_spool()
             self._mark_idle()
 
@@ -327,6 +375,7 @@ class TraceWriter:
             log.error("trace batch rejected (%s); writing rows one by one", exc)
             await self._write_one_by_one(batch)
             self.last_flush_at = time.time()
+            self._landed_or_lost(batch)
             return True
         except Exception as exc:
             self.write_errors += 1
@@ -337,6 +386,7 @@ class TraceWriter:
         self.db_ok = True
         self.written += len(batch)
         self.last_flush_at = time.time()
+        self._landed_or_lost(batch)
         return True
 
     async def _write_one_by_one(self, batch: Sequence[CallRecord]) -> None:
@@ -364,6 +414,7 @@ class TraceWriter:
         self._settle(len(records))
         lost = len(records) - kept
         if lost:
+            self._landed_or_lost(records[kept:])
             self.dropped += lost
             log.error("trace spool full: dropped %d records", lost)
 

@@ -22,7 +22,7 @@ from gateway.config import Settings, TraceSettings, UpstreamSettings
 from gateway.store.db import make_engine, make_sessionmaker
 from gateway.store.models import Call
 from tests.scripted_upstream import Script
-from tests.store.test_outage import TcpRelay
+from tests.store.relay import TcpRelay
 
 OUTAGE_S = 15.0
 WORKERS = 16

@@ -21,40 +21,7 @@ from gateway.store.models import Call
 from gateway.store.records import CallRecord
 from gateway.store.spool import Spool
 from gateway.store.writer import TraceWriter
-
-
-class TcpRelay:
-    """Forwards 127.0.0.1:<port> to a target; ``down()`` refuses and cuts connections."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self._conns: set[asyncio.StreamWriter] = set()
-
-    async def up(self) -> None:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def down(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for w in list(self._conns):
-            w.close()
-        await self.server.wait_closed()
-
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            while data := await r.read(65536):
-                w.write(data)
-                await w.drain()
-        w.close()
-
-    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        tr, tw = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._conns.update((w, tw))
-        await asyncio.gather(self._pipe(r, tw), self._pipe(tr, w))
-        self._conns.difference_update((w, tw))
+from tests.store.relay import TcpRelay
 
 
 def _rec(i: int) -> CallRecord:
