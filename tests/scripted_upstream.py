@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 @dataclass
 class Script:
-    mode: str = "ok"  # ok | hang | error500 | slow
+    mode: str = "ok"  # ok | hang | error500 | error400 | slow
     tokens: int = 5
     token_delay_s: float = 0.0
     model: str = "scripted"
@@ -48,6 +48,10 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
         if script.mode == "error500":
             return JSONResponse({"error": {"message": "boom", "type": "InternalServerError",
                                            "param": None, "code": 500}}, status_code=500)
+        if script.mode == "error400":  # the engine refusing the request (vLLM's shape)
+            return JSONResponse({"object": "error", "message": "max_tokens is too large",
+                                 "type": "BadRequestError", "param": None, "code": 400},
+                                status_code=400)
         prompt = [1, 2, 3, len(body.get("messages", []))]
         ids = [next(counter) for _ in range(script.tokens)]
         if body.get("stream"):

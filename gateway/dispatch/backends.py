@@ -116,6 +116,14 @@ class BackendRegistry:
         ]
 
 
+def backend_at_fault(status: int) -> bool:
+    """Whether an upstream answer with HTTP ``status`` counts against the backend (its
+    breaker, its ``failures`` on ``/status``): a 5xx, 408 or 429 does; any other 4xx is
+    the engine refusing the client's request (bad parameters, a prompt longer than the
+    context, an unknown model), which says nothing about the backend's health."""
+    return status >= 500 or status in (408, 429)
+
+
 class CircuitBreaker:
     """Passive health from real calls: ``breaker_failures`` consecutive failures open a
     backend's breaker for ``breaker_cooldown_s``; then one probe call is let through

@@ -79,14 +79,19 @@ def _status(error: BaseException | None) -> str:
     return "error"
 
 
-def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None) -> None:
-    """Release the backend, update the trajectory, hand the record to the writer. Once."""
+def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
+                backend_ok: bool | None = None) -> None:
+    """Release the backend, update the trajectory, hand the record to the writer. Once.
+
+    ``backend_ok``: whether the call's outcome says the backend works (default: unless the
+    call failed); an engine refusing the client's request is a failed call, not a failed
+    backend."""
     if ctx.finished or ctx.lease is None:
         return
     ctx.finished = True
     live_calls(rt).remove(ctx.id)
     status = _status(error)
-    ctx.lease.release(ok=status != "error")
+    ctx.lease.release(ok=status != "error" if backend_ok is None else backend_ok)
     now = time.monotonic()
     dispatched = ctx.dispatched_at or now
     cap = ctx.capture.completion(0)

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.dispatch.backends import Backend, CircuitBreaker
+from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
 from gateway.errors import GatewayError, UpstreamError
 from gateway.proxy.admission import Admission, Slot
 from gateway.proxy.aliases import resolve_model
@@ -291,7 +291,7 @@ class Proxy:
         status = upstream.status if upstream.status < 500 else 502
         error = UpstreamError(f"upstream answered {upstream.status}: "
                               f"{data[:300].decode(errors='replace')}")
-        finish_call(self.rt, ctx, error=error)
+        finish_call(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
         if ctx.door is not None:  # the engine's message, in the door's error shape
             error.message = upstream_message(data) or error.message
             error.status_code = status
