@@ -201,3 +201,19 @@ def test_reap_stops_only_the_engines_whose_gateway_is_gone(tmp_path: Path) -> No
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+async def test_a_killed_guard_takes_the_api_server_with_it(tmp_path: Path) -> None:
+    # As when Ray kills an actor's children: the guard gets SIGKILL and can do nothing;
+    # the kernel's parent-death signal (SIGTERM) stops the API server (real vLLM then
+    # stops its engine core itself; what a server leaves is reaped at the next start).
+    launcher = LocalVLLMLauncher(python=_http_fake(tmp_path), log_dir=tmp_path,
+                                 poll_interval_s=0.05, state_dir=tmp_path / "state")
+    instance = await launcher.start(InstanceSpec(id="guardless", model="m"))
+    engine = int(instance.meta["engine_pid"])
+    os.kill(int(instance.meta["pid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while start_ticks(engine) is not None:
+        assert time.monotonic() < deadline, "the API server outlived its guard"
+        await asyncio.sleep(0.05)
+    await launcher.stop(instance)
