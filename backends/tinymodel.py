@@ -141,7 +141,7 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def _build_tokenizer(seed: int) -> Any:
+def _build_tokenizer(seed: int, max_positions: int) -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -162,11 +162,11 @@ def _build_tokenizer(seed: int) -> Any:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        model_max_length=max_positions,
     )
 
 
-def _build_model(tokenizer: Any, seed: int) -> Any:
+def _build_model(tokenizer: Any, seed: int, max_positions: int) -> Any:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -179,7 +179,7 @@ def _build_model(tokenizer: Any, seed: int) -> Any:
         bos_token_id=None,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
-        **MODEL_CONFIG,
+        **{**MODEL_CONFIG, "max_position_embeddings": max_positions},
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -187,40 +187,53 @@ def _build_model(tokenizer: Any, seed: int) -> Any:
     return model
 
 
-def _is_built(out_dir: Path, seed: int) -> bool:
+def _stamp(seed: int, max_positions: int) -> dict[str, int]:
+    stamp = {"seed": seed, "version": BUILDER_VERSION}
+    if max_positions != MODEL_CONFIG["max_position_embeddings"]:
+        stamp["max_positions"] = max_positions  # default builds keep their old stamp
+    return stamp
+
+
+def _is_built(out_dir: Path, seed: int, max_positions: int) -> bool:
     stamp = out_dir / STAMP_FILE
     try:
         data = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    return bool(data == {"seed": seed, "version": BUILDER_VERSION})
+    return bool(data == _stamp(seed, max_positions))
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, max_positions: int | None = None) -> Path:
     """Build (or reuse) the tiny model at ``out_dir`` and return ``out_dir``.
+
+    ``max_positions`` sets ``max_position_embeddings`` (default 4096), the longest
+    ``--max-model-len`` vLLM accepts without overrides; RoPE has no learned positions, so
+    a longer one (for harnesses whose first prompt is tens of thousands of tokens) only
+    changes the config and the tokenizer's ``model_max_length``, not the weights.
 
     Deterministic for a given ``seed`` and idempotent: a directory already built with the
     same seed and builder version is left alone. The build happens in a sibling temporary
     directory that is renamed into place, so a crash never leaves a half-built model.
     """
     out_dir = Path(out_dir)
-    if _is_built(out_dir, seed):
+    positions = max_positions or MODEL_CONFIG["max_position_embeddings"]
+    if _is_built(out_dir, seed, positions):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:
-        tokenizer = _build_tokenizer(seed)
+        tokenizer = _build_tokenizer(seed, positions)
         tokenizer.save_pretrained(tmp)
-        _build_model(tokenizer, seed).save_pretrained(tmp)
-        (tmp / STAMP_FILE).write_text(json.dumps({"seed": seed, "version": BUILDER_VERSION}))
+        _build_model(tokenizer, seed, positions).save_pretrained(tmp)
+        (tmp / STAMP_FILE).write_text(json.dumps(_stamp(seed, positions)))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         try:
             tmp.rename(out_dir)
         except OSError:
             # A concurrent builder won the race; its result is as good as ours.
-            if not _is_built(out_dir, seed):
+            if not _is_built(out_dir, seed, positions):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -233,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backends.tinymodel", description=__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-positions", type=int, default=None,
+                        help="max_position_embeddings (default 4096)")
     ns = parser.parse_args(argv)
-    print(build_tiny_model(ns.out_dir, seed=ns.seed))
+    print(build_tiny_model(ns.out_dir, seed=ns.seed, max_positions=ns.max_positions))
     return 0
 
 
