@@ -1,16 +1,15 @@
 """A stand-in for ``python -m vllm.entrypoints.openai.api_server``, for process tests.
 
-It takes the launcher's argv (``--port``, ``--served-model-name``; the rest is ignored),
-starts an "engine core" child with ``multiprocessing`` (spawn, as vLLM does, so there is
-a resource tracker too), then answers ``/health``, ``/v1/models``, ``/metrics`` and
-non-streamed chat completions in vLLM's shape, and, as vLLM does only when started with
-``VLLM_SERVER_DEV_MODE=1``, its weight-version and pause routes (``/weight_info``,
-``/update_weight_version``, ``/is_paused``; the other control routes just answer 200).
-Environment knobs (set through the pool
-spec's ``launcher.env``): ``STANDIN_DELAY_S`` seconds before it binds its port (vLLM
-loading), ``STANDIN_EXIT`` an exit status to leave with at once (a start that fails).
-The engine core does not watch its parent: when the API server dies it lives on, as an
-orphaned engine would.
+It takes the launcher's argv (``--host``, ``--port``, ``--served-model-name``; the rest
+is ignored), starts an "engine core" child with ``multiprocessing`` (spawn, as vLLM does,
+so there is a resource tracker too), then answers ``/health``, ``/v1/models``,
+``/metrics`` and non-streamed chat completions in vLLM's shape, and, as vLLM does only
+when started with ``VLLM_SERVER_DEV_MODE=1``, its weight-version and pause routes
+(``/weight_info``, ``/update_weight_version``, ``/is_paused``; the other control routes
+just answer 200). Environment knobs (set through the pool spec's ``launcher.env``):
+``STANDIN_DELAY_S`` seconds before it binds its port (vLLM loading), ``STANDIN_EXIT`` an
+exit status to leave with at once (a start that fails). The engine core does not watch
+its parent: when the API server dies it lives on, as an orphaned engine would.
 """
 
 from __future__ import annotations
@@ -93,6 +92,7 @@ def handler(model: str, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-m")
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--served-model-name", default="tiny")
     args, _ = parser.parse_known_args()
@@ -103,7 +103,7 @@ def main() -> None:
     core.start()
     time.sleep(float(os.environ.get("STANDIN_DELAY_S") or 0))
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
-    server = ThreadingHTTPServer(("127.0.0.1", args.port),
+    server = ThreadingHTTPServer((args.host, args.port),
                                  handler(args.served_model_name, dev_mode))
     print(f"stand-in engine {os.getpid()} (core {core.pid}) on port {args.port}", flush=True)
     server.serve_forever()
