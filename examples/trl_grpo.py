@@ -103,6 +103,17 @@ def make_agent(model: str, max_tokens: int) -> Any:
     return agent
 
 
+def served_model(gateway: str, timeout_s: float = 600.0) -> str:
+    """The first model the pool serves, once an engine is up (the pool may be starting)."""
+    deadline = time.monotonic() + timeout_s
+    with OpenAI(base_url=f"{gateway}/v1", api_key="EMPTY", max_retries=0) as llm:
+        while not (models := llm.models.list().data):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no engine of {gateway} came up in {timeout_s:g} s")
+            time.sleep(2)
+    return models[0].id
+
+
 def add_tool(arguments: str) -> str:
     try:
         args = json.loads(arguments)
@@ -187,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("ROLLOUT_GATEWAY_ADMIN_TOKEN")
     with RolloutClient(args.gateway, admin_token=token) as client:
         client.wait_ready()
-    with OpenAI(base_url=f"{client.base_url}/v1", api_key="EMPTY", max_retries=0) as llm:
-        model_name = args.model or llm.models.list().data[0].id
+    model_name = args.model or served_model(client.base_url)
     run = f"trl-{uuid.uuid4().hex[:6]}"
     gw = GatewayGRPO(args.gateway, make_agent(model_name, args.max_tokens),
                      weights_dir=work / "weights", admin_token=token, run_id=run,

@@ -135,7 +135,10 @@ def _turn_facts(ctx: CallContext) -> TurnFacts:
     cap = ctx.capture.completion(0)
     calls = [(c["function"]["name"], c["function"]["arguments"])
              for c in cap.tool_calls.values()]
-    return TurnFacts(expected=ctx.continues.branch if ctx.continues else None,
+    # a branch the request continued with the model's turn whole: leaving its tokens is
+    # drift; an edited or dropped turn is a real change of history (a branch, no mismatch)
+    cont = ctx.continues
+    return TurnFacts(expected=cont.branch if cont and cont.echo_complete else None,
                      digests=ctx.digests, said=words("".join(cap.text), calls))
 
 
