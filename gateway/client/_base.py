@@ -141,6 +141,12 @@ class Endpoints:
                        samples_from_json, params=params, timeout=wait_s + DEFAULT_TIMEOUT_S)
 
     @staticmethod
+    def mint_key(trajectory_id: str, group_id: str | None) -> Request[str]:
+        body = None if group_id is None else {"group_id": check_id(group_id, "group_id")}
+        return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/key",
+                       lambda b: str(_dict(b)["key"]), json=body)
+
+    @staticmethod
     def pause(*, mode: str | None, wait_idle: bool, timeout_s: float
               ) -> Request[dict[str, Any]]:
         body: dict[str, Any] = {"wait_idle": wait_idle, "timeout_s": timeout_s}
@@ -215,15 +221,21 @@ class ClientBase:
     """Configuration and URL helpers shared by both clients."""
 
     def __init__(self, base_url: str, *, admin_token: str | None, timeout: float,
-                 poll_interval_s: float) -> None:
+                 poll_interval_s: float, trainer_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.admin_token = admin_token
+        self.trainer_token = trainer_token
         self.timeout = timeout
         self.poll_interval_s = poll_interval_s
 
-    def _headers(self) -> dict[str, str]:
-        # the admin token also unlocks include_text on the trajectory routes
-        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+    def _headers(self, path: str) -> dict[str, str]:
+        """The admin token on the admin API, the trainer token elsewhere (each falls
+        back to the other: the admin token works on every route)."""
+        if path.startswith("/admin"):
+            token = self.admin_token or self.trainer_token
+        else:
+            token = self.trainer_token or self.admin_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     def base_url_for(self, trajectory_id: str, group_id: str | None = None) -> str:
         """The OpenAI base URL for one trajectory: ``{gateway}/g/{group}/t/{id}/v1``."""
@@ -231,7 +243,7 @@ class ClientBase:
 
     def request_kwargs(self, req: Request[Any]) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": req.params, "json": req.json,
-                              "headers": self._headers()}
+                              "headers": self._headers(req.path)}
         if req.timeout is not None:
             kw["timeout"] = req.timeout
         return kw

@@ -47,11 +47,12 @@ class AsyncRolloutClient:
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *,
-                 admin_token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 admin_token: str | None = None, trainer_token: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
                  poll_interval_s: float = 0.5, concurrency: int = 16,
                  http: httpx.AsyncClient | None = None) -> None:
-        self._cfg = ClientBase(base_url, admin_token=admin_token, timeout=timeout_s,
-                               poll_interval_s=poll_interval_s)
+        self._cfg = ClientBase(base_url, admin_token=admin_token, trainer_token=trainer_token,
+                               timeout=timeout_s, poll_interval_s=poll_interval_s)
         self._http = http or httpx.AsyncClient(base_url=self._cfg.base_url, timeout=timeout_s)
         self._owns_http = http is None
         self._concurrency = concurrency
@@ -138,6 +139,9 @@ class AsyncRolloutClient:
                 raise WaitTimeout(f"{len(done)} of {len(wanted)} trajectories finished "
                                   f"after {timeout_s:g} s", finished=list(done.values()))
             await asyncio.sleep(self._cfg.poll_interval_s)
+
+    async def mint_key(self, trajectory_id: str, group_id: str | None = None) -> str:
+        return await self._send(Endpoints.mint_key(trajectory_id, group_id))
 
     async def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
         return await self._send(Endpoints.sample(trajectory_id, branch))

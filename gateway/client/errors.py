@@ -8,7 +8,7 @@
     +-- JobFailed                     a pool job ended ``failed`` or ``cancelled``
     +-- GatewayHTTPError              the gateway answered with an error status
         +-- BadRequestError           400, 422 (validation)
-        +-- AuthenticationError       401, 403 (admin token missing or wrong)
+        +-- AuthenticationError       401, 403 (token missing, wrong, or of another role)
         +-- NotFoundError             404
         +-- ConflictError             409 (e.g. no managed pool)
         +-- OverloadedError           429, 503 (``retry_after_s`` from ``Retry-After``)

@@ -39,16 +39,19 @@ T = TypeVar("T")
 class RolloutClient:
     """Talks to one gateway over its REST API; the gateway's store is the only truth.
 
-    ``base_url`` is the gateway's root (``http://host:8000``, no ``/v1``). The admin
-    token is needed for pause/resume, weight versions and the pool. Use as a context
-    manager, or call :meth:`close`.
+    ``base_url`` is the gateway's root (``http://host:8000``, no ``/v1``). Once the
+    gateway has credentials configured, the trajectory API needs ``trainer_token`` (or
+    the admin token), and pause/resume, weight versions, the pool and the policy need
+    ``admin_token``; each is sent where it is needed. Use as a context manager, or call
+    :meth:`close`.
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *,
-                 admin_token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 admin_token: str | None = None, trainer_token: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
                  poll_interval_s: float = 0.5, http: httpx.Client | None = None) -> None:
-        self._cfg = ClientBase(base_url, admin_token=admin_token, timeout=timeout_s,
-                               poll_interval_s=poll_interval_s)
+        self._cfg = ClientBase(base_url, admin_token=admin_token, trainer_token=trainer_token,
+                               timeout=timeout_s, poll_interval_s=poll_interval_s)
         self._http = http or httpx.Client(base_url=self._cfg.base_url, timeout=timeout_s)
         self._owns_http = http is None
 
@@ -141,6 +144,12 @@ class RolloutClient:
                 raise WaitTimeout(f"{len(done)} of {len(wanted)} trajectories finished "
                                   f"after {timeout_s:g} s", finished=list(done.values()))
             time.sleep(self._cfg.poll_interval_s)
+
+    def mint_key(self, trajectory_id: str, group_id: str | None = None) -> str:
+        """A harness key for this trajectory only (and ``group_id``, if given): hand the
+        harness ``OPENAI_BASE_URL={gateway}/v1`` and ``OPENAI_API_KEY=<key>``; its calls
+        are tagged with the trajectory, and a call naming another one is refused."""
+        return self._send(Endpoints.mint_key(trajectory_id, group_id))
 
     def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
         """One branch of a trajectory as a training sample (token ids, loss mask,
