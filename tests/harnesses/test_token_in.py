@@ -18,6 +18,7 @@ import pytest
 
 from backends.sim.tokenizer import get_tokenizer
 from tests.harnesses.conftest import MODEL
+from tests.harnesses.trace import assert_every_token_kept
 
 TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "run a shell command",
@@ -126,3 +127,24 @@ def test_max_tokens_over_the_context_is_clamped_to_what_the_prompt_leaves(
     (call,) = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"]
     assert call["status"] == "ok"  # unclamped, the simulated engine answers 400 (as vLLM)
     assert call["prompt_len"] + len(call["completion_ids"]) <= 40960  # its max_model_len
+
+
+def test_an_edited_turn_is_a_branch_not_a_mismatch(scripted_gateway):
+    """A harness that drops the model's tool call from its echo (as smolagents does after
+    a tool error) changed the history: the engine runs the harness's version, the call
+    opens a branch, and no mismatch is reported (that word is for failed joins)."""
+    traj = f"edit-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="EMPTY",
+                           max_retries=0)
+    messages = [{"role": "user", "content": "list the files"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert first.choices[0].message.tool_calls
+    messages += [{"role": "assistant", "content": ""},
+                 {"role": "user", "content": "Error: the tool call was malformed"}]
+    client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    client.close()
+    first_call, second = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"]
+    assert second["kept_len"] is None and second["mismatch_pos"] is None
+    assert (second["branch"], second["parent_branch"]) == (1, 0)
+    assert second["prompt_offset"] <= first_call["prompt_len"]
+    assert assert_every_token_kept(scripted_gateway, traj).branches == 2
