@@ -75,6 +75,9 @@ class Rollout:
     group_id: str
     index: int  # which generation of the group (0 .. num_generations - 1)
     step: int  # TRL's global step (optimizer steps done so far)
+    #: the harness key for this trajectory alone (``RolloutClient.mint_key``): the agent's
+    #: OpenAI ``api_key``, so it can make model calls and nothing else
+    api_key: str = "EMPTY"
 
 
 #: runs one trajectory and returns its reward (``None``: no score, TRL leaves it out)
@@ -219,6 +222,7 @@ class GatewayGRPO:
         self.steps: list[StepRecord] = []
         self.pushes: list[Push] = []
         self._handed_at: float | None = None
+        self._prefixes: set[str] = set()
 
     def close(self) -> None:
         """Close the blocking client (the async ones live for one step each)."""
@@ -240,7 +244,8 @@ class GatewayGRPO:
         if len(prompts) % size:
             raise ValueError(f"{len(prompts)} prompts are not groups of {size}")
         step = int(trainer.state.global_step)
-        groups = [f"{self.run_id}-s{step}-p{i}" for i in range(len(prompts) // size)]
+        prefix = self._batch_prefix(trainer, step)
+        groups = [f"{prefix}-p{i}" for i in range(len(prompts) // size)]
         t0 = time.monotonic()
         _run(self._run_agents(prompts, groups, size, step))
         t1 = time.monotonic()
@@ -261,6 +266,19 @@ class GatewayGRPO:
         return {**rows, "gateway_reward": [s.reward for s in chosen],
                 "trajectory_id": [s.trajectory_id for s in chosen]}
 
+    def _batch_prefix(self, trainer: Any, step: int) -> str:
+        """``{run}-s{step}`` (``-eval{step}`` for evaluation, ``-r{rank}`` with several
+        processes), made unique if the same step asks for a second batch: trajectory ids
+        must not repeat (a finished id called again starts its next attempt)."""
+        prefix = f"{self.run_id}-{'s' if trainer.model.training else 'eval'}{step}"
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None and getattr(accelerator, "num_processes", 1) > 1:
+            prefix += f"-r{accelerator.process_index}"
+        if prefix in self._prefixes:
+            prefix += f"-{len(self._prefixes)}"
+        self._prefixes.add(prefix)
+        return prefix
+
     def _client(self) -> AsyncRolloutClient:
         return AsyncRolloutClient(self.client.base_url, **self._client_args)
 
@@ -272,8 +290,9 @@ class GatewayGRPO:
                 group, k = groups[row // size], row % size
                 tid = f"{group}-{k}"
                 async with gate:
+                    key = await gw.mint_key(tid, group)
                     reward = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
-                                                      tid, group, k, step))
+                                                      tid, group, k, step, key))
                 await gw.finish(tid, reward, group_id=group)
 
             await asyncio.gather(*(one(r) for r in range(len(prompts))))
