@@ -10,7 +10,7 @@ rewards, and drives weight syncs and the pool::
         url = gw.base_url_for("traj-7", group_id="step3-prompt12")  # -> the harness
         ...
         gw.finish("traj-7", reward=1.0)
-        batch = gw.fetch_group("step3-prompt12", count=8, timeout=600)
+        batch = gw.fetch_group("step3-prompt12", count=8, timeout_s=600)
         batch.to_parquet("step3.parquet")            # gateway.store.export.SAMPLE_SCHEMA
         with gw.weight_sync("step-4"):               # pause until idle ... resume
             load_new_weights()
