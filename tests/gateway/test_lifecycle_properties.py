@@ -11,8 +11,9 @@ backends removed and added, policy switches, ticks (watchdog, planner). Invarian
 - counters return to zero: each trajectory's ``queued``/``in_flight`` and each backend's
   ``in_flight`` equal what is really outstanding, and reach 0 at the end;
 - the stored sequence of each trajectory is consistent: within one attempt of an id the
-  recorded calls have distinct ``seq`` drawn from the seqs handed out, and an attempt is
-  opened only by a call on a finished id;
+  recorded calls (every call that reached a backend: ok, failed or cut) are numbered
+  0, 1, 2, ... (``Tracker.record_seq``), never twice and without gaps, whatever left the
+  queue before dispatch, and an attempt is opened only by a call on a finished id;
 - no scheduling fault: no policy raises on any of these states.
 
 The bounded ``ci`` profile (tests/conftest.py) runs in well under a minute; set
@@ -60,10 +61,10 @@ class Call:
 
 @dataclass
 class Store:
-    """What the trace writer would record: ok calls by (trajectory, attempt)."""
+    """What the trace writer would record: the seqs of the calls recorded, by (trajectory,
+    attempt)."""
 
     seqs: dict[tuple[str, int], list[int]] = field(default_factory=dict)
-    handed: dict[tuple[str, int], set[int]] = field(default_factory=dict)
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -126,8 +127,8 @@ class Lifecycle(RuleBasedStateMachine):
                                        prompt=call.prompt if ok else None,
                                        completion=call.completion if ok else [], ok=ok)
             self.scheduler.call_completed(call.state, ok=ok)
-            if ok:
-                self.store.seqs.setdefault((call.tid, call.attempt), []).append(call.seq)
+            call.seq = self.tracker.record_seq(call.state)  # calls.finish_call records it
+            self.store.seqs.setdefault((call.tid, call.attempt), []).append(call.seq)
             lease.release(ok=ok)
             call.outcome = call.outcome or ("ok" if ok else "failed")
 
@@ -146,8 +147,7 @@ class Lifecycle(RuleBasedStateMachine):
         context = self.contexts.setdefault(tid, [1, 2, 3])
         for _ in range(n):
             self.counter += 1
-            seq = self.tracker.call_arrived(state, [], now)
-            self.store.handed.setdefault((tid, state.attempt), set()).add(seq)
+            seq = self.tracker.call_arrived(state, [], now)  # provisional until recorded
             prompt = list(context)
             completion = [100 + self.counter % 50] * (1 + self.counter % 4)
             context[:] = prompt + completion + [7]
@@ -252,8 +252,7 @@ class Lifecycle(RuleBasedStateMachine):
     @invariant()
     def stored_sequences_are_consistent(self) -> None:
         for key, seqs in self.store.seqs.items():
-            assert len(seqs) == len(set(seqs)), (key, seqs)
-            assert set(seqs) <= self.store.handed[key], (key, seqs)
+            assert sorted(seqs) == list(range(len(seqs))), (key, seqs)
             tid, attempt = key
             latest = self.tracker.get(tid)
             assert latest is not None and attempt <= latest.attempt

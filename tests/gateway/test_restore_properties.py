@@ -399,7 +399,7 @@ class RestartsAndStalls(RuleBasedStateMachine):
 @pytest.mark.postgres
 def test_restarts_and_store_faults_never_change_a_sample(postgres_url: str) -> None:
     profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    examples, steps = (120, 40) if profile == "deep" else (20, 20)
+    examples, steps = (120, 40) if profile == "deep" else (20, 15)
     with tempfile.TemporaryDirectory() as spool_dir:
         run_state_machine_as_test(
             lambda: RestartsAndStalls(postgres_url, Path(spool_dir)),
