@@ -65,11 +65,12 @@ from gateway.errors import StoreUnavailable
 from gateway.store import queries
 from gateway.store.codec import unpack_ids
 from gateway.store.db import make_engine, make_sessionmaker
+from gateway.store.inserts import call_row
 from gateway.store.models import Call, Trajectory
 from gateway.store.records import CallRecord
 from gateway.store.samples import Sample, build_samples
 from gateway.store.spool import Spool
-from gateway.store.writer import TraceWriter, call_row
+from gateway.store.writer import TraceWriter
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
 from tests.conftest import PG_ADMIN_DSN
