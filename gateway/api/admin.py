@@ -21,7 +21,12 @@ from gateway.dispatch.layout import InstanceRequest, LayoutError
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.proxy.weights import pause_engines, resume_engines, start_weight_update_job
+from gateway.proxy.weights import (
+    pause_engines,
+    relabel,
+    resume_engines,
+    start_weight_update_job,
+)
 from gateway.runtime import Runtime
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -245,6 +250,6 @@ def _trainer_events(rt: Runtime) -> dict[str, asyncio.Event]:
 
 @router.put("/weight-version")
 async def set_weight_version(body: WeightVersion, rt: Runtime = Depends(get_rt)) -> dict[str, str]:
-    """Stamped on every call dispatched from now on (calls already running keep theirs)."""
-    previous, rt.weight_version = rt.weight_version, body.version
-    return {"previous": previous, "version": rt.weight_version}
+    """Stamped on every call dispatched from now on (calls already running keep theirs);
+    the engines are told, so that their own labels say it too."""
+    return await relabel(rt, body.version)

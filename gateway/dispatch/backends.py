@@ -45,6 +45,9 @@ class Backend:
     breaker_tripped: bool = False
     breaker_open_until: float = 0.0  # time.monotonic()
     breaker_trips: int = 0
+    #: the weight label the engine itself reported (``GET /weight_info``) when it was
+    #: admitted or last updated; its calls are stamped with it (None: not known)
+    weight_version: str | None = None
 
     @property
     def breaker_state(self) -> str:

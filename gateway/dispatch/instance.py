@@ -8,6 +8,7 @@ from typing import Any
 
 from backends.base import InstanceSpec, InstanceState, LaunchedInstance
 from gateway.dispatch.backends import Backend
+from gateway.dispatch.checkpoint import Weights
 
 
 @dataclass(slots=True)
@@ -26,6 +27,10 @@ class PoolInstance:
     error: str | None = None
     start_s: float | None = None
     since: float = field(default_factory=time.time)
+    #: the weights it was started on or last updated to
+    weights: Weights | None = None
+    #: the version it waits for (the trainer pushed it; no path holds it), not admitted
+    awaiting: str | None = None
 
     def set_state(self, state: InstanceState) -> None:
         self.state, self.since = state, time.time()
@@ -44,4 +49,7 @@ class PoolInstance:
             "restarts": self.restarts, "error": self.error, "start_s": self.start_s,
             "since": self.since,
             "log_path": self.launched.log_path if self.launched else None,
+            "weight_version": b.weight_version if b else None,
+            "weights_path": self.weights.path if self.weights else None,
+            "awaiting_weights": self.awaiting,
         }

@@ -14,12 +14,22 @@ background job at a time:
 While a job runs and nothing is routable, the dispatcher holds calls (``CapacitySource``)
 instead of failing them. A crashed instance (``Launcher.alive`` false) is marked failed
 and restarted with exponential backoff, up to ``restart.max_restarts`` times.
+
+The pool also holds the one record of the weights every engine must serve
+(:class:`~gateway.dispatch.checkpoint.Weights`, kept current by the weight-update job in
+``gateway.proxy.weights``). Every instance it starts (initial layout, resize, relayout,
+crash restart, added instance) starts on the current checkpoint path, is told the
+current version and is admitted only when its own ``/weight_info`` says that version.
+One that started before an update finished reloads the new path first; while the
+current weights were pushed by the trainer (no path holds them) a new instance is held
+out of rotation until an update brings it the weights. A mismatch is a failed start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -30,6 +40,7 @@ import aiohttp
 
 from backends.base import InstanceSpec, InstanceState, Launcher
 from gateway.dispatch.backends import Backend
+from gateway.dispatch.checkpoint import Weights
 from gateway.dispatch.drain import drain
 from gateway.dispatch.instance import PoolInstance
 from gateway.dispatch.jobs import Job, JobStatus
@@ -49,6 +60,7 @@ from gateway.dispatch.layout import (
     slots_of,
 )
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
+from gateway.dispatch.poolweights import WeightKeeper
 
 if TYPE_CHECKING:
     from gateway.dispatch.backends import BackendRegistry, HealthChecker
@@ -81,6 +93,8 @@ class PoolHost(Protocol):
     def events(self) -> EventLog: ...
     @property
     def metrics(self) -> GatewayMetrics: ...
+    #: the version calls are stamped with where an engine reports none
+    weight_version: str
 
 
 class PoolManager:
@@ -97,6 +111,17 @@ class PoolManager:
         self._lock = asyncio.Lock()
         self._restarting = 0
         self._watch: asyncio.Task[None] | None = None
+        self.keeper = WeightKeeper(rt, Weights(rt.weight_version, spec.weights_path()))
+
+    @property
+    def weights(self) -> Weights:
+        """What every engine must serve (:class:`~gateway.dispatch.poolweights.WeightKeeper`)."""
+        return self.keeper.current
+
+    @property
+    def weights_lock(self) -> asyncio.Lock:
+        """Held by a weight update from its pause to its resume: no engine joins meanwhile."""
+        return self.keeper.lock
 
     # -- what the dispatcher asks (CapacitySource) -----------------------------------
 
@@ -265,14 +290,22 @@ class PoolManager:
             job.errors += [f"{i.spec.id}: {i.error}" for i in started if i.error]
 
     async def _start_one(self, spec: InstanceSpec, restarts: int = 0) -> PoolInstance:
-        """Start, warm up, register; on failure mark failed and schedule a restart."""
+        """Start on the current weights, warm up, check the weights, register; on failure
+        mark failed and schedule a restart."""
         inst = PoolInstance(spec, restarts=restarts)
         self.instances[spec.id] = inst
         t0 = time.monotonic()
         try:
-            inst.launched = await self.launcher.start(spec)
+            inst.weights = Weights("", self.weights.path)  # what the path holds, unlabelled
+            launch = spec if self.static else dataclasses.replace(
+                spec, weights_path=inst.weights.path)
+            inst.launched = await self.launcher.start(launch)
             if self.spec.warmup and not self.static:
                 await self._warm_up(inst.launched.url)
+            inst.backend = Backend(id=spec.id, url=inst.launched.url, tp=spec.tp,
+                                   gpus=spec.gpus, source=self.launcher.name,
+                                   state=InstanceState.STARTING)
+            admitted = await self.keeper.admit(inst, static=self.static)
         except Exception as exc:
             inst.error = str(exc)[:2000]
             inst.set_state(InstanceState.FAILED)
@@ -280,13 +313,51 @@ class PoolManager:
             self._schedule_restart(inst)
             return inst
         inst.start_s = round(time.monotonic() - t0, 3)
-        backend = Backend(id=spec.id, url=inst.launched.url, tp=spec.tp, gpus=spec.gpus,
-                          source=self.launcher.name, state=InstanceState.READY)
+        if admitted:
+            await self._register(inst)
+        return inst
+
+    async def _register(self, inst: PoolInstance) -> None:
+        backend = inst.backend
+        assert backend is not None
+        backend.state = InstanceState.READY
         await self.rt.health.check(backend)  # fills its models; routable as it is added
         self.rt.registry.add(backend)
-        inst.backend = backend
+        inst.awaiting = None
         inst.set_state(InstanceState.READY)
-        return inst
+
+    def held(self) -> list[Backend]:
+        """Started engines held out of rotation until they have the pushed weights."""
+        return [i.backend for i in self.instances.values()
+                if i.awaiting is not None and i.backend is not None
+                and i.state is InstanceState.STARTING]
+
+    async def commit(self, weights: Weights, labels: dict[str, str | None]) -> None:
+        """A weight update brought ``weights`` to the engines in ``labels`` (id -> what
+        each reported): record them and admit held engines that have them now. Called
+        while the update holds ``weights_lock``."""
+        self.keeper.current = weights
+        for inst in list(self.instances.values()):
+            if inst.backend is None or inst.backend.id not in labels:
+                continue
+            inst.weights = weights
+            if inst.awaiting is not None and labels[inst.backend.id] == weights.version:
+                self.rt.events.emit("backend", f"{inst.spec.id} has weights "
+                                    f"{weights.version!r}: admitted", backend=inst.spec.id)
+                await self._register(inst)
+
+    def fail(self, instance_id: str, reason: str) -> bool:
+        """Take an instance whose weights are not the pool's out of rotation and restart
+        it (on the current weights); False if the pool has no such running instance."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state not in (InstanceState.READY, InstanceState.STARTING):
+            return False
+        inst.error = reason[:2000]
+        inst.set_state(InstanceState.FAILED)
+        self.rt.events.emit("backend", f"{instance_id}: {reason}", backend=instance_id,
+                            state="failed")
+        self._schedule_restart(inst)
+        return True
 
     async def _warm_up(self, url: str) -> None:
         """One ``max_tokens: 1`` call: a real vLLM's first call is seconds slower."""
@@ -366,6 +437,7 @@ class PoolManager:
             "planned": [s.id for s in self.planned],
             "reconfiguring": self.rt.jobs.running > 0,
             "restart": self.spec.restart.model_dump(),
+            "weights": self.weights.to_dict(),
         }
 
     async def close(self) -> None:

@@ -198,6 +198,16 @@ class PoolSpec(_Strict):
     def requests(self) -> list[InstanceRequest]:
         return [r for entry in self.layout or () for r in entry.requests()]
 
+    def weights_path(self) -> str | None:
+        """The checkpoint the launcher's engines load (vLLM's ``--model``); None where
+        the launcher has no weights to name (simulated or someone else's servers)."""
+        ls = self.launcher
+        if isinstance(ls, VLLMLauncherSpec):
+            return ls.model_path or self.model
+        if isinstance(ls, RayLauncherSpec) and ls.server == "vllm":
+            return ls.vllm.model_path or self.model
+        return None
+
 
 def parse_pool_spec(data: object, source: str = "pool spec") -> PoolSpec:
     try:

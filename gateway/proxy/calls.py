@@ -43,6 +43,9 @@ class CallContext:
     door: Translation | None = None  # a front door answering in its own wire format
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)
+    #: the boundary a resume recorded at the tokens received by then; an abort's end that
+    #: arrives after it (the engine's exact count) replaces it
+    resume_mark: tuple[int, str] | None = None
     continuations: int = 0
     #: the request's messages as digests, and the branch they continue (if any)
     digests: tuple[bytes, ...] = ()
@@ -56,16 +59,26 @@ class CallContext:
         return CallView(st.id, st.group_id, self.seq, st.context_tokens, st.backend_id)
 
     def bind(self, lease: Lease, weight_version: str) -> None:
+        """Dispatched to ``lease``: stamped with the weight label its engine reported
+        (``weight_version``, the gateway's, when the engine reports none); the engine
+        names the request after the call, so it can be aborted alone."""
         self.lease = lease
-        self.weight_version = weight_version
+        self.weight_version = lease.backend.weight_version or weight_version
         self.dispatched_at = time.monotonic()
+        self.body["request_id"] = self.id
         if lease.priority is not None:
             self.body["priority"] = lease.priority
 
     def mark_version(self, version: str) -> None:
-        """Tokens from here on come from ``version`` (a streamed call frozen by ``keep``:
-        the boundary is what the gateway had relayed at resume)."""
-        self.segments.append((len(self.capture.completion(0).token_ids), version))
+        """Tokens from the ones received so far on come from ``version`` (a stream its
+        engine kept in place over a weight update, marked as the engine resumes)."""
+        if self.resume_mark is not None:
+            self.segments.append(self.resume_mark)
+        self.resume_mark = (len(self.capture.completion(0).token_ids), version)
+
+    def version_starts(self) -> list[tuple[int, str]]:
+        """Every recorded boundary: continuations' and the last resume's."""
+        return [*self.segments, *([self.resume_mark] if self.resume_mark else [])]
 
     def payload(self) -> bytes:
         return orjson.dumps(self.body)
@@ -118,7 +131,7 @@ def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = 
         prompt_tokens=_usage(ctx.capture.usage, "prompt_tokens"),
         completion_tokens=_usage(ctx.capture.usage, "completion_tokens"),
     )
-    rec.weight_segments = weight_segments(ctx.weight_version, ctx.segments,
+    rec.weight_segments = weight_segments(ctx.weight_version, ctx.version_starts(),
                                           len(cap.token_ids))
     if placed is not None:
         rec.prompt_offset, rec.prompt_delta, rec.mismatch_pos = (

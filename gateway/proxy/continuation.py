@@ -16,8 +16,14 @@ re-tokenizing the text is not.
 
 Not every call can be continued that way: tool-call parsing, structured output
 (``response_format``, guided decoding), ``n > 1`` and ``echo`` depend on the engine
-seeing the whole generation in one request. For those the engine holding them is paused
-with ``keep`` instead (see :mod:`gateway.proxy.live`).
+seeing the whole generation in one request. A streamed one is frozen in place instead
+(its engine is paused with ``keep``, see :mod:`gateway.proxy.live`); one that is not
+streamed, whose client has seen nothing yet, is sent again from the start after resume,
+so that all its tokens come from the new weights.
+
+Each part of an answer is stamped with the weight label its engine reported when it
+resumed (``Backend.weight_version``); the boundary is the engine's own count of the
+tokens it had made, the ones its abort's end carried.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from gateway.runtime import Runtime
 CARRIED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                   "ignore_eos", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "priority", "skip_special_tokens",
-                  "include_stop_str_in_output", "spaces_between_special_tokens", "user")
+                  "include_stop_str_in_output", "spaces_between_special_tokens", "user",
+                  "request_id")
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -47,13 +54,18 @@ def should_continue(rt: Runtime, ctx: CallContext) -> bool:
     """The engine aborted this call's generation: continue it (True) or pass the abort on."""
     cap = ctx.capture.completion(0)
     known = ctx.capture.prompt_ids is not None or not cap.token_ids  # else: cannot rebuild
-    return (cap.finish_reason == "abort" and live_calls(rt).aborted(ctx.id)
-            and continuable(ctx.body) and known and ctx.lease is not None)
+    live = live_calls(rt)
+    go = (cap.finish_reason == "abort" and live.aborted(ctx.id) and ctx.lease is not None
+          and ((continuable(ctx.body) and known) or not ctx.stream))
+    if go:
+        live.answered(ctx.id)
+    return go
 
 
 def _restart(ctx: CallContext) -> bool:
-    """Aborted before the engine sent anything (no prompt ids yet): send the call again."""
-    return ctx.capture.prompt_ids is None
+    """Aborted before the engine sent anything (no prompt ids yet), or not continuable
+    token-in and not streamed (its client saw nothing): send the call again."""
+    return ctx.capture.prompt_ids is None or (not ctx.stream and not continuable(ctx.body))
 
 
 def continuation_body(ctx: CallContext) -> dict[str, Any] | None:
@@ -134,7 +146,9 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
     live_calls(rt).continued(ctx.id)
-    ctx.segments.append((len(ctx.capture.completion(0).token_ids), rt.weight_version))
+    ctx.resume_mark = None  # the engine's own count (the abort's end) is the boundary
+    label = ctx.lease.backend.weight_version or rt.weight_version
+    ctx.segments.append((len(ctx.capture.completion(0).token_ids), label))
     ctx.continuations += 1
     ctx.capture.completion(0).finish_reason = None  # the continuation's end replaces it
     limits = rt.settings.upstream
@@ -188,7 +202,10 @@ class HoldingDecoder(SSEDecoder):
                 self.held = True
                 return b""
             cap.finish_reason = None
+        had = len(self._ctx.capture.completion(0).token_ids)
         out = super()._event(event)
+        if len(self._ctx.capture.completion(0).token_ids) > had:
+            self._live.got_tokens(self._ctx.id)  # when a frozen stream has settled
         if self.head is None and out.startswith(b"data: {"):
             self.head = stream_head(self._ctx, orjson.loads(out[6:]))
         first = self._ctx.capture.choices.get(0)
@@ -243,7 +260,10 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
                     raw = orjson.loads(ev[6:])
                     payload = ({**raw, **head} if restart
                                else _reshape(ctx, raw, head, stream=True))
+                    had = len(ctx.capture.completion(0).token_ids)
                     ctx.capture.feed(payload, stream=True)
+                    if len(ctx.capture.completion(0).token_ids) > had:
+                        live_calls(rt).got_tokens(ctx.id)
                     if not payload:  # the usage chunk, which the client did not ask for
                         continue
                     if ctx.capture.completion(0).finish_reason == "abort":
@@ -288,6 +308,10 @@ async def continue_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any])
                             if k in payload}
     target = payload["choices"][0]
     while should_continue(rt, ctx):
+        if _restart(ctx):
+            await _restart_whole(rt, ctx, payload, head)
+            target = payload["choices"][0]
+            continue
         body = continuation_body(ctx)
         if body is None:
             target["finish_reason"] = ctx.capture.choice(0).finish_reason = "length"
@@ -301,6 +325,22 @@ async def continue_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any])
         _merge(ctx, target, more["choices"][0] if more.get("choices") else {})
         if isinstance(more.get("usage"), dict):
             payload["usage"] = more["usage"]
+
+
+async def _restart_whole(rt: Runtime, ctx: CallContext, payload: dict[str, Any],
+                         head: dict[str, Any]) -> None:
+    """Send the call again as the client sent it; its answer replaces ``payload``."""
+    ctx.capture.choices.clear()  # what the aborted attempt made is not part of the answer
+    ctx.segments.clear()
+    path = "/v1/chat/completions" if ctx.capture.chat else "/v1/completions"
+    upstream = await _open(rt, ctx, dict(ctx.body), path)
+    try:
+        fresh = orjson.loads(await upstream.read())
+    finally:
+        upstream.close()
+    ctx.capture.feed(fresh, stream=False)
+    payload.clear()
+    payload.update({**fresh, **head})
 
 
 def _merge(ctx: CallContext, target: dict[str, Any], more: dict[str, Any]) -> None:

@@ -1,41 +1,53 @@
 """Weight updates that reach the engines: pause, hand over new weights, resume.
 
-``pause_engines`` closes the gateway's gate and tells every engine of the pool to pause
-through vLLM's own routes (``POST /pause?mode=...``, vLLM started with
-``VLLM_SERVER_DEV_MODE=1``; the simulated server has the same routes):
+``pause_engines`` closes the gateway's gate and pauses every engine through vLLM's own
+routes (``gateway.dispatch.engines``), deciding per engine from the calls it runs
+(``gateway.proxy.live``):
 
 * ``wait``: each engine finishes what it runs, then stops; the pause answers when idle.
-* ``keep``: each engine freezes its requests in place; they go on after resume (the
-  gateway's idle timeout must outlast the pause for streams).
 * ``abort-and-continue``: each engine aborts what it runs (vLLM ``abort``); the relay
   holds the clients and continues their calls token-in after resume
-  (``gateway.proxy.continuation``). An engine running a call that cannot be continued
-  (tool parsing, structured output, ``n > 1``) is paused with ``keep`` instead.
+  (``gateway.proxy.continuation``). An engine running a *stream* that cannot be
+  continued (tool parsing, structured output, ``n > 1``) is paused with ``keep``
+  instead, and its other calls are aborted one by one (``/abort_requests``).
+* ``keep``: each engine freezes its streams in place; they go on after resume. Calls
+  that are not streamed are aborted one by one and finished after resume (their clients
+  have seen nothing, and an abort's answer carries the engine's exact token count).
 
-The time from the pause to the last engine answering (all idle) is measured and returned.
-``resume_engines`` sets the new weight version (stamped on later calls and on
-continuations), tells the engines (``/update_weight_version``, ``/resume``) and opens
-the gate. ``start_weight_update_job`` runs the whole cycle as an admin job.
+``resume_engines`` then, engine by engine: aborts the calls that reached it just after
+the pause (they wait in its queue), lets frozen streams deliver what the engine made
+before the pause, drops every KV block of the old weights, sets the new version and
+reads back the engine's own label (``/weight_info``), records it as the boundary of
+each frozen stream and as the engine's label for new calls, resumes it; then opens the
+gate. An engine whose label is not the new version is taken out of rotation.
+
+``start_weight_update_job`` runs the whole cycle as an admin job, after checking the
+update first (the checkpoint, the engines) so that a bad update pauses nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import aiohttp
-
+from backends.base import InstanceState
+from gateway.dispatch import engines
 from gateway.dispatch.backends import Backend
+from gateway.dispatch.checkpoint import Weights, check_checkpoint
 from gateway.dispatch.gate import EngineMode, PauseMode
 from gateway.dispatch.jobs import Job, JobStatus
-from gateway.proxy.live import live_calls
+from gateway.proxy.live import LiveCall, LiveCalls, engine_ids, live_calls
 from gateway.runtime import Runtime
 
 ENGINE_CALL = {"wait": "wait", "keep": "keep", "abort-and-continue": "abort"}
 UpdateMethod = Literal["reload", "external"]
+#: a frozen stream has delivered what its paused engine made once it was quiet this long
+SETTLE_QUIET_S = 0.2
+SETTLE_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -46,38 +58,48 @@ class EngineAnswer:
     ok: bool
     seconds: float
     error: str | None = None
+    detail: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "url": self.url, "mode": self.mode, "ok": self.ok,
-                "seconds": round(self.seconds, 4), "error": self.error}
+                "seconds": round(self.seconds, 4), "error": self.error,
+                **(self.detail or {})}
 
 
-async def _call(rt: Runtime, backend: Backend, method: str, path: str, timeout_s: float,
-                body: dict[str, Any] | None = None) -> str | None:
-    """One control call; None on a 2xx, else why it failed."""
-    try:
-        async with rt.session.request(method, backend.url + path, json=body,
-                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            if r.status < 300:
-                await r.read()
-                return None
-            text = (await r.text())[:300]
-            hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1 for its RL routes)"
-                    if r.status == 404 else "")
-            return f"{path} answered {r.status}{hint}: {text}"
-    except TimeoutError:
-        return f"{path} did not answer within {timeout_s:.0f} s"
-    except aiohttp.ClientError as exc:
-        return f"{path} failed: {exc}"
+def update_engines(rt: Runtime) -> list[Backend]:
+    """The engines an update covers: every registered engine in service (routable or
+    not; a draining one finishes its calls under its own label and goes away) and the
+    engines the pool holds back until they get pushed weights."""
+    found = [b for b in rt.registry if b.state is InstanceState.READY]
+    return found + (rt.pool.held() if rt.pool is not None else [])
 
 
-async def _each(rt: Runtime, work: Callable[[Backend], Awaitable[EngineAnswer]]
+def current_weights(rt: Runtime) -> Weights:
+    return rt.pool.weights if rt.pool is not None else Weights(rt.weight_version)
+
+
+async def _each(targets: list[Backend], work: Callable[[Backend], Awaitable[EngineAnswer]]
                 ) -> list[EngineAnswer]:
-    return list(await asyncio.gather(*(work(b) for b in list(rt.registry))))
+    return list(await asyncio.gather(*(work(b) for b in targets)))
+
+
+def _plan(calls: dict[str, LiveCall], engine_mode: EngineMode) -> tuple[str, list[str]]:
+    """The pause an engine gets and the calls it aborts (see the module docstring)."""
+    if engine_mode == "wait":
+        return "wait", []
+    frozen = {cid for cid, c in calls.items()
+              if c.stream and (engine_mode == "keep" or not c.continuable)}
+    rest = [cid for cid in calls if cid not in frozen]
+    return ("abort" if engine_mode == "abort-and-continue" and not frozen else "keep"), rest
+
+
+def _ids(call_ids: list[str]) -> list[str]:
+    return [name for cid in call_ids for name in engine_ids(cid)]
 
 
 async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
-                        admission: PauseMode | None = None) -> dict[str, Any]:
+                        admission: PauseMode | None = None,
+                        targets: list[Backend] | None = None) -> dict[str, Any]:
     """Close the gate and pause every engine; answers once all are idle (or failed)."""
     gate = rt.dispatcher.gate
     gate.pause(admission, engine_mode)
@@ -85,16 +107,18 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
     live = live_calls(rt)
 
     async def one(b: Backend) -> EngineAnswer:
-        mode = ENGINE_CALL[engine_mode]
-        if mode == "abort" and live.blocking(b.id):
-            mode = "keep"  # a call here cannot be continued token-in: freeze it instead
-        if mode == "abort":  # before the call: the aborts can arrive before its answer
-            live.mark_aborted(b.id)
+        mode, abort = _plan(live.on(b.id), engine_mode)
+        live.mark_aborted(abort)  # before the call: the aborts can arrive before its answer
+        live.paused[b.id] = mode
         t0 = time.monotonic()
-        error = await _call(rt, b, "POST", f"/pause?mode={mode}", timeout_s)
-        return EngineAnswer(b.id, b.url, mode, error is None, time.monotonic() - t0, error)
+        error = await engines.call(rt.session, b.url, "POST", f"/pause?mode={mode}",
+                                   timeout_s)
+        if error is None and mode == "keep":
+            error = await engines.abort_requests(rt.session, b.url, _ids(abort), timeout_s)
+        return EngineAnswer(b.id, b.url, mode, error is None, time.monotonic() - t0, error,
+                            {"aborted": len(abort)})
 
-    answers = await _each(rt, one)
+    answers = await _each(update_engines(rt) if targets is None else targets, one)
     idle_s = time.monotonic() - started
     rt.events.emit("pause", f"engines paused ({engine_mode}) in {idle_s:.3f} s",
                    mode=engine_mode, idle_s=round(idle_s, 4))
@@ -103,28 +127,73 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
             "ok": all(a.ok for a in answers)}
 
 
-async def resume_engines(rt: Runtime, version: str | None, timeout_s: float
-                         ) -> dict[str, Any]:
-    """Set ``version`` (if given) here and on the engines, resume them, open the gate."""
+async def _settle(calls: list[LiveCall]) -> None:
+    """Wait until none of ``calls`` got a token for ``SETTLE_QUIET_S`` (bounded)."""
+    deadline = time.monotonic() + SETTLE_MAX_S
+    while calls:
+        now = time.monotonic()
+        wait = min(max(c.last_token for c in calls) + SETTLE_QUIET_S, deadline) - now
+        if wait <= 0:
+            return
+        await asyncio.sleep(wait)
+
+
+async def _resume_one(rt: Runtime, live: LiveCalls, b: Backend, version: str | None,
+                      timeout_s: float) -> EngineAnswer:
+    """One engine, paused or not: late calls aborted, streams settled, caches dropped,
+    version set and read back, frozen streams marked, resumed."""
+    t0 = time.monotonic()
+    errors: list[str] = []
+    detail: dict[str, Any] = {}
+    calls = live.on(b.id)
+    if live.paused.pop(b.id, None) is not None:
+        # what has no abort's end yet: it reached the engine after the pause and waits in
+        # its queue (abort it too: it then starts again on the new weights), or it ended
+        # before the pause and its answer is on its way (nothing to abort)
+        late = [cid for cid, c in calls.items() if (c.aborted or not c.stream)
+                and not c.answered]
+        live.mark_aborted(late)
+        errors.append(await engines.abort_requests(rt.session, b.url, _ids(late), timeout_s)
+                      or "")
+        await _settle([c for c in calls.values() if c.frozen])
+    if version is not None:
+        errors.append(await engines.reset_cache(rt.session, b.url, timeout_s) or "")
+        reported, error = await engines.label(rt.session, b.url, version, timeout_s)
+        errors.append(error or "")
+        label = reported or version  # an engine that reports nothing: as told
+        if label != b.weight_version:
+            for c in calls.values():
+                if c.frozen and c.on_version is not None:
+                    c.on_version(label)
+        b.weight_version = reported
+        detail["weight_version"] = reported
+        if reported is not None and reported != version:
+            take_out(rt, b, f"its /weight_info says {reported!r}, not {version!r}")
+    resumed = await engines.call(rt.session, b.url, "POST", "/resume", timeout_s)
+    failed = [e for e in errors if e]
+    return EngineAnswer(b.id, b.url, "resume", resumed is None, time.monotonic() - t0,
+                        resumed or ("; ".join(failed) if failed else None), detail)
+
+
+def take_out(rt: Runtime, b: Backend, reason: str) -> None:
+    """``b`` does not serve what its label says: out of rotation (a pool instance is
+    restarted on the pool's weights; another engine stays out until an update)."""
+    if rt.pool is not None and rt.pool.fail(b.id, reason):
+        return
+    b.state, b.last_error = InstanceState.FAILED, reason[:300]
+    rt.events.emit("backend", f"{b.id}: {reason}", backend=b.id, state="failed")
+
+
+async def _resume(rt: Runtime, version: str | None, timeout_s: float,
+                  targets: list[Backend], weights: Weights | None) -> dict[str, Any]:
+    live = live_calls(rt)
+    answers = await _each(targets, lambda b: _resume_one(rt, live, b, version, timeout_s))
     if version is not None and version != rt.weight_version:
-        if rt.dispatcher.gate.engine_mode == "keep":
-            live_calls(rt).new_version(version)
         previous, rt.weight_version = rt.weight_version, version
         rt.events.emit("weight_version", f"weight version {previous} -> {version}",
                        previous=previous, version=version)
-
-    async def one(b: Backend) -> EngineAnswer:
-        t0 = time.monotonic()
-        error = None
-        if version is not None:
-            error = await _call(rt, b, "POST", "/update_weight_version", timeout_s,
-                                {"new_version": version})
-        resumed = await _call(rt, b, "POST", "/resume", timeout_s)
-        error = resumed or error  # failing to resume matters more than the label
-        return EngineAnswer(b.id, b.url, "resume", resumed is None, time.monotonic() - t0,
-                            error)
-
-    answers = await _each(rt, one)
+    if weights is not None and rt.pool is not None:
+        await rt.pool.commit(weights, {b.id: b.weight_version for b in targets})
     gate = rt.dispatcher.gate
     was_paused = gate.paused
     held = gate.resume()
@@ -134,65 +203,174 @@ async def resume_engines(rt: Runtime, version: str | None, timeout_s: float
             "engines": [a.to_dict() for a in answers], "ok": all(a.ok for a in answers)}
 
 
+@contextlib.asynccontextmanager
+async def _weights_held(rt: Runtime) -> AsyncIterator[None]:
+    """No engine is admitted to the pool while its weights change."""
+    if rt.pool is None:
+        yield
+        return
+    async with rt.pool.weights_lock:
+        yield
+
+
+async def resume_engines(rt: Runtime, version: str | None, timeout_s: float
+                         ) -> dict[str, Any]:
+    """Set ``version`` (if given) on the engines, resume them, open the gate
+    (``POST /admin/resume``). The gateway cannot know what the trainer loaded: a new
+    version becomes the pool's as weights that only the trainer holds."""
+    async with _weights_held(rt):
+        old = current_weights(rt)
+        new = (Weights(version, old.path, pushed=True)
+               if version is not None and version != old.version else None)
+        return await _resume(rt, version, timeout_s, update_engines(rt), new)
+
+
 def start_weight_update_job(rt: Runtime, *, version: str, engine_mode: EngineMode,
                             method: UpdateMethod, weights_path: str | None,
                             timeout_s: float) -> tuple[Job, asyncio.Event]:
-    """Pause -> update -> set version -> resume, in the background, as a job.
+    """Check -> pause -> update -> set version -> resume, in the background, as a job.
 
     ``method="reload"``: each engine reloads its weights from ``weights_path`` (vLLM
-    ``/collective_rpc reload_weights``, then ``/reset_prefix_cache``). ``"external"``: the
-    trainer pushes the weights itself (NCCL, vLLM's weight-transfer routes) and says so
-    by setting the returned event (``POST /admin/weight-update/{job}/done``). If a step
-    fails, the engines are resumed with the old version and the job fails.
+    ``/collective_rpc reload_weights``). ``"external"``: the trainer pushes the weights
+    itself (NCCL, vLLM's weight-transfer routes) and says so by setting the returned
+    event (``POST /admin/weight-update/{job}/done``). An update that does not check out
+    (no such checkpoint, no engine to push to) fails before anything is paused. If a
+    step fails, every engine goes on with the old weights and version (an engine that
+    cannot be brought back to them is taken out of rotation) and the job fails.
     """
     job = rt.jobs.create("weight-update", {"version": version, "mode": engine_mode,
                                            "method": method, "weights_path": weights_path})
     trainer_done = asyncio.Event()
-    old = rt.weight_version
-
-    async def reload(b: Backend) -> EngineAnswer:
-        t0 = time.monotonic()
-        body = {"method": "reload_weights",
-                "kwargs": {"weights_path": weights_path} if weights_path else {}}
-        error = await _call(rt, b, "POST", "/collective_rpc", timeout_s, body)
-        if error is None:  # cached prefixes were computed with the old weights
-            error = await _call(rt, b, "POST", "/reset_prefix_cache", timeout_s)
-        return EngineAnswer(b.id, b.url, "reload", error is None, time.monotonic() - t0, error)
 
     async def run() -> None:
         job.begin()
-        ok = False
         try:
-            with job.phase("pause", mode=engine_mode) as ph:
-                paused = await pause_engines(rt, engine_mode, timeout_s)
-                ph.detail.update(idle_s=paused["idle_s"], engines=paused["engines"])
-            if not paused["ok"]:
-                job.errors += [f"{e['id']}: {e['error']}" for e in paused["engines"]
-                               if not e["ok"]]
-            else:
-                with job.phase("update", method=method) as ph:
-                    if method == "reload":
-                        answers = await _each(rt, reload)
-                        ph.detail["engines"] = [a.to_dict() for a in answers]
-                        job.errors += [f"{a.id}: {a.error}" for a in answers if not a.ok]
-                    else:
-                        try:
-                            await asyncio.wait_for(trainer_done.wait(), timeout_s)
-                        except TimeoutError:
-                            job.errors.append(f"the trainer did not report the update "
-                                              f"done within {timeout_s:.0f} s")
-                ok = not job.errors
+            async with _weights_held(rt):
+                await _update(rt, job, version, engine_mode, method, weights_path,
+                              timeout_s, trainer_done)
         finally:
-            with job.phase("resume") as ph:
-                resumed = await resume_engines(rt, version if ok else old, timeout_s)
-                ph.detail.update(weight_version=resumed["weight_version"],
-                                 engines=resumed["engines"])
-                job.errors += [f"{e['id']}: {e['error']}" for e in resumed["engines"]
-                               if not e["ok"]]
-            if not ok:
-                job.errors.append(f"weight update abandoned; resumed with version {old!r}")
             job.plan["weight_version"] = rt.weight_version
             job.end(None if not job.errors else JobStatus.FAILED)
 
     rt.jobs.track(asyncio.create_task(run(), name=f"weight-update-{job.id}"))
     return job, trainer_done
+
+
+async def _check(rt: Runtime, job: Job, new: Weights, method: UpdateMethod,
+                 targets: list[Backend]) -> bool:
+    """The ``check`` phase: True if the update may pause engines; errors on the job."""
+    with job.phase("check", weights=new.to_dict(), engines=[b.id for b in targets]) as ph:
+        problems = (await asyncio.to_thread(check_checkpoint, new.path)
+                    if method == "reload" and new.path else [])
+        if not targets and not problems:
+            if rt.pool is not None and method == "reload":
+                ph.detail["note"] = "no engine is running: engines start on these weights"
+                await rt.pool.commit(new, {})
+                rt.weight_version = new.version
+                rt.events.emit("weight_version", f"weight version -> {new.version} "
+                               "(no engine running)", version=new.version)
+                return False
+            problems.append("no engine to update" + (
+                ": pushed weights need a running engine to receive them"
+                if method == "external" else ": no pool to start one on them"))
+        if problems:
+            still = current_weights(rt).describe()
+            job.errors += [*problems, f"nothing was paused; the pool keeps {still}"]
+            return False
+    return True
+
+
+async def _update(rt: Runtime, job: Job, version: str, engine_mode: EngineMode,
+                  method: UpdateMethod, weights_path: str | None, timeout_s: float,
+                  trainer_done: asyncio.Event) -> None:
+    old = current_weights(rt)
+    new = Weights(version, weights_path if method == "reload" else old.path,
+                  pushed=method == "external")
+    targets = update_engines(rt)
+    if not await _check(rt, job, new, method, targets):
+        return
+    ok = False
+    try:
+        with job.phase("pause", mode=engine_mode) as ph:
+            paused = await pause_engines(rt, engine_mode, timeout_s, targets=targets)
+            ph.detail.update(idle_s=paused["idle_s"], engines=paused["engines"])
+        if not paused["ok"]:
+            job.errors += [f"{e['id']}: {e['error']}" for e in paused["engines"]
+                           if not e["ok"]]
+        else:
+            with job.phase("update", method=method) as ph:
+                ok = await _push(rt, job, ph.detail, method, new, old, targets, timeout_s,
+                                 trainer_done)
+    finally:
+        with job.phase("resume") as ph:
+            resumed = await _resume(rt, version if ok else None, timeout_s, targets,
+                                    new if ok else None)
+            ph.detail.update(weight_version=resumed["weight_version"],
+                             engines=resumed["engines"])
+            job.errors += [f"{e['id']}: {e['error']}" for e in resumed["engines"]
+                           if e["error"]]
+        if not ok:
+            job.errors.append(f"weight update abandoned; resumed with version "
+                              f"{old.version!r}")
+
+
+async def _push(rt: Runtime, job: Job, detail: dict[str, Any], method: UpdateMethod,
+                new: Weights, old: Weights, targets: list[Backend], timeout_s: float,
+                trainer_done: asyncio.Event) -> bool:
+    """The ``update`` phase: True if every engine has the new weights."""
+    if method == "external":
+        try:
+            await asyncio.wait_for(trainer_done.wait(), timeout_s)
+        except TimeoutError:
+            job.errors.append(f"the trainer did not report the update done within "
+                              f"{timeout_s:.0f} s")
+            return False
+        return True
+
+    async def reload(b: Backend, path: str | None) -> EngineAnswer:
+        t0 = time.monotonic()
+        error = await engines.reload(rt.session, b.url, path, timeout_s)
+        return EngineAnswer(b.id, b.url, "reload", error is None, time.monotonic() - t0,
+                            error)
+
+    answers = await _each(targets, lambda b: reload(b, new.path))
+    detail["engines"] = [a.to_dict() for a in answers]
+    failed = {a.id for a in answers if not a.ok}
+    job.errors += [f"{a.id}: {a.error}" for a in answers if not a.ok]
+    if not failed:
+        return True
+    # back to the old weights where the new ones went in; out of rotation where not
+    back = [b for b in targets if b.id not in failed]
+    if old.pushed or old.path is None:  # vLLM's own default is the path it last loaded
+        undone = {b.id: "no path holds the old weights" for b in back}
+    else:
+        again = await _each(back, lambda b: reload(b, old.path))
+        undone = {a.id: a.error or "" for a in again if not a.ok}
+        detail["rolled_back"] = [a.to_dict() for a in again]
+    for b in targets:
+        if b.id in failed or b.id in undone:
+            take_out(rt, b, f"weight update to {new.version!r} failed: "
+                     f"{undone.get(b.id) or 'the reload failed'}")
+    return False
+
+
+async def relabel(rt: Runtime, version: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """``PUT /admin/weight-version``: the operator says the engines now serve ``version``
+    (the trainer loaded it itself). Every engine is told, so that its own label, which its
+    calls are stamped with, says so; the pool keeps the version as weights only the
+    trainer holds (an engine started later waits for an update to bring them)."""
+    async with _weights_held(rt):
+        targets = update_engines(rt)
+        labels = await asyncio.gather(*(engines.label(rt.session, b.url, version, timeout_s)
+                                        for b in targets))
+        for b, (reported, _) in zip(targets, labels, strict=True):
+            b.weight_version = reported
+        old = current_weights(rt)
+        previous, rt.weight_version = rt.weight_version, version
+        if rt.pool is not None and version != old.version:
+            await rt.pool.commit(Weights(version, old.path, pushed=True),
+                                 {b.id: b.weight_version for b in targets})
+    if previous != version:
+        rt.events.emit("weight_version", f"weight version {previous} -> {version} (set)",
+                       previous=previous, version=version)
+    return {"previous": previous, "version": version}

@@ -10,7 +10,8 @@ import pytest
 from gateway.proxy.calls import weight_segments
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.continuation import HoldingDecoder
-from gateway.proxy.live import LiveCalls, continuable
+from gateway.proxy.live import LiveCalls, continuable, engine_ids
+from gateway.proxy.weights import _plan
 from gateway.store.samples import staleness
 
 
@@ -36,14 +37,36 @@ def test_live_calls_count_what_blocks_an_abort() -> None:
     live.add("c", "b2", {"model": "m"})
     assert (live.blocking("b1"), live.blocking("b2")) == (1, 0)
     seen: list[str] = []
-    live.add("d", "b2", {"model": "m"}, seen.append)
-    live.new_version("7")
+    live.add("d", "b2", {"model": "m", "stream": True}, seen.append)
     live.remove("b")
-    assert seen == ["7"] and live.blocking("b1") == 0 and len(live) == 3
-    live.mark_aborted("b2")
+    assert live.blocking("b1") == 0 and len(live) == 3
+    assert sorted(live.on("b2")) == ["c", "d"] and live.on("b2")["d"].frozen
+    live.mark_aborted(["c", "d"])
     assert [live.aborted(c) for c in "acdx"] == [False, True, True, False]
+    assert not live.on("b2")["d"].frozen  # aborted: continued, not frozen
+    live.answered("c")
+    assert live.on("b2")["c"].answered and not live.on("b2")["d"].answered
     live.continued("c")
-    assert not live.aborted("c") and live.aborted("d")
+    assert not live.aborted("c") and live.aborted("d") and not live.on("b2")["c"].answered
+    assert engine_ids("x1")[:2] == ["chatcmpl-x1", "cmpl-x1-0"]  # as vLLM names them
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("wait", ("wait", [])),
+    ("abort-and-continue", ("abort", ["whole", "stream", "tools"])),  # no frozen stream
+    ("keep", ("keep", ["whole", "tools"])),  # streams stay frozen, the rest aborted
+])
+def test_each_engine_gets_the_pause_its_calls_need(
+        mode: str, expected: tuple[str, list[str]]) -> None:
+    live = LiveCalls()
+    live.add("whole", "b", {"model": "m"})
+    live.add("stream", "b", {"model": "m", "stream": True})
+    live.add("tools", "b", {"model": "m", "tools": [{"type": "function"}]})
+    assert _plan(live.on("b"), mode) == expected  # type: ignore[arg-type]
+    live.add("frozen", "b", {"model": "m", "stream": True, "tools": [{}]})
+    if mode == "abort-and-continue":  # a stream that cannot be continued: keep, and
+        # abort the others one by one
+        assert _plan(live.on("b"), mode) == ("keep", ["whole", "stream", "tools"])
 
 
 def test_weight_segments() -> None:
@@ -82,7 +105,7 @@ def _decoder(chat: bool, aborted: bool) -> tuple[HoldingDecoder, Capture]:
     live = LiveCalls()
     live.add("c1", "b1", body)
     if aborted:  # its engine was told to abort for abort-and-continue
-        live.mark_aborted("b1")
+        live.mark_aborted(["c1"])
     rt = SimpleNamespace(extras={"live_calls": live})
     return HoldingDecoder(rt, ctx), capture  # type: ignore[arg-type]
 
