@@ -83,7 +83,7 @@ def make_agent(model: str, max_tokens: int) -> Any:
     async def agent(r: Rollout) -> float:
         """Two calls: a forced ``add`` call (the tool really runs), then the answer."""
         messages: list[dict[str, Any]] = [{"role": "user", "content": r.prompt}]
-        async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+        async with AsyncOpenAI(base_url=r.base_url, api_key=r.api_key, max_retries=0) as llm:
             first = (await llm.chat.completions.create(
                 model=model, messages=messages, tools=[ADD], tool_choice=FORCE_ADD,
                 max_tokens=TOOL_CALL_TOKENS, temperature=1.0)).choices[0].message
@@ -103,10 +103,10 @@ def make_agent(model: str, max_tokens: int) -> Any:
     return agent
 
 
-def served_model(gateway: str, timeout_s: float = 600.0) -> str:
+def served_model(gateway: str, token: str | None, timeout_s: float = 600.0) -> str:
     """The first model the pool serves, once an engine is up (the pool may be starting)."""
     deadline = time.monotonic() + timeout_s
-    with OpenAI(base_url=f"{gateway}/v1", api_key="EMPTY", max_retries=0) as llm:
+    with OpenAI(base_url=f"{gateway}/v1", api_key=token or "EMPTY", max_retries=0) as llm:
         while not (models := llm.models.list().data):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no engine of {gateway} came up in {timeout_s:g} s")
@@ -132,8 +132,9 @@ def checksum(model: torch.nn.Module) -> str:
 
 def probe(gw: RolloutClient, model: str, run: str, version: str) -> dict[str, Any]:
     """A greedy completion of a fixed prompt through the gateway: what the engines serve."""
-    url = gw.base_url_for(f"{run}-probe-v{version}", f"{run}-probe")
-    with OpenAI(base_url=url, api_key="EMPTY", max_retries=0) as llm:
+    tid, group = f"{run}-probe-v{version}", f"{run}-probe"
+    with OpenAI(base_url=gw.base_url_for(tid, group), api_key=gw.mint_key(tid, group),
+                max_retries=0) as llm:
         choice = llm.completions.create(model=model, prompt=PROBE, max_tokens=8,
                                         temperature=0, logprobs=1).choices[0]
     lps = choice.logprobs.token_logprobs if choice.logprobs else None
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("ROLLOUT_GATEWAY_ADMIN_TOKEN")
     with RolloutClient(args.gateway, admin_token=token) as client:
         client.wait_ready()
-    model_name = args.model or served_model(client.base_url)
+    model_name = args.model or served_model(client.base_url, token)
     run = f"trl-{uuid.uuid4().hex[:6]}"
     gw = GatewayGRPO(args.gateway, make_agent(model_name, args.max_tokens),
                      weights_dir=work / "weights", admin_token=token, run_id=run,

@@ -11,7 +11,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, count_tokens, groups, openai, policy, status, trajectories, web
-from gateway.config import Settings
+from gateway.api.browser import BrowserGuard
+from gateway.api.deps import Access
+from gateway.config import ServerSettings, Settings
 from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
 from gateway.readiness import announced
@@ -21,13 +23,19 @@ from gateway.runtime import open_runtime
 class GatewayApp(FastAPI):
     """FastAPI, with the OpenAI completion routes answered before its middleware and
     router (:func:`gateway.api.openai.serve_raw`: the hot path); CORS, when configured,
-    wraps that path too."""
+    wraps that path too, and the browser checks (:mod:`gateway.api.browser`) come first
+    on every path."""
 
-    def __init__(self, *, raw: ASGIApp, **kwargs: Any) -> None:
+    def __init__(self, *, raw: ASGIApp, server: ServerSettings, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.raw = raw
+        self.guarded = BrowserGuard(self.route_request, server)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.guarded(scope, receive, send)
+
+    async def route_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The raw completion path, or FastAPI."""
         route = openai.raw_route(scope)
         if route is None or "proxy" not in scope.get("state", ()):
             await super().__call__(scope, receive, send)
@@ -39,20 +47,21 @@ class GatewayApp(FastAPI):
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    access = Access(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         async with open_runtime(settings) as rt:
             app.state.runtime = rt  # for embedding code (tests, demo); routes use request.state
             async with announced(rt, wait=settings.server.wait_ready):
-                yield {"rt": rt, "proxy": Proxy(rt)}
+                yield {"rt": rt, "proxy": Proxy(rt), "access": access}
 
     raw: ASGIApp = openai.serve_raw
     if settings.server.cors_origins:
         raw = CORSMiddleware(raw, allow_origins=settings.server.cors_origins,
                              allow_methods=["*"], allow_headers=["*"])
     app = GatewayApp(
-        raw=raw,
+        raw=raw, server=settings.server,
         title="rollout-gateway",
         version="0.1.0",
         description="Trajectory-aware OpenAI-compatible gateway for agentic RL rollouts.",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_SQLITE_URL = "sqlite+aiosqlite:///rollout-gateway.db"
@@ -134,6 +134,22 @@ class ServerSettings(BaseModel):
     keep_alive_s: float = Field(
         75.0, gt=0, description="idle client connections are closed after this; longer than "
         "clients' own pool expiry (httpx/openai: 5 s) so a request never races the close")
+    allowed_hosts: list[str] = Field(
+        [], description="Host header values served besides the bound address (and localhost, "
+        "127.0.0.1, [::1] on loopback); `*.example.com` matches subdomains, `*` any host. "
+        "Other hosts get 400 (DNS rebinding). A wildcard bind (0.0.0.0, ::) serves any host "
+        "until this is set")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's line and headers must arrive within this "
+        "(from the connection's first byte, or the first byte after the previous "
+        "response); else 408 and the connection is closed")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request's whole body must arrive within this after its "
+        "headers; else 408 (or, once an answer has started, the connection is closed)")
+    max_connections_per_client: int = Field(
+        4096, ge=0, description="open connections one client IP may hold; more are answered "
+        "429 and closed. 0: no cap. A batch of N concurrent harnesses in one process holds "
+        "about N (the benchmarks open up to ~2,100 from one address)")
 
 
 class CaptureSettings(BaseModel):
@@ -161,8 +177,17 @@ class Settings(BaseSettings):
     )
 
     database_url: str = DEFAULT_SQLITE_URL
-    admin_token: str | None = None
-    api_keys: Annotated[list[str], NoDecode] = []
+    admin_token: str | None = Field(
+        None, description="the operator's bearer token: everything, the admin API included")
+    trainer_token: str | None = Field(
+        None, description="the trainer's bearer token: the trajectory API (list, finish with "
+        "a reward, samples, scoped keys) and model calls; the admin token works there too")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        [], description="harness keys: model calls (/v1) for any trajectory, nothing else")
+    key_secret: str | None = Field(
+        None, description="signs the harness keys scoped to one trajectory "
+        "(POST /trajectories/{id}/key); default: derived from the admin token, else the "
+        "trainer token, else random per process (keys then die with it)")
     backends: Annotated[list[str], NoDecode] = []
     pool: Path | None = None
     policy: str = Field("ours-lane",
@@ -216,16 +241,35 @@ class Settings(BaseSettings):
             out.append(url.rstrip("/").removesuffix("/v1"))
         return out
 
+    @property
+    def auth_enabled(self) -> bool:
+        """Any credential configured: from then on every route needs its role's credential
+        (docs/deployment.md, security model); with none, loopback is open to all."""
+        return bool(self.admin_token or self.trainer_token or self.api_keys or self.key_secret)
+
+    @model_validator(mode="after")
+    def _roles_apart(self) -> Settings:
+        """A harness key that is also the trainer's or operator's token would let a
+        sandbox set its own reward: refused."""
+        for name, token in (("TRAINER_TOKEN", self.trainer_token),
+                            ("ADMIN_TOKEN", self.admin_token)):
+            if token is not None and token in self.api_keys:
+                raise ValueError(f"ROLLOUT_GATEWAY_{name} is also one of the harness "
+                                 "ROLLOUT_GATEWAY_API_KEYS: a harness could then act as "
+                                 "the trainer or operator; use different values")
+        return self
+
     def check_safe_to_serve(self) -> None:
         """Refuse unsafe combinations before binding a socket."""
-        if not _is_loopback(self.server.host) and not self.admin_token:
+        if not is_loopback(self.server.host) and not self.admin_token:
             raise ValueError(
                 f"refusing to bind {self.server.host!r} without an admin token: set "
                 "ROLLOUT_GATEWAY_ADMIN_TOKEN (or bind 127.0.0.1)"
             )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP address (a bind address, not a Host header)."""
     if host == "localhost":
         return True
     try:

@@ -6,6 +6,7 @@
     +-- BadRequest                    (400 invalid_request_error)
     |   +-- InvalidTrajectoryId       (400, param "trajectory_id")
     +-- Unauthorized                  (401 authentication_error)
+    +-- Forbidden                     (403 permission_error: a valid credential, wrong role)
     +-- NotFound                      (404 not_found_error)
     |   +-- ModelNotFound             (404 model_not_found)
     +-- Conflict                      (409: the request clashes with the current state)
@@ -66,6 +67,12 @@ class Unauthorized(GatewayError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "forbidden"
 
 
 class NotFound(GatewayError):

@@ -393,6 +393,10 @@
       // Text is asked for only with a token; the gateway refuses it to anyone else.
       const query = token() ? "?include_text=true" : "";
       const resp = await fetch("/trajectories/" + encodeURIComponent(id) + query, { headers: authHeaders() });
+      if (resp.status === 401 || resp.status === 403) {
+        setText("traj-note", "Trajectories need the trainer or admin token on this gateway: enter it under Admin.");
+        return;
+      }
       if (!resp.ok) { setText("traj-note", `Could not load it (${resp.status}).`); return; }
       data = await resp.json();
     } catch (err) { setText("traj-note", "Could not load it: " + err.message); return; }

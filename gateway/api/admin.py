@@ -8,10 +8,10 @@ always drains first: no new calls, in-flight calls finish, then the backend goes
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from gateway.api.deps import get_rt, require_admin
 from gateway.dispatch.backends import parse_backend_spec
@@ -31,6 +31,8 @@ from gateway.runtime import Runtime
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 REMOVE_DRAIN_TIMEOUT_S = 600.0
+MAX_GPUS = 65_536  # bounds what a request can make the layout code allocate
+MAX_INSTANCES = 4096
 
 
 class AddBackend(BaseModel):
@@ -39,8 +41,8 @@ class AddBackend(BaseModel):
     url: str | None = Field(None, min_length=8, max_length=512)
     tp: int | None = Field(None, ge=1, le=64)
     id: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
-    gpus: list[int] | None = None
-    node: str | None = None
+    gpus: list[Annotated[int, Field(ge=0, lt=MAX_GPUS)]] | None = Field(None, max_length=64)
+    node: str | None = Field(None, max_length=128)
 
 
 class PoolChange(BaseModel):
@@ -48,8 +50,26 @@ class PoolChange(BaseModel):
     ``layout``: the instances wanted; ``tp``: TP of instances created on freed GPUs."""
 
     gpus: int | list[int | str] | None = None
-    layout: list[LayoutEntry] | None = None
+    layout: list[LayoutEntry] | None = Field(None, max_length=MAX_INSTANCES)
     tp: int | None = Field(None, ge=1, le=64)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_in_range(cls, value: int | list[int | str] | None) -> int | list[int | str] | None:
+        count = value if isinstance(value, int) else len(value or ())
+        if not 0 <= count <= MAX_GPUS:
+            raise ValueError(f"'gpus' must be between 0 and {MAX_GPUS}")
+        if isinstance(value, list) and any(isinstance(g, int) and not 0 <= g < MAX_GPUS
+                                           for g in value):
+            raise ValueError(f"GPU ids are between 0 and {MAX_GPUS - 1}")
+        return value
+
+    @field_validator("layout")
+    @classmethod
+    def _instances_in_range(cls, value: list[LayoutEntry] | None) -> list[LayoutEntry] | None:
+        if value is not None and sum(e.count for e in value) > MAX_INSTANCES:
+            raise ValueError(f"a layout has at most {MAX_INSTANCES} instances")
+        return value
 
 
 class Pause(BaseModel):

@@ -19,14 +19,14 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
-from gateway.api.deps import get_rt
+from gateway.api.deps import get_rt, require_trainer
 from gateway.errors import Conflict
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.store.samples import Sample, build_samples
 from gateway.trajectories.tagging import validate_id
 
-router = APIRouter(prefix="/groups", tags=["groups"])
+router = APIRouter(prefix="/groups", tags=["groups"], dependencies=[Depends(require_trainer)])
 DRAIN_TIMEOUT_S = 5.0
 POLL_S = 0.1  # how often a waiting request looks at the store
 MAX_COUNT = 10_000  # trajectories one answer may wait for

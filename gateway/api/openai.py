@@ -8,9 +8,9 @@ The two completion routes (chat and text, all three URL forms) are answered by
 :func:`serve_raw`, a raw ASGI path that :class:`gateway.app.GatewayApp` takes before
 FastAPI's middleware, router and dependencies: they are the gateway's hot path, and that
 stack cost about as much CPU per call as the relay itself. It does what the FastAPI route
-does (the API-key check, OpenAI's error shape, the body limit through the proxy's own
-check); a path it does not match exactly, an id that fails the route's pattern included,
-goes on to FastAPI, which answers it as before. The FastAPI routes stay registered for the
+does (the harness credential check, OpenAI's error shape, the body limit through the
+proxy's own check); a path it does not match exactly, an id that fails the route's pattern
+included, goes on to FastAPI, which answers it as before. The FastAPI routes stay registered for the
 OpenAPI document.
 """
 
@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.deps import get_proxy, get_rt, require_api_key
+from gateway.api.deps import Role, authorize, check_scope, get_proxy, get_rt, require_api_key
 from gateway.errors import GatewayError, error_response
 from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
@@ -177,7 +177,9 @@ async def serve_raw(scope: Scope, receive: Receive, send: Send) -> None:
     endpoint, traj, group = scope["rg.route"]
     request = Request(scope, receive)
     try:
-        await require_api_key(request)
+        principal = authorize(request, Role.HARNESS)
+        if principal.scope is not None:  # before the body is read
+            check_scope(principal.scope, traj, group)
         await get_proxy(request).serve(request, send, endpoint, path_traj=traj,
                                        path_group=group)
     except GatewayError as exc:

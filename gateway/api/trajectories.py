@@ -1,17 +1,20 @@
-"""Trajectory API: list, inspect, finish with a reward, fetch the training sample."""
+"""Trajectory API: list, inspect, finish with a reward, fetch the training sample, mint a
+harness key for one trajectory. Trainer role (the trainer or admin token, see
+:mod:`gateway.api.deps`); prompt and completion text need the admin token."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.api.deps import get_rt, is_admin
-from gateway.errors import Conflict, NotFound, Unauthorized
+from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
+from gateway.errors import Conflict, Forbidden, NotFound
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
@@ -19,14 +22,45 @@ from gateway.store.models import Call, Trajectory
 from gateway.store.samples import Sample, build_samples
 from gateway.trajectories.tagging import validate_id
 
-router = APIRouter(prefix="/trajectories", tags=["trajectories"])
+router = APIRouter(prefix="/trajectories", tags=["trajectories"],
+                   dependencies=[Depends(require_trainer)])
 DRAIN_TIMEOUT_S = 5.0
+METADATA_DEPTH = 32
+
+
+def finite_json(value: object, where: str = "metadata", depth: int = 0) -> None:
+    """Raise unless ``value`` is JSON every store and exporter can hold: no NaN or infinity
+    (``1e400`` parses to infinity), nested at most ``METADATA_DEPTH`` deep."""
+    if depth > METADATA_DEPTH:
+        raise ValueError(f"{where} is nested deeper than {METADATA_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} holds {value!r}: only finite numbers are accepted")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            finite_json(v, f"{where}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            finite_json(v, f"{where}[{i}]", depth + 1)
 
 
 class FinishRequest(BaseModel):
+    # NaN, Infinity and 1e400 (infinity once parsed) are 422: a reward is a real number
+    model_config = ConfigDict(allow_inf_nan=False)
+
     reward: float | None = None
     metadata: dict[str, Any] | None = None
     group_id: str | None = Field(None, max_length=128)
+
+    @field_validator("metadata")
+    @classmethod
+    def _finite(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        finite_json(value)
+        return value
+
+
+class KeyRequest(BaseModel):
+    group_id: str | None = Field(None, max_length=128, description="bind the key to this "
+                                 "GRPO group too (calls naming another group are 403)")
 
 
 def _live(rt: Runtime, trajectory_id: str) -> dict[str, Any] | None:
@@ -68,7 +102,8 @@ def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
 
 def _want_text(request: Request, include_text: bool) -> bool:
     if include_text and not is_admin(request):
-        raise Unauthorized("include_text=true needs the admin token")
+        raise Forbidden("include_text=true needs the admin token (ROLLOUT_GATEWAY_ADMIN_TOKEN)",
+                        param="include_text")
     return include_text
 
 
@@ -149,6 +184,20 @@ async def finish(
     return {"id": traj.id, "attempt": traj.attempt, "group_id": traj.group_id,
             "reward": traj.reward,
             "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
+
+
+@router.post("/{trajectory_id}/key", summary="Mint a harness key for this trajectory only "
+             "(model calls; a call naming another trajectory is 403)")
+async def mint_key(request: Request, trajectory_id: str,
+                   body: KeyRequest | None = None) -> dict[str, Any]:
+    """The key names its trajectory: a harness needs only the gateway's ``/v1`` URL and
+    it. Verified statelessly (an HMAC under the key secret), so it is not stored."""
+    validate_id(trajectory_id)
+    group = body.group_id if body is not None else None
+    if group is not None:
+        validate_id(group, what="group_id")
+    key = get_access(request).signer.mint(trajectory_id, group)
+    return {"key": key, "trajectory_id": trajectory_id, "group_id": group}
 
 
 _ATTEMPT = Query(None, ge=0, le=2**31 - 1)

@@ -75,6 +75,9 @@ class Rollout:
     group_id: str
     index: int  # which generation of the group (0 .. num_generations - 1)
     step: int  # TRL's global step (optimizer steps done so far)
+    #: the harness key for this trajectory alone (``RolloutClient.mint_key``): the agent's
+    #: OpenAI ``api_key``, so it can make model calls and nothing else
+    api_key: str = "EMPTY"
 
 
 #: runs one trajectory and returns its reward (``None``: no score, TRL leaves it out)
@@ -287,8 +290,9 @@ class GatewayGRPO:
                 group, k = groups[row // size], row % size
                 tid = f"{group}-{k}"
                 async with gate:
+                    key = await gw.mint_key(tid, group)
                     reward = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
-                                                      tid, group, k, step))
+                                                      tid, group, k, step, key))
                 await gw.finish(tid, reward, group_id=group)
 
             await asyncio.gather(*(one(r) for r in range(len(prompts))))

@@ -218,7 +218,7 @@ class Proxy:
             body = door.chat_body
         ident = identify(
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
-            body=client_body, api_keys_enabled=bool(self.rt.settings.api_keys),
+            body=client_body, api_keys_enabled=self.rt.settings.auth_enabled,
         )
         requested = self.resolve_alias(body)
         self.rt.dispatcher.check_model(body["model"])

@@ -10,6 +10,12 @@ Sources, first match wins:
 4. the body: ``metadata.session_id`` (and ``metadata.group_id``), then ``user``.
 
 A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` header.
+
+A harness key scoped to one trajectory (:mod:`gateway.trajectories.keys`) names its
+trajectory (and group, when minted with one) itself: the call belongs to it, and a path,
+header or ``metadata`` that names another is a 403 (``user``, a free-form field many SDKs
+fill, is then ignored). The key's signature was checked by the route's credential check
+before the call got here; what it names can only narrow a call, never widen it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import InvalidTrajectoryId
+from gateway.errors import Forbidden, InvalidTrajectoryId
+from gateway.trajectories.keys import ScopedKey, named_by
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 PLACEHOLDER_KEYS = frozenset({"", "empty", "none", "null", "dummy", "fake", "x", "token-abc123"})
@@ -46,15 +53,17 @@ def validate_id(value: str, *, what: str = "trajectory_id") -> str:
     return value
 
 
-def _bearer_session(headers: Mapping[str, str], api_keys_enabled: bool) -> str | None:
-    if api_keys_enabled:
-        return None
+def _presented_key(headers: Mapping[str, str]) -> str | None:
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-    elif headers.get("x-api-key"):  # how Anthropic clients send their key
-        key = headers["x-api-key"].strip()
-    else:
+        return auth[7:].strip()
+    if headers.get("x-api-key"):  # how Anthropic clients send their key
+        return headers["x-api-key"].strip()
+    return None
+
+
+def _bearer_session(key: str | None, api_keys_enabled: bool) -> str | None:
+    if api_keys_enabled or key is None:
         return None
     if key.lower() in PLACEHOLDER_KEYS or key.startswith("sk-"):
         return None
@@ -82,13 +91,22 @@ def identify(
     body: Mapping[str, Any],
     api_keys_enabled: bool = False,
 ) -> Identity:
-    """Resolve the call's trajectory and group (see the module docstring for the order)."""
+    """Resolve the call's trajectory and group (see the module docstring for the order).
+
+    ``api_keys_enabled``: credentials are configured, so the bearer is a credential and
+    never a session id."""
     body_traj, body_group = _body_ids(body)
+    key = _presented_key(headers)
+    scoped = named_by(key) if key else None
+    if scoped is not None:
+        return _bound(scoped, [path_trajectory, headers.get("x-trajectory-id"),
+                               headers.get("x-session-id"), _metadata_session(body)],
+                      [path_group, headers.get("x-group-id"), body_group])
     traj = (
         path_trajectory
         or headers.get("x-trajectory-id")
         or headers.get("x-session-id")
-        or _bearer_session(headers, api_keys_enabled)
+        or _bearer_session(key, api_keys_enabled)
         or body_traj
     )
     group = path_group or headers.get("x-group-id") or body_group
@@ -97,6 +115,32 @@ def identify(
     if traj is None:
         return Identity(f"auto-{uuid.uuid4().hex[:20]}", group, generated=True)
     return Identity(validate_id(traj), group)
+
+
+def _metadata_session(body: Mapping[str, Any]) -> str | None:
+    meta = body.get("metadata")
+    sid = meta.get("session_id") if isinstance(meta, Mapping) else None
+    return sid if isinstance(sid, str) else None
+
+
+def _bound(scoped: ScopedKey, trajectories: list[str | None],
+           groups: list[str | None]) -> Identity:
+    """The identity of a scoped key's call: its own trajectory, or 403 when the call
+    names another (or another group, for a key minted with one)."""
+    for named in trajectories:
+        if named is not None and named != scoped.trajectory_id:
+            raise Forbidden(f"this key is for trajectory {scoped.trajectory_id!r}; the call "
+                            f"names {named!r}", param="trajectory_id")
+    group = next((g for g in groups if g is not None), None)
+    if scoped.group_id is not None:
+        for named in groups:
+            if named is not None and named != scoped.group_id:
+                raise Forbidden(f"this key is for group {scoped.group_id!r}; the call "
+                                f"names {named!r}", param="group_id")
+        group = scoped.group_id
+    if group is not None:
+        validate_id(group, what="group_id")
+    return Identity(validate_id(scoped.trajectory_id), group)
 
 
 def prompt_identity(body: Mapping[str, Any]) -> str:

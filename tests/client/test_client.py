@@ -151,15 +151,22 @@ def test_waits_listing_and_samples(gateway: GatewayFactory, sqlite_url: str) -> 
 
 def test_gateway_errors_become_typed_exceptions(gateway: GatewayFactory,
                                                sqlite_url: str) -> None:
-    with gateway(sqlite_url, admin_token=ADMIN_TOKEN) as gw:
+    with gateway(sqlite_url, admin_token=ADMIN_TOKEN, trainer_token="trainer-secret") as gw:
         with RolloutClient(gw) as anonymous:
-            with pytest.raises(NotFoundError, match="no trajectory 'nope'") as nf:
+            with pytest.raises(AuthenticationError, match="trainer token") as denied:
                 anonymous.sample("nope")
-            assert nf.value.status_code == 404
+            assert denied.value.status_code == 401
             with pytest.raises(AuthenticationError, match="admin"):
                 anonymous.pause()
             with pytest.raises(ValueError, match="invalid trajectory_id"):
                 anonymous.base_url_for("has space")
+        with RolloutClient(gw, trainer_token="trainer-secret") as trainer:
+            with pytest.raises(NotFoundError, match="no trajectory 'nope'") as nf:
+                trainer.sample("nope")
+            assert nf.value.status_code == 404
+            with pytest.raises(AuthenticationError, match="admin token") as role:
+                trainer.pause()  # the trainer's token is not the operator's
+            assert role.value.status_code == 403
         with RolloutClient(gw, admin_token="wrong") as wrong, pytest.raises(AuthenticationError):
             wrong.set_weight_version("v1")
         with RolloutClient(gw, admin_token=ADMIN_TOKEN) as admin:
@@ -187,7 +194,8 @@ def test_weight_sync_pauses_bumps_and_resumes(gateway: GatewayFactory,
     tid = new_id("sync")
     with gateway(sqlite_url, admin_token=ADMIN_TOKEN) as gw, \
             RolloutClient(gw, admin_token=ADMIN_TOKEN) as client:
-        llm = openai.OpenAI(base_url=f"{gw}/v1", api_key="EMPTY", max_retries=0,
+        key = client.mint_key(tid, "g-sync")  # the harness's only credential
+        llm = openai.OpenAI(base_url=f"{gw}/v1", api_key=key, max_retries=0,
                             default_headers=session_headers(tid, "g-sync"))
         hi = [{"role": "user", "content": "hi"}]
         llm.chat.completions.create(model=MODEL, messages=hi, max_tokens=5)
@@ -203,7 +211,7 @@ def test_weight_sync_pauses_bumps_and_resumes(gateway: GatewayFactory,
         llm.chat.completions.create(model=MODEL, messages=hi, max_tokens=5)
         detail = client.trajectory(tid)
         llm.close()
-    assert detail["group_id"] == "g-sync"  # the X-Session-ID / X-Group-Id headers tagged it
+    assert detail["group_id"] == "g-sync"  # the key and the headers (which agree) tagged it
     assert [c["weight_version"] for c in detail["calls"]] == ["0", "v1", "v3"]
 
 

@@ -35,7 +35,7 @@ def _trainer(generations: int, step: int = 0) -> Any:
 
 async def _two_turns(r: Rollout) -> float:
     messages: list[Any] = [{"role": "user", "content": f"{r.prompt} ({r.index})"}]
-    async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+    async with AsyncOpenAI(base_url=r.base_url, api_key=r.api_key, max_retries=0) as llm:
         for _ in range(2):
             reply = await llm.chat.completions.create(model=MODEL, messages=messages,
                                                       max_tokens=12)
@@ -46,7 +46,7 @@ async def _two_turns(r: Rollout) -> float:
 
 async def _with_side_call(r: Rollout) -> float:
     await _two_turns(r)
-    async with AsyncOpenAI(base_url=r.base_url, api_key="EMPTY", max_retries=0) as llm:
+    async with AsyncOpenAI(base_url=r.base_url, api_key=r.api_key, max_retries=0) as llm:
         await llm.chat.completions.create(  # a title call: a branch of its own
             model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "a title?"}])
     return 1.0

@@ -98,22 +98,23 @@ async def test_retry_avoids_the_backend_it_already_tried():
 
 def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway_at,
                                                                sqlite_url):
-    with gateway_at(sqlite_url, sim_pool, admin_token="tok",
+    hdr = {"authorization": "Bearer tok"}
+    with gateway_at(sqlite_url, sim_pool, admin_token="tok", api_keys=["hk"],
                     dispatch={"cap_per_gpu": 1}) as gw:
         def call(i: int) -> int:
             return httpx.post(f"{gw}/g/grp/t/traj-{i}/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "max_tokens": 600, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"task {i}"}]}).status_code
+                "messages": [{"role": "user", "content": f"task {i}"}]},
+                headers={"authorization": "Bearer hk"}).status_code
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(call, range(8)))
         assert codes == [200] * 8
         seen = [r for u in sim_pool for r in httpx.get(f"{u}/sim/stats").json()["requests_seen"]]
         assert all(isinstance(r["priority"], int) for r in seen[-8:])
-        queued = [httpx.get(f"{gw}/trajectories/traj-{i}").json()["calls"][0]["queued_ms"]
-                  for i in range(8)]
+        queued = [httpx.get(f"{gw}/trajectories/traj-{i}", headers=hdr).json()["calls"][0][
+            "queued_ms"] for i in range(8)]
         assert sum(q > 50 for q in queued) >= 4  # cap 1 x 2 backends: most had to wait
-        hdr = {"authorization": "Bearer tok"}
         assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours-lane"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"

@@ -30,6 +30,8 @@ from tests.servers import LoopThread, free_port
 MODEL = "qwen3-14b"
 N = 240
 ADMIN = {"authorization": "Bearer tok"}
+KEY = "harness-key"  # the model calls' credential (the admin token is the trainer's)
+HARNESS = {"authorization": f"Bearer {KEY}"}
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}}}}]
 
@@ -135,9 +137,9 @@ async def _stats(urls: list[str]) -> list[dict[str, Any]]:
 
 async def test_abort_and_continue_loses_no_call_and_no_token(
         slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
-                httpx.AsyncClient(base_url=url, timeout=60) as http:
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
             calls = _load(http)
             await _generating(slow_pool, 12)
@@ -157,7 +159,7 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
             for res in results:
                 tid = f"wu-{'chat' if 'messages' in res['body'] else 'completions'}-" \
                       f"{res['body']['stream']}-{res['i']}"
-                traj = (await http.get(f"/trajectories/{tid}")).json()
+                traj = (await admin.get(f"/trajectories/{tid}")).json()
                 (call,) = traj["calls"]
                 segments = call["weight_segments"]
                 if segments is None:
@@ -172,13 +174,13 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
                 else:
                     (_, k, first), (k2, end, second) = segments
                     assert (first, second, k2, end) == ("0", "1", k, N) and 0 < k < N
-                sample = (await http.get(f"/trajectories/{tid}/sample")).json()
+                sample = (await admin.get(f"/trajectories/{tid}/sample")).json()
                 versions = sample["weight_versions"][-N:]
                 assert versions == ["0"] * k + ["1"] * (N - k)
                 assert sample["max_staleness"] == (1 if k else 0)
                 if not k:
                     continue
-                stale = await http.get(f"/trajectories/{tid}/sample",
+                stale = await admin.get(f"/trajectories/{tid}/sample",
                                        params={"max_staleness": 0})
                 assert stale.status_code == 409 and "stale" in stale.text, stale.text
     for res in results:
@@ -193,9 +195,9 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
 
 async def test_keep_freezes_calls_and_wait_drains(
         slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
-                httpx.AsyncClient(base_url=url, timeout=60) as http:
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
             calls = _load(http, 8)
             await _generating(slow_pool, 6)
@@ -226,7 +228,7 @@ async def test_keep_freezes_calls_and_wait_drains(
 
 async def test_bad_pause_and_resume_bodies_are_400(
         slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as http:
             r = await http.post("/admin/pause", json={"mode": "later"})
             assert r.status_code == 422 and "abort-and-continue" in r.text
@@ -241,7 +243,7 @@ def _completion(url: str, i: int) -> httpx.Response:
     body = {"model": MODEL, "prompt": f"job load {i}", "max_tokens": N, "ignore_eos": True,
             "return_token_ids": True}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60,
-                      headers={"x-trajectory-id": f"job-{i}"})
+                      headers={"x-trajectory-id": f"job-{i}", **HARNESS})
 
 
 def checkpoint(root: Path, name: str) -> str:
@@ -256,7 +258,7 @@ def checkpoint(root: Path, name: str) -> str:
 def test_update_weights_runs_the_cycle_as_a_job_from_the_client(
         slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         tmp_path: Path) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url, \
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url, \
             RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client, \
             ThreadPoolExecutor(8) as pool:
         calls = [pool.submit(_completion, url, i) for i in range(8)]
@@ -291,7 +293,7 @@ def test_an_engine_that_does_not_answer_fails_the_job_and_keeps_the_old_version(
         slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    with gateway_at(sqlite_url, [*slow_pool, dead], admin_token="tok") as url, \
+    with gateway_at(sqlite_url, [*slow_pool, dead], admin_token="tok", api_keys=[KEY]) as url, \
             RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client:
         with pytest.raises(JobFailed) as failed:
             client.update_weights("9", weights_path=checkpoint(tmp_path, "step-9"),
@@ -379,9 +381,9 @@ async def test_abort_and_continue_through_the_front_doors(
         long_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
     """/v1/responses and /v1/messages, whole and streamed: a call the engines abort is
     continued, and the client gets one answer of exactly N tokens in its own format."""
-    with gateway_at(sqlite_url, long_pool, admin_token="tok") as url:
+    with gateway_at(sqlite_url, long_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
-                httpx.AsyncClient(base_url=url, timeout=60) as http:
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             before = sum(s["pause_aborts"] for s in await _stats(long_pool))
             kinds = [(d, s) for d in ("responses", "messages") for s in (False, True)]
             calls = [asyncio.create_task(_door_call(http, *kinds[i % 4], i))
@@ -398,7 +400,7 @@ async def test_abort_and_continue_through_the_front_doors(
             aborted = sum(s["pause_aborts"] for s in await _stats(long_pool)) - before
             spanned, split = 0, set()
             for res in results:
-                (call,) = (await http.get(f"/trajectories/{res['tid']}")).json()["calls"]
+                (call,) = (await admin.get(f"/trajectories/{res['tid']}")).json()["calls"]
                 ids = call["completion_ids"]
                 assert len(ids) == N and res["tokens"] == N  # nothing dropped or doubled
                 assert res["text"] == _text_of(ids)
@@ -415,7 +417,7 @@ async def test_abort_and_continue_through_the_front_doors(
                     (_, k, first), (k2, end, second) = segments
                     assert (first, second, k2, end) == ("0", "1", k, N) and 0 < k < N
                     split.add(res["tid"].rsplit("-", 1)[0])
-                sample = (await http.get(f"/trajectories/{res['tid']}/sample")).json()
+                sample = (await admin.get(f"/trajectories/{res['tid']}/sample")).json()
                 assert sample["weight_versions"][-N:] == ["0"] * k + ["1"] * (N - k)
     assert aborted == spanned >= 8  # every call the engines aborted was continued
     assert len(split) == 4, split  # each door, whole and streamed, continued mid-answer
@@ -426,9 +428,9 @@ async def test_an_abort_the_gateway_did_not_ask_for_reaches_the_client(
     """Only calls whose engine the gateway paused in abort-and-continue are continued:
     an engine that aborts on its own (here: paused behind the gateway's back, as on a
     shutdown) ends the call with ``abort``, even after an abort-and-continue pause."""
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok") as url:
+    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
-                httpx.AsyncClient(base_url=url, timeout=60) as http:
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
             await admin.post("/admin/resume", json={"weight_version": "1"})
             calls = _load(http, 4)

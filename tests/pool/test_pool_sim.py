@@ -25,7 +25,9 @@ def sim_spec(gpus: int = 4, speed: float = 50, median: int = 20, **kw: Any) -> d
 
 
 def client(gw: Gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gw.url, timeout=120)
+    # the admin token makes the model calls and sets rewards too (one role for every
+    # request here; tests/gateway/test_security.py holds each route to its own role)
+    return httpx.AsyncClient(base_url=gw.url, timeout=120, headers=ADMIN)
 
 
 async def ready_pool(c: httpx.AsyncClient) -> dict[str, Any]:
@@ -110,7 +112,8 @@ async def test_impossible_layouts_are_refused_before_anything_stops(
         async with client(gw) as c:
             await ready_pool(c)
             r = await c.put("/admin/pool", json=body, headers=ADMIN)
-            assert (await c.put("/admin/pool", json=body)).status_code == 401
+            assert (await c.put("/admin/pool", json=body, headers={
+                "Authorization": "Bearer wrong"})).status_code == 401
     assert r.status_code == 400 and message in r.json()["detail"], r.text
 
 

@@ -21,7 +21,13 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from gateway.app import create_app
-from gateway.config import DispatchSettings, Settings, TraceSettings, UpstreamSettings
+from gateway.config import (
+    DispatchSettings,
+    ServerSettings,
+    Settings,
+    TraceSettings,
+    UpstreamSettings,
+)
 from tests.scripted_upstream import Script
 
 ADMIN = "fuzz-admin-token"
@@ -55,7 +61,8 @@ def test_openapi_fuzz_no_server_errors(scripted, tmp_path: Path):
         admin_token=ADMIN, policy="slime",
         upstream=UpstreamSettings(health_interval_s=0.5, first_byte_timeout_s=5),
         traces=TraceSettings(flush_interval_s=0.05, spool_path=tmp_path / "spool.jsonl"),
-        dispatch=DispatchSettings(pause_mode="reject", backend_wait_s=0)))
+        dispatch=DispatchSettings(pause_mode="reject", backend_wait_s=0),
+        server=ServerSettings(allowed_hosts=["testserver"])))  # the ASGI client's Host
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     total, by_status = 0, dict[int, int]()
     started = time.monotonic()

@@ -60,8 +60,9 @@ def with_vllm_metrics(app: Any, seen: Seen) -> Callable[[Scope, Receive, Send], 
     return asgi
 
 
-def gateway_settings(db_url: str, backends: list[str], **kw: Any) -> Settings:
-    return Settings(database_url=db_url, backends=backends, admin_token=ADMIN_TOKEN,
+def gateway_settings(db_url: str, backends: list[str], *,
+                     admin_token: str | None = ADMIN_TOKEN, **kw: Any) -> Settings:
+    return Settings(database_url=db_url, backends=backends, admin_token=admin_token,
                     upstream=UpstreamSettings(health_interval_s=0.2),
                     traces=TraceSettings(flush_interval_s=0.05), **kw)
 
@@ -104,7 +105,9 @@ class Workload:
     async def run(self) -> None:
         rng = random.Random(self.seed)
         limits = httpx.Limits(max_connections=256)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        # one token for the agents' model calls and the rewards (harness and trainer)
+        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with httpx.AsyncClient(timeout=120, limits=limits, headers=auth) as client:
             await asyncio.gather(*(self._agent(client, i, rng.randint(*self.turns),
                                                random.Random(rng.random()))
                                    for i in range(self.trajectories)))

@@ -207,7 +207,8 @@ def test_page_shows_a_relayout_the_policy_applied(browser, loop_thread: LoopThre
     speed = 40.0
     spec = sim_pool_spec(tmp_path / "pool.json", [1, 1, 1, 1], model="qwen3-14b", gpu="H100",
                          speed=speed, seed=1)
-    settings = gateway_settings(sqlite_url, [], pool=spec, policy="ours",
+    # no token: the emulated harnesses send no key (loopback, zero setup)
+    settings = gateway_settings(sqlite_url, [], admin_token=None, pool=spec, policy="ours",
                                 dispatch=DispatchSettings(tick_s=0.05, time_scale=speed))
     specs = generate("swe", 1, prompts=2, group_size=4, max_context=32768)
     with app_in_thread(loop_thread, lambda: create_app(settings)) as gw:
@@ -230,3 +231,72 @@ def test_page_shows_a_relayout_the_policy_applied(browser, loop_thread: LoopThre
         page.locator("#gantt-card").screenshot(path=str(ARTIFACTS / "gantt-relayout.png"))
         page.close()
     assert errors == []
+
+
+ATTACK_PAGE = """<!doctype html><title>a page the operator happens to open</title><script>
+const gw = "{gw}";
+const tries = [
+  fetch(gw + "/admin/pause", {{method: "POST", mode: "no-cors", body: "{{}}",
+                              headers: {{"Content-Type": "text/plain"}}}}),
+  fetch(gw + "/admin/weight-version", {{method: "PUT", mode: "no-cors",
+                                       body: '{{"version": "pwned"}}'}}),
+  fetch(gw + "/trajectories/t1/finish", {{method: "POST", mode: "no-cors",
+                                         body: '{{"reward": 1}}',
+                                         headers: {{"Content-Type": "text/plain"}}}}),
+];
+Promise.allSettled(tries).then(() => {{
+  const form = Object.assign(document.createElement("form"),
+                             {{method: "POST", action: gw + "/admin/pause",
+                              enctype: "text/plain", target: "sink"}});
+  document.body.append(Object.assign(document.createElement("iframe"), {{name: "sink"}}), form);
+  form.submit();
+  document.title = "sent";
+}});
+</script>"""
+
+
+def test_a_foreign_page_cannot_drive_an_open_loopback_gateway(loop_thread: LoopThread,
+                                                              sqlite_url: str):
+    """The default gateway (loopback, no token) opened to a web page: cross-site fetches
+    and a form post (simple requests, no preflight) change nothing, and a name re-pointed
+    at 127.0.0.1 (DNS rebinding, via Chromium's resolver rules) is not served."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed")
+    if not Path(CHROMIUM).is_file():
+        _unavailable(f"chromium not found at {CHROMIUM}")
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    from tests.scripted_upstream import Script, Seen, make_upstream
+
+    with app_in_thread(loop_thread, lambda: make_upstream(Script(), Seen())) as up, \
+            app_in_thread(loop_thread, lambda: create_app(
+                gateway_settings(sqlite_url, [up], admin_token=None))) as gw:
+        attacker = Starlette(routes=[Route("/", lambda _: HTMLResponse(
+            ATTACK_PAGE.format(gw=gw)))])
+        with app_in_thread(loop_thread, lambda: attacker) as evil, sync_playwright() as pw:
+            port = gw.rsplit(":", 1)[1]
+            b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+                *CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
+            page = b.new_page()
+            page.goto(evil)
+            page.wait_for_function("() => document.title === 'sent'", timeout=10_000)
+            page.wait_for_timeout(500)  # the form post lands in the iframe
+            status = httpx.get(f"{gw}/status").json()
+            assert status["paused"] is False and status["weight_version"] == "0"
+            assert httpx.get(f"{gw}/trajectories/t1").status_code == 404  # never finished
+            for path in ("/", "/status", "/trajectories"):
+                answer = page.goto(f"http://rebind.test:{port}{path}")
+                assert answer is not None and answer.status == 400, path
+                assert "DNS rebinding" in (page.content() or "")
+            # the page itself, on its own origin, still drives the gateway
+            page.goto(f"{gw}/")
+            page.fill("#weights-value", "step-7")
+            page.click("#weights-form button[type=submit]")
+            page.wait_for_function(
+                "() => document.getElementById('weight-version').textContent === 'step-7'",
+                timeout=5_000)
+            b.close()

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.web.conftest import ADMIN_TOKEN
 
+AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +27,7 @@ def _wait_for(pred, timeout=10.0, interval=0.1):
 
 
 def _chat(gw, traj, stream=False):
-    r = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", timeout=10, json={
+    r = httpx.post(f"{gw}/t/{traj}/v1/chat/completions", timeout=10, headers=AUTH, json={
         "model": "scripted", "stream": stream,
         "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
@@ -38,7 +39,7 @@ def test_status_json_has_the_page_data(scripted_gateway):
         _chat(gw, "traj-a", stream=True)
         time.sleep(0.05)
     _chat(gw, "traj-b")
-    httpx.post(f"{gw}/trajectories/traj-b/finish", json={"reward": 1.0})
+    httpx.post(f"{gw}/trajectories/traj-b/finish", json={"reward": 1.0}, headers=AUTH)
     status = _wait_for(lambda: (s := httpx.get(f"{gw}/status").json())["backends"][0]["engine"]
                        and len(s["history"]["points"]) >= 2 and s)
     engine = status["backends"][0]["engine"]
