@@ -38,9 +38,13 @@ async def _count(url: str, prefix: str) -> int:
         await engine.dispose()
 
 
-async def _load(url: str, prefix: str, stop: asyncio.Event) -> tuple[int, int]:
-    """WORKERS clients calling back to back until ``stop``; (answered, failed)."""
+async def _load(url: str, prefix: str, stop: asyncio.Event,
+                started: asyncio.Event) -> tuple[int, int]:
+    """WORKERS clients calling back to back until ``stop``; (answered, failed).
+    ``started`` is set once every client's trajectory has had its first call answered:
+    a trajectory's first call needs the store (docs/lifecycle.md, across a restart)."""
     answered = failed = 0
+    going: set[int] = set()
 
     async def worker(i: int) -> None:
         nonlocal answered, failed
@@ -54,6 +58,10 @@ async def _load(url: str, prefix: str, stop: asyncio.Event) -> tuple[int, int]:
                 ok = r.status_code == 200 and (not body["stream"] or "[DONE]" in r.text)
                 answered += ok
                 failed += not ok
+                if ok:
+                    going.add(i)
+                    if len(going) == WORKERS:
+                        started.set()
 
     await asyncio.gather(*(worker(i) for i in range(WORKERS)))
     return answered, failed
@@ -92,9 +100,10 @@ async def test_15s_outage_under_load_loses_nothing(gateway, scripted, loop_threa
     with _relay(loop_thread) as relay:
         via = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{relay.port}")
         with gateway(_settings(via, upstream, tmp_path, 10**9)) as (url, rt):
-            stop = asyncio.Event()
-            load = asyncio.create_task(_load(url, prefix, stop))
-            await asyncio.sleep(2)
+            stop, started = asyncio.Event(), asyncio.Event()
+            load = asyncio.create_task(_load(url, prefix, stop, started))
+            await asyncio.wait_for(started.wait(), 60)
+            await asyncio.sleep(1)
             loop_thread.run(relay.down())
             outage_start = time.monotonic()
             max_spooled = 0
@@ -129,9 +138,10 @@ async def test_full_spool_drops_are_counted_and_visible(gateway, scripted, loop_
     with _relay(loop_thread) as relay:
         via = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{relay.port}")
         with gateway(_settings(via, upstream, tmp_path, 30_000)) as (url, rt):
+            stop, started = asyncio.Event(), asyncio.Event()
+            load = asyncio.create_task(_load(url, prefix, stop, started))
+            await asyncio.wait_for(started.wait(), 60)
             loop_thread.run(relay.down())
-            stop = asyncio.Event()
-            load = asyncio.create_task(_load(url, prefix, stop))
             await asyncio.sleep(3)
             stop.set()
             answered, failed = await load
