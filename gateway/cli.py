@@ -51,9 +51,8 @@ def serve(
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Run the gateway. With a pool, a log line says when its engines are up."""
-    import uvicorn
-
     from gateway.app import create_app
+    from gateway.serving import uvicorn_config
 
     base = Settings()
     settings = base.model_copy(update={
@@ -81,10 +80,7 @@ def serve(
                         "%(message)s")
     tune_gc()
     fastapi_app = create_app(settings)
-    config = uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level,
-                            access_log=False,
-                            timeout_keep_alive=int(settings.server.keep_alive_s),
-                            timeout_graceful_shutdown=int(settings.server.shutdown_grace_s))
+    config = uvicorn_config(fastapi_app, settings, log_level=log_level)
     _server(config, fastapi_app, settings.server.shutdown_delay_s).run()
 
 

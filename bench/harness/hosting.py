@@ -18,6 +18,7 @@ from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
 from gateway.app import create_app
 from gateway.config import DispatchSettings, Settings
+from gateway.serving import uvicorn_config
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -47,8 +48,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 async def serve_gateway(settings: Settings) -> AsyncIterator[str]:
     """Run the gateway on ``settings.server`` until the block exits; yields its URL."""
     host, port = settings.server.host, settings.server.port
-    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning",
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn_config(create_app(settings), settings, log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=5)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     try:
