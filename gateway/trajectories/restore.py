@@ -108,8 +108,13 @@ class Restorer:
         if task is None:
             task = asyncio.create_task(self._load(trajectory_id))
             self._pending[trajectory_id] = task
-            task.add_done_callback(lambda _t: self._pending.pop(trajectory_id, None))
+            task.add_done_callback(lambda t: self._done(trajectory_id, t))
         return await asyncio.shield(task)
+
+    def _done(self, trajectory_id: str, task: asyncio.Task[TrajectoryState | None]) -> None:
+        self._pending.pop(trajectory_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: its callers (if still there) got it
 
     async def close(self) -> None:
         """Stop the lookups in progress (shutdown); their calls are refused."""
@@ -125,9 +130,10 @@ class Restorer:
         except (_NoAnswer, asyncio.CancelledError) as exc:
             self._refused(trajectory_id, exc)
             raise StoreUnavailable(
-                f"the gateway could not read trajectory {trajectory_id!r} from its store "
-                f"within {self.settings.wait_s:g} s ({exc or 'shutting down'}); the call was "
-                "not run: retry it", retry_after_s=self.settings.retry_after_s) from None
+                f"the trajectory store could not be reached within {self.settings.wait_s:g} s "
+                f"to resume trajectory {trajectory_id!r} ({exc or 'shutting down'}); the "
+                "call was not run: retry it", retry_after_s=self.settings.retry_after_s
+            ) from None
         known = self.tracker.get(trajectory_id)
         if point is None or known is not None:  # new, or a call created it meanwhile
             return known
