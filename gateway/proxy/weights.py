@@ -356,13 +356,18 @@ async def _push(rt: Runtime, job: Job, detail: dict[str, Any], method: UpdateMet
 
 async def relabel(rt: Runtime, version: str, timeout_s: float = 30.0) -> dict[str, str]:
     """``PUT /admin/weight-version``: the operator says the engines now serve ``version``
-    (the trainer loaded it itself). Every engine is told, so that its own label, which its
-    calls are stamped with, says so; the pool keeps the version as weights only the
-    trainer holds (an engine started later waits for an update to bring them)."""
+    (the trainer loaded it itself). Every engine drops its cached KV and is told, so that
+    its own label, which its calls are stamped with, says so; the pool keeps the version
+    as weights only the trainer holds (an engine started later waits for an update to
+    bring them)."""
+    async def one(b: Backend) -> tuple[str | None, str | None]:
+        if version != b.weight_version:  # KV computed with other weights is not valid
+            await engines.reset_cache(rt.session, b.url, timeout_s)
+        return await engines.label(rt.session, b.url, version, timeout_s)
+
     async with _weights_held(rt):
         targets = update_engines(rt)
-        labels = await asyncio.gather(*(engines.label(rt.session, b.url, version, timeout_s)
-                                        for b in targets))
+        labels = await asyncio.gather(*(one(b) for b in targets))
         for b, (reported, _) in zip(targets, labels, strict=True):
             b.weight_version = reported
         old = current_weights(rt)

@@ -43,8 +43,9 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "sea
 LONG = 1400  # the tiny model's context is 2048
 TIE = 0.05  # logprobs closer than this under A and B do not tell which made the token
 
-# Re-draw every matrix of a checkpoint (norms kept): same shapes and tokenizer, other
-# weights. Runs in the vLLM environment (torch, safetensors).
+# Re-draw every matrix of a checkpoint (norms kept), five times wider than the tiny
+# model's (whose nearly uniform outputs would often give a token about the same logprob
+# under both): same shapes and tokenizer, other weights. Runs in the vLLM environment.
 _REDRAW = """
 import shutil, sys, torch
 from safetensors.torch import load_file, save_file
@@ -52,7 +53,7 @@ src, dst, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shutil.copytree(src, dst)
 weights = load_file(f"{src}/model.safetensors")
 g = torch.Generator().manual_seed(seed)
-out = {k: (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype) if v.dim() > 1 else v
+out = {k: (torch.randn(v.shape, generator=g) * 0.1).to(v.dtype) if v.dim() > 1 else v
        for k, v in weights.items()}
 save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
 """
