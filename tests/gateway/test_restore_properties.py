@@ -397,10 +397,13 @@ class RestartsAndStalls(RuleBasedStateMachine):
             await self.relay.down()
 
 
+DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
+
+
 @pytest.mark.postgres
+@pytest.mark.timeout(1800 if DEEP else 300)
 def test_restarts_and_store_faults_never_change_a_sample(postgres_url: str) -> None:
-    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    examples, steps = (120, 40) if profile == "deep" else (20, 15)
+    examples, steps = (80, 30) if DEEP else (20, 15)
     with tempfile.TemporaryDirectory() as spool_dir:
         run_state_machine_as_test(
             lambda: RestartsAndStalls(postgres_url, Path(spool_dir)),
