@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
-import orjson
 from fastapi import APIRouter, Depends, Path, Request
 
 from gateway.api.deps import get_proxy, get_rt, require_api_key
@@ -19,6 +17,7 @@ from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.proxy.bodies import parse_door, read_body
 from gateway.proxy.doors.messages import chat_messages
 from gateway.proxy.relay import Proxy
+from gateway.proxy.tokens import Tokenizer
 from gateway.runtime import Runtime
 from gateway.trajectories.tagging import validate_id
 
@@ -35,20 +34,12 @@ async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
     backends = rt.dispatcher.registry.routable(model)
     if not backends:
         raise NoBackendAvailable(f"no healthy backend serves {model!r} to count tokens")
-    req = {"model": model, "messages": messages, "add_generation_prompt": True,
-           **({"tools": tools} if tools else {})}
-    timeout = aiohttp.ClientTimeout(total=rt.settings.capture.tokenize_timeout_s)
-    try:
-        async with rt.session.post(backends[0].url + "/tokenize", data=orjson.dumps(req),
-                                   headers={"content-type": "application/json"},
-                                   timeout=timeout) as resp:
-            data = await resp.read()
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        raise UpstreamError(f"the engine could not count the tokens: {exc}") from None
-    if resp.status != 200:
-        raise UpstreamError(f"the engine's /tokenize answered {resp.status}: "
-                            f"{data[:300].decode(errors='replace')}")
-    return {"input_tokens": int(orjson.loads(data)["count"])}
+    tok = Tokenizer(rt.session, backends[0].url, {"model": model, "tools": tools or None},
+                    rt.settings.capture)
+    ids = await tok(messages, generation=True)
+    if ids is None:
+        raise UpstreamError(tok.error or "the engine could not count the tokens")
+    return {"input_tokens": len(ids)}
 
 
 @router.post(_SUFFIX, name="count_tokens")

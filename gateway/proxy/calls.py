@@ -53,6 +53,7 @@ class CallContext:
     #: prompt tokens the engine runs from the record (token in), when it does
     kept_len: int | None = None
     requested_model: str | None = None  # the client's model name, when an alias mapped it
+    size: int = 0  # the request's bytes as received
 
     def view(self) -> CallView:
         st = self.state

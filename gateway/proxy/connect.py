@@ -88,7 +88,8 @@ async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
     cont = ctx.continues
     usable = cont is not None and cont.echo_complete
     ctx.kept_len = await planner.plan(
-        ctx.body, url, record=cont.sequence.tolist() if usable and cont else None,
+        ctx.body, url, size=ctx.size,
+        record=cont.sequence.tolist() if usable and cont else None,
         turn_end=cont.turn_end if cont else 0)
 
 

@@ -240,7 +240,7 @@ class Proxy:
             stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
             capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
             headers={"x-trajectory-id": ident.trajectory_id}, door=door,
-            requested_model=requested,
+            requested_model=requested, size=len(raw),
         )
         if endpoint.chat:
             ctx.digests = digest_messages(body["messages"], _render_context(body))

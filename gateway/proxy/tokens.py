@@ -66,6 +66,7 @@ class Tokenizer:
         self._body = body
         self._timeout = settings.tokenize_timeout_s
         self.max_model_len: int | None = None
+        self.error: str | None = None  # why the last call answered None
 
     async def __call__(self, messages: list[Any], *, generation: bool) -> list[int] | None:
         req: dict[str, Any] = {"model": self._body["model"], "messages": messages,
@@ -77,11 +78,14 @@ class Tokenizer:
                     headers={"content-type": "application/json"}) as resp:
                 data = await resp.read()
                 if resp.status != 200:
-                    log.debug("tokenize answered %d: %s", resp.status, data[:200])
+                    self.error = (f"the engine's /tokenize answered {resp.status}: "
+                                  f"{data[:300].decode(errors='replace')}")
+                    log.debug("%s", self.error)
                     return None
             out = orjson.loads(data)
         except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
-            log.debug("tokenize failed: %s", exc)
+            self.error = f"the engine's /tokenize failed: {type(exc).__name__}: {exc}"
+            log.debug("%s", self.error)
             return None
         if isinstance(out.get("max_model_len"), int):
             self.max_model_len = out["max_model_len"]
@@ -128,17 +132,17 @@ def clamp_max_tokens(body: dict[str, Any], prompt_len: int, max_model_len: int |
             body[key] = left
 
 
-def needs_count(body: dict[str, Any], max_model_len: int | None) -> bool:
+def needs_count(body: dict[str, Any], size: int, max_model_len: int | None) -> bool:
     """Whether the call's token limit could overrun the context (then its prompt must be
-    counted). Without a known context length, any explicit limit could."""
+    counted); ``size``: the request's bytes as received. Without a known context length,
+    any explicit limit could."""
     limit = max((v for k in _MAX_TOKEN_KEYS if isinstance(v := body.get(k), int)), default=None)
     if limit is None:
         return False
     if max_model_len is None:
         return True
-    # a prompt has at most one token per byte of its messages, plus its template's text
-    bound = len(orjson.dumps(body.get("messages"))) + len(orjson.dumps(body.get("tools"))) \
-        + 64 * len(body.get("messages") or ())
+    # a prompt has at most one token per byte of its text, plus its template's text
+    bound = size + 64 * len(body.get("messages") or ())
     return limit + bound > max_model_len
 
 
@@ -154,14 +158,14 @@ class PromptPlanner:
         self.kept = 0  # calls whose prompt came partly from the record
         self.unjoined = 0  # calls that continued a branch but could not be joined to it
 
-    async def plan(self, body: dict[str, Any], base_url: str, *, record: list[int] | None,
-                   turn_end: int) -> int | None:
+    async def plan(self, body: dict[str, Any], base_url: str, *, size: int,
+                   record: list[int] | None, turn_end: int) -> int | None:
         """Rewrite ``body`` in place; the number of prompt tokens taken from the record
         (``record`` given: the request continues a branch whose turn it echoed)."""
         model = str(body.get("model"))
         known = self._context.get(model)
         use_record = record is not None and self._settings.token_in
-        clamp = self._settings.clamp_max_tokens and needs_count(body, known)
+        clamp = self._settings.clamp_max_tokens and needs_count(body, size, known)
         if not use_record and not clamp:
             return None
         tok = Tokenizer(self._session, base_url, body, self._settings)
