@@ -89,9 +89,9 @@ async def test_two_tp1_to_one_tp2_and_back_under_traffic(
             stop.set()
             await asyncio.gather(*tasks)
             timings["traffic_s"] = round(time.monotonic() - t0, 1)
+            assert tally.failed == []  # (before reading traces: a failed call says why)
             calls = await calls_of(c, tally.trajectories)
     print("reconfiguration times (real vLLM, CPU):", json.dumps(timings, indent=1))
-    assert tally.failed == []
     assert len(calls) == tally.ok
     assert all(call["status"] == "ok" for call in calls)
     by_backend: dict[str, set[int]] = {}
