@@ -75,7 +75,7 @@ async def test_two_tp1_to_one_tp2_and_back_under_traffic(
     gw_cm: AbstractContextManager[Gateway] = vllm_pool_gateway(spec, tmp_path, sqlite_url)
     timings: dict[str, Any] = {}
     with gw_cm as gw:
-        async with httpx.AsyncClient(base_url=gw.url, timeout=400) as c:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=400, headers=ADMIN) as c:
             timings["initial 2xTP1"] = _summary(await wait_job(c, "1", 300))
             stop, tally = asyncio.Event(), Tally()
             tasks = [asyncio.create_task(trajectory(c, f"v{i}", SERVED_NAME, stop, tally,
