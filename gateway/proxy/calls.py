@@ -1,4 +1,4 @@
-"""Per-call bookkeeping shared by every relay path, and the record it leaves behind."""
+"""A call's context on every relay path, and the record it leaves behind."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import orjson
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
+from gateway.proxy.admission import Slot
 from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
 from gateway.proxy.live import live_calls
@@ -39,7 +40,8 @@ class CallContext:
     dispatched_at: float | None = None
     first_byte: float | None = None
     retries: int = 0
-    finished: bool = field(default=False)
+    ended: bool = False  # :func:`gateway.proxy.lifecycle.end` ran
+    slot: Slot | None = None  # its admission slot, released when it ends
     door: Translation | None = None  # a front door answering in its own wire format
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)
@@ -93,16 +95,12 @@ def _status(error: BaseException | None) -> str:
     return "error"
 
 
-def finish_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
-                backend_ok: bool | None = None) -> None:
-    """Release the backend, update the trajectory, hand the record to the writer. Once.
-
-    ``backend_ok``: whether the call's outcome says the backend works (default: unless the
-    call failed); an engine refusing the client's request is a failed call, not a failed
-    backend."""
-    if ctx.finished or ctx.lease is None:
-        return
-    ctx.finished = True
+def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
+                backend_ok: bool | None) -> None:
+    """A dispatched call ended: release its backend, place it in its trajectory, tell the
+    policy, hand the record to the writer. Only :func:`gateway.proxy.lifecycle.end` calls
+    it, once per call."""
+    assert ctx.lease is not None
     live_calls(rt).remove(ctx.id)
     status = _status(error)
     ctx.lease.release(ok=status != "error" if backend_ok is None else backend_ok)

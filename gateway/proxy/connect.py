@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 from gateway.dispatch.backends import CircuitBreaker
-from gateway.dispatch.dispatcher import Lease
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from gateway.proxy.calls import CallContext
 from gateway.proxy.client import (
@@ -23,7 +22,7 @@ from gateway.proxy.client import (
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.live import live_calls
+from gateway.proxy.lifecycle import dispatched, requeue
 from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
 
@@ -46,10 +45,7 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
             if last is not None:  # every backend failed: say how the last one did
                 raise last from None
             raise
-        ctx.bind(lease, rt.weight_version)
-        live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
-                           ctx.mark_version if ctx.stream else None)
-        rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+        dispatched(rt, ctx, lease)
         if planner is not None:
             await _plan(planner, ctx, lease.backend.url)
             planner = None
@@ -69,14 +65,14 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
             if attempt == limits.max_attempts or time.monotonic() >= deadline:
                 raise
             last = exc
-            requeue(rt, ctx, lease, None if stale else tried)
+            requeue(rt, ctx, keep_out=None if stale else tried)
             continue
         if upstream.status in RETRYABLE_STATUS:
             breaker.failure(lease.backend, f"answered {upstream.status}")
             if attempt < limits.max_attempts:
                 upstream.close()
                 last = UpstreamError(f"upstream answered {upstream.status}")
-                requeue(rt, ctx, lease, tried)
+                requeue(rt, ctx, keep_out=tried)
                 continue
         else:
             breaker.success(lease.backend)
@@ -92,14 +88,3 @@ async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
         record=cont.sequence.tolist() if usable and cont else None,
         turn_end=cont.turn_end if cont else 0)
 
-
-def requeue(rt: Runtime, ctx: CallContext, lease: Lease, tried: list[str] | None) -> None:
-    """Put the call back in the queue; ``tried`` (if given) keeps the backend out."""
-    lease.release(ok=False)
-    live_calls(rt).remove(ctx.id)
-    if tried is not None:
-        tried.append(lease.backend.id)
-    ctx.lease = None
-    ctx.state.in_flight -= 1
-    ctx.state.queued += 1
-    ctx.retries += 1

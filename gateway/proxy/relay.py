@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
 from gateway.errors import GatewayError, UpstreamError
-from gateway.proxy.admission import Admission, Slot
+from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import (
     openai_4xx_body,
@@ -35,7 +35,7 @@ from gateway.proxy.bodies import (
     read_body,
     upstream_message,
 )
-from gateway.proxy.calls import CallContext, finish_call
+from gateway.proxy.calls import CallContext
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.client import UpstreamResponse
 from gateway.proxy.connect import connect
@@ -50,6 +50,7 @@ from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.messages import MessagesCall
 from gateway.proxy.doors.responses import ResponsesCall
+from gateway.proxy.lifecycle import abandon, arrive, end
 from gateway.proxy.sse import error_event
 from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
@@ -165,43 +166,45 @@ class Proxy:
         self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
         """A call through the FastAPI routes (the front doors): the response to send."""
-        slot = self.admission.enter()
+        ctx = await self._admit(request, endpoint, path_traj, path_group)
         try:
-            ctx = await self._prepare(request, endpoint, path_traj, path_group)
-            response = await _unless_disconnected(request, self._run(ctx, endpoint, slot))
-        except BaseException:
-            slot.release()
+            return await _unless_disconnected(request, self._run(ctx, endpoint))
+        except BaseException as exc:
+            end(self.rt, ctx, error=exc)
             raise
-        if not isinstance(response, RelayStream):
-            slot.release()
-        return response
 
     async def serve(self, request: Request, send: Send, endpoint: Endpoint, *,
                     path_traj: str | None, path_group: str | None) -> None:
         """A call through the raw ASGI route (``gateway.api.openai.serve_raw``): the
         upstream call and the relay of its answer run under one disconnect watcher. A
         :class:`GatewayError` raised before the answer starts is the caller's to send."""
+        ctx = await self._admit(request, endpoint, path_traj, path_group)
+        try:
+            await _unless_disconnected_do(request.receive,
+                                          self._answer(ctx, endpoint, request, send))
+        finally:  # a no-op once the call has ended; else the client left: it did not
+            end(self.rt, ctx, error=asyncio.CancelledError(_CLIENT_LEFT))
+
+    async def _answer(self, ctx: CallContext, endpoint: Endpoint,
+                      request: Request, send: Send) -> None:
+        response = await self._run(ctx, endpoint)
+        if isinstance(response, RelayStream):
+            await response.relay(send)
+            return
+        await response(request.scope, request.receive, send)
+
+    async def _admit(self, request: Request, endpoint: Endpoint, path_traj: str | None,
+                     path_group: str | None) -> CallContext:
+        """An admission slot, then the call's context; the slot is the context's to
+        release when the call ends (:func:`gateway.proxy.lifecycle.end`)."""
         slot = self.admission.enter()
         try:
             ctx = await self._prepare(request, endpoint, path_traj, path_group)
         except BaseException:
             slot.release()
             raise
-        await _unless_disconnected_do(request.receive,
-                                      self._answer(ctx, endpoint, slot, request, send))
-
-    async def _answer(self, ctx: CallContext, endpoint: Endpoint, slot: Slot,
-                      request: Request, send: Send) -> None:
-        try:
-            response = await self._run(ctx, endpoint, slot)
-        except BaseException:
-            slot.release()
-            raise
-        if isinstance(response, RelayStream):
-            await response.relay(send)
-            return
-        slot.release()
-        await response(request.scope, request.receive, send)
+        ctx.slot = slot
+        return ctx
 
     async def _prepare(self, request: Request, endpoint: Endpoint, path_traj: str | None,
                        path_group: str | None) -> CallContext:
@@ -232,19 +235,22 @@ class Proxy:
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
         if door is not None:
             outcomes = door.adjust_outcomes(outcomes)
-        seq = self.rt.tracker.call_arrived(state, outcomes, time.time())
-        self.rt.dispatcher.scheduler.call_arrived(state)
-        ctx = CallContext(
-            id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
-            seq=seq,
-            stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
-            capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
-            headers={"x-trajectory-id": ident.trajectory_id}, door=door,
-            requested_model=requested, size=len(raw),
-        )
-        if endpoint.chat:
-            ctx.digests = digest_messages(body["messages"], _render_context(body))
-            ctx.continues = state.tree.continuation(ctx.digests, body["messages"])
+        seq = arrive(self.rt, state, outcomes)
+        try:
+            ctx = CallContext(
+                id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
+                seq=seq,
+                stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
+                capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
+                headers={"x-trajectory-id": ident.trajectory_id}, door=door,
+                requested_model=requested, size=len(raw),
+            )
+            if endpoint.chat:
+                ctx.digests = digest_messages(body["messages"], _render_context(body))
+                ctx.continues = state.tree.continuation(ctx.digests, body["messages"])
+        except BaseException:
+            abandon(self.rt, state)
+            raise
         return ctx
 
     def resolve_alias(self, body: dict[str, Any]) -> str | None:
@@ -261,23 +267,19 @@ class Proxy:
         body["model"] = resolve_model(aliases, asked, served)
         return asked if body["model"] != asked else None
 
-    async def _run(self, ctx: CallContext, endpoint: Endpoint, slot: Slot) -> Response:
+    async def _run(self, ctx: CallContext, endpoint: Endpoint) -> Response:
         try:
             upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream,
                                      self.planner if endpoint.chat else None)
         except BaseException as exc:
-            if ctx.lease is None:
-                self.rt.tracker.call_abandoned(ctx.state)
-            else:
-                finish_call(self.rt, ctx, error=exc)
+            end(self.rt, ctx, error=exc)
             raise
         if upstream.status != 200:
             return await self._relay_error(ctx, upstream)
         if ctx.stream:
-            def on_close() -> None:
+            def on_close() -> None:  # also when the client left before the first chunk
                 upstream.close()
-                finish_call(self.rt, ctx, error=asyncio.CancelledError())
-                slot.release()
+                end(self.rt, ctx, error=asyncio.CancelledError(_CLIENT_LEFT))
 
             return RelayStream(self._stream(ctx, upstream), on_close,
                                headers={**ctx.headers, "cache-control": "no-cache"})
@@ -291,7 +293,7 @@ class Proxy:
         status = upstream.status if upstream.status < 500 else 502
         error = UpstreamError(f"upstream answered {upstream.status}: "
                               f"{data[:300].decode(errors='replace')}")
-        finish_call(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
+        end(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
         if ctx.door is not None:  # the engine's message, in the door's error shape
             error.message = upstream_message(data) or error.message
             error.status_code = status
@@ -319,14 +321,14 @@ class Proxy:
                 data = ctx.door.whole(payload)
         except BaseException as exc:
             upstream.close()
-            finish_call(self.rt, ctx, error=exc)
+            end(self.rt, ctx, error=exc)
             if isinstance(exc, UpstreamError) and ctx.lease is not None:
                 self._broke(ctx.lease.backend, exc)
             if isinstance(exc, orjson.JSONDecodeError):
                 raise UpstreamError("upstream answered with invalid JSON") from None
             raise
         upstream.close()
-        finish_call(self.rt, ctx)
+        end(self.rt, ctx)
         return Response(data, media_type="application/json", headers=ctx.headers)
 
     async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
@@ -366,5 +368,5 @@ class Proxy:
             raise
         finally:
             upstream.close()
-            finish_call(self.rt, ctx, error=error)
+            end(self.rt, ctx, error=error)
 

@@ -258,6 +258,12 @@ class Tracker:
         state.preferred_backend = None
         state.view = None
 
+    def call_requeued(self, state: TrajectoryState) -> None:
+        """A dispatched call goes back to the queue (its backend failed before answering)."""
+        state.in_flight -= 1
+        state.queued += 1
+        state.view = None
+
     def call_abandoned(self, state: TrajectoryState) -> None:
         """A call that never reached a backend (rejected, client left while queued)."""
         state.queued -= 1

@@ -102,7 +102,7 @@ class Lifecycle(RuleBasedStateMachine):
         return [c for c in self._outstanding() if c.backend is not None]
 
     async def _run(self, call: Call) -> None:
-        """What the proxy does for one call (connect.connect, relay._run, calls.finish_call)."""
+        """What the proxy does for one call (connect.connect, relay._run, lifecycle.end)."""
         view = CallView(call.tid, call.state.group_id, call.seq, len(call.prompt), None)
         try:
             lease = await self.dispatcher.acquire(view, MODEL)
@@ -127,7 +127,7 @@ class Lifecycle(RuleBasedStateMachine):
                                        prompt=call.prompt if ok else None,
                                        completion=call.completion if ok else [], ok=ok)
             self.scheduler.call_completed(call.state, ok=ok)
-            call.seq = self.tracker.record_seq(call.state)  # calls.finish_call records it
+            call.seq = self.tracker.record_seq(call.state)  # lifecycle.end records it
             self.store.seqs.setdefault((call.tid, call.attempt), []).append(call.seq)
             lease.release(ok=ok)
             call.outcome = call.outcome or ("ok" if ok else "failed")

@@ -87,7 +87,7 @@ TALLY: Counter[str] = Counter()  # what the examples did (printed with -s)
 def run_call(tracker: Tracker, state: TrajectoryState, prompt: list[int],
              completion: list[int], now: float) -> CallRecord:
     """What the proxy does with one call that reaches a backend and answers (relay
-    ``_prepare``, ``connect``, ``calls.finish_call``), given the trajectory's state."""
+    ``_prepare``, ``connect``, ``lifecycle.end``), given the trajectory's state."""
     tracker.call_arrived(state, [], now)
     tracker.call_dispatched(state, "b0", 0.0)
     placed = tracker.call_finished(state, now=now, llm_s=0.001, prompt=prompt,

@@ -1,0 +1,79 @@
+"""A call's life in one place: it arrives, is dispatched (and maybe requeued), and ends once.
+
+Each event updates together everything that follows the call: the trajectory's counters
+and cached policy view (the tracker), the policy (the scheduler), the table of live calls
+(aborts and weight boundaries), the backend lease and the admission slot. The relay and
+the connector report events here and touch none of those directly.
+
+:func:`end` is the only way out and is idempotent, so every exit path may call it: a call
+that reached a backend is recorded (:func:`gateway.proxy.calls.record_call`), one that did
+not is abandoned (it takes no ``seq``), and either way its admission slot is released.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.dispatch.dispatcher import Lease
+from gateway.proxy.calls import CallContext, record_call
+from gateway.proxy.live import live_calls
+from gateway.runtime import Runtime
+from gateway.trajectories.tools import ToolOutcome
+from gateway.trajectories.tracker import TrajectoryState
+
+
+def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> int:
+    """A call of ``state`` arrived carrying ``outcomes`` (its new tool results): counted
+    as queued, and the policy learns the outcomes before the call is queued. Returns the
+    call's provisional ``seq``. The caller must :func:`end` it (or :func:`abandon` it if
+    no context was made)."""
+    seq = rt.tracker.call_arrived(state, outcomes, time.time())
+    rt.dispatcher.scheduler.call_arrived(state)
+    return seq
+
+
+def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
+    """The scheduler gave ``ctx`` to ``lease``'s backend."""
+    ctx.bind(lease, rt.weight_version)
+    live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+                       ctx.mark_version if ctx.stream else None)
+    rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+
+
+def requeue(rt: Runtime, ctx: CallContext, *, keep_out: list[str] | None) -> None:
+    """Back to the queue before anything reached the client (its backend failed first);
+    ``keep_out`` (if given) collects the backend so the next try goes elsewhere."""
+    lease = ctx.lease
+    assert lease is not None, "requeue of a call that was not dispatched"
+    lease.release(ok=False)
+    live_calls(rt).remove(ctx.id)
+    if keep_out is not None:
+        keep_out.append(lease.backend.id)
+    ctx.lease = None
+    rt.tracker.call_requeued(ctx.state)
+    ctx.retries += 1
+
+
+def abandon(rt: Runtime, state: TrajectoryState) -> None:
+    """A call that arrived but never got a context (its request failed to prepare)."""
+    rt.tracker.call_abandoned(state)
+
+
+def end(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
+        backend_ok: bool | None = None) -> None:
+    """The call is over, however it ended. Once: later calls do nothing.
+
+    ``backend_ok``: whether the outcome says the backend works (default: unless the call
+    failed); an engine refusing the client's request is a failed call, not a failed
+    backend."""
+    if ctx.ended:
+        return
+    ctx.ended = True
+    try:
+        if ctx.lease is None:  # never reached a backend: refused, or the client left
+            rt.tracker.call_abandoned(ctx.state)
+        else:
+            record_call(rt, ctx, error=error, backend_ok=backend_ok)
+    finally:
+        if ctx.slot is not None:
+            ctx.slot.release()
