@@ -7,6 +7,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import Settings, TraceSettings, UpstreamSettings
+from tests.gateway.slow_engines import two_slow_engines
 from tests.scripted_upstream import Script, Seen, make_upstream
 from tests.servers import LoopThread, app_in_thread, two_sim_servers
 
@@ -39,6 +40,12 @@ def gateway_at(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
 
     with stack:
         yield start
+
+
+@pytest.fixture(scope="module")
+def slow_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
+    """Two simulated servers slow enough (5x) that a 240-token answer spans a pause."""
+    yield from two_slow_engines(loop_thread)
 
 
 @pytest.fixture(scope="module")

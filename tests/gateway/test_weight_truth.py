@@ -11,35 +11,23 @@ every token of every call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from backends.sim.runner import start_sim_servers
-from backends.sim.state import SimServerConfig
 from tests.gateway.conftest import GatewayFactory
-from tests.servers import LoopThread
-
-MODEL = "qwen3-14b"
-N = 240
-ADMIN = {"authorization": "Bearer tok"}
-KEY = "harness-key"  # the model calls' credential
-HARNESS = {"authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
-    "type": "object", "properties": {"query": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def engines(loop_thread: LoopThread) -> Iterator[list[str]]:
-    """Two simulated servers slow enough (5x) that a 240-token answer spans a pause."""
-    configs = [SimServerConfig(speed=5, seed=i, tick_real_s=0.005) for i in range(2)]
-    cm = start_sim_servers(configs)
-    urls = loop_thread.run(cm.__aenter__())
-    yield urls
-    loop_thread.run(cm.__aexit__(None, None, None))
+from tests.gateway.slow_engines import (
+    ADMIN,
+    HARNESS,
+    KEY,
+    MODEL,
+    TOOLS,
+    N,
+    engine_stats,
+    generating,
+)
 
 
 def token_truth(call: dict[str, Any], seen: list[dict[str, Any]]) -> list[str]:
@@ -64,21 +52,6 @@ def stamped(call: dict[str, Any]) -> list[str]:
     for start, end, version in call["weight_segments"] or ():
         out[start:end] = [version] * (end - start)
     return out
-
-
-async def _stats(urls: list[str]) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        return [(await http.get(f"{u}/sim/stats")).json() for u in urls]
-
-
-async def _generating(urls: list[str], at_least: int) -> None:
-    """Wait until the engines run ``at_least`` requests (a loaded machine is slow)."""
-    for _ in range(400):
-        if sum(s["running"] for s in await _stats(urls)) >= at_least:
-            await asyncio.sleep(0.1)  # and have produced some tokens
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError("the calls never reached the engines")
 
 
 async def _call(http: httpx.AsyncClient, tid: str, body: dict[str, Any]) -> int:
@@ -118,7 +91,7 @@ def _mix(round_: int) -> dict[str, dict[str, Any]]:
 async def _check_all(http: httpx.AsyncClient, urls: list[str], tids: list[str]
                      ) -> tuple[int, int, int]:
     """(tokens, tokens stamped right, calls whose tokens span versions)."""
-    seen = [r for s in await _stats(urls) for r in s["requests_seen"]]
+    seen = [r for s in await engine_stats(urls) for r in s["requests_seen"]]
     total = right = spanning = 0
     for tid in tids:
         (call,) = (await http.get(f"/trajectories/{tid}", headers=ADMIN)).json()["calls"]
@@ -133,11 +106,11 @@ async def _check_all(http: httpx.AsyncClient, urls: list[str], tids: list[str]
 
 @pytest.mark.parametrize("mode", ["keep", "abort-and-continue", "wait"])
 async def test_every_token_is_stamped_with_the_weights_that_made_it(
-        engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         mode: str) -> None:
     """Three rounds of the mix under load: one update by pause/resume, one by the job;
     every token's recorded version equals the engine's own record."""
-    with gateway_at(sqlite_url, engines, admin_token="tok", api_keys=[KEY]) as url:
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             await admin.put("/admin/weight-version", json={"version": f"{mode}-0"})
@@ -146,7 +119,7 @@ async def test_every_token_is_stamped_with_the_weights_that_made_it(
                 calls = {tid: asyncio.create_task(_call(http, f"{mode}-{tid}", body))
                          for tid, body in _mix(round_).items()}
                 tids += [f"{mode}-{tid}" for tid in calls]
-                await _generating(engines, 6)
+                await generating(slow_engines, 6)
                 if round_ == 0:
                     body = ({"mode": "wait", "engine_mode": "wait"} if mode == "wait"
                             else {"mode": mode})
@@ -168,19 +141,19 @@ async def test_every_token_is_stamped_with_the_weights_that_made_it(
                     assert state["status"] == "succeeded", state
                 for tid, task in calls.items():
                     assert await task > 0, tid
-            total, right, spanning = await _check_all(http, engines, tids)
+            total, right, spanning = await _check_all(http, slow_engines, tids)
     print(f"{mode}: {right}/{total} tokens stamped with the weights that made them; "
           f"{spanning} of {len(tids)} calls span versions")
     assert right == total and (spanning > 0 or mode == "wait")
 
 
 async def test_streams_that_cannot_be_continued_stay_frozen_and_the_rest_is_exact(
-        engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
     """abort-and-continue with a structured-output stream on the engine: that engine is
     paused with keep, the stream stays frozen (split where the engine stopped), the
     other calls on it are aborted one by one: a whole structured-output call starts
     again (all of it on the new weights), a plain stream is continued token-in."""
-    one = engines[:1]
+    one = slow_engines[:1]
     with gateway_at(sqlite_url, one, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
@@ -193,7 +166,7 @@ async def test_streams_that_cannot_be_continued_stay_frozen_and_the_rest_is_exac
                            "max_tokens": N, "ignore_eos": True, "stream": True}}
             tasks = [asyncio.create_task(_call(http, tid, body))
                      for tid, body in calls.items()]
-            await _generating(one, 3)
+            await generating(one, 3)
             r = (await admin.post("/admin/pause", json={"mode": "abort-and-continue"})).json()
             assert [(e["mode"], e["aborted"]) for e in r["engines"]] == [("keep", 2)]
             await asyncio.sleep(0.3)

@@ -25,25 +25,16 @@ from backends.sim.tokenizer import get_tokenizer
 from gateway.client import RolloutClient
 from gateway.client.errors import JobFailed
 from tests.gateway.conftest import GatewayFactory
+from tests.gateway.slow_engines import (
+    ADMIN,
+    HARNESS,
+    KEY,
+    MODEL,
+    N,
+    engine_stats,
+    generating,
+)
 from tests.servers import LoopThread, free_port
-
-MODEL = "qwen3-14b"
-N = 240
-ADMIN = {"authorization": "Bearer tok"}
-KEY = "harness-key"  # the model calls' credential (the admin token is the trainer's)
-HARNESS = {"authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
-    "type": "object", "properties": {"query": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def slow_pool(loop_thread: LoopThread) -> Iterator[list[str]]:
-    """Two simulated servers slow enough (5x) that a 240-token answer spans a pause."""
-    configs = [SimServerConfig(speed=5, seed=i, tick_real_s=0.005) for i in range(2)]
-    cm = start_sim_servers(configs)
-    urls = loop_thread.run(cm.__aenter__())
-    yield urls
-    loop_thread.run(cm.__aexit__(None, None, None))
 
 
 def _text_of(ids: list[int]) -> str:
@@ -120,29 +111,14 @@ def _load(http: httpx.AsyncClient, count: int = 16) -> list[asyncio.Task[dict[st
     return [asyncio.create_task(_call(http, *kinds[i % 4], i)) for i in range(count)]
 
 
-async def _generating(urls: list[str], at_least: int) -> None:
-    """Wait until the engines run ``at_least`` requests (a loaded machine is slow)."""
-    for _ in range(400):
-        if sum(s["running"] for s in await _stats(urls)) >= at_least:
-            await asyncio.sleep(0.1)  # and have produced some tokens
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError("the calls never reached the engines")
-
-
-async def _stats(urls: list[str]) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        return [(await http.get(f"{u}/sim/stats")).json() for u in urls]
-
-
 async def test_abort_and_continue_loses_no_call_and_no_token(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
-            before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
+            before = sum(s["pause_aborts"] for s in await engine_stats(slow_engines))
             calls = _load(http)
-            await _generating(slow_pool, 12)
+            await generating(slow_engines, 12)
             r = await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
             paused = r.json()
             assert r.status_code == 200 and paused["ok"], paused
@@ -153,8 +129,8 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
             r = await admin.post("/admin/resume", json={"weight_version": "1"})
             assert r.json()["weight_version"] == "1" and r.json()["ok"]
             results = await asyncio.gather(*calls)
-            stats = await _stats(slow_pool)
-            info = [(await admin.get(f"{u}/weight_info")).json() for u in slow_pool]
+            stats = await engine_stats(slow_engines)
+            info = [(await admin.get(f"{u}/weight_info")).json() for u in slow_engines]
             spanned = 0
             for res in results:
                 tid = f"wu-{'chat' if 'messages' in res['body'] else 'completions'}-" \
@@ -194,18 +170,18 @@ async def test_abort_and_continue_loses_no_call_and_no_token(
 
 
 async def test_keep_freezes_calls_and_wait_drains(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
-            before = sum(s["pause_aborts"] for s in await _stats(slow_pool))
+            before = sum(s["pause_aborts"] for s in await engine_stats(slow_engines))
             calls = _load(http, 8)
-            await _generating(slow_pool, 6)
+            await generating(slow_engines, 6)
             r = (await admin.post("/admin/pause", json={"mode": "keep"})).json()
             assert {e["mode"] for e in r["engines"]} == {"keep"}
             # the streams stay frozen in the engines; the whole calls (their clients have
             # seen nothing) were aborted there, to be finished after resume
-            frozen = sum(s["running"] + s["waiting"] for s in await _stats(slow_pool))
+            frozen = sum(s["running"] + s["waiting"] for s in await engine_stats(slow_engines))
             await asyncio.sleep(0.3)
             assert not any(c.done() for c in calls) and frozen >= 3
             assert sum(e["aborted"] for e in r["engines"]) >= 3
@@ -217,18 +193,18 @@ async def test_keep_freezes_calls_and_wait_drains(
             await asyncio.sleep(0.3)
             r = (await admin.post("/admin/pause", json={"mode": "wait",
                                                         "engine_mode": "wait"})).json()
-            stats = await _stats(slow_pool)  # the engines answered once drained
+            stats = await engine_stats(slow_engines)  # the engines answered once drained
             assert sum(st["running"] + st["waiting"] for st in stats) == 0
             assert r["ok"] and r["idle_s"] > 0.1
             await admin.post("/admin/resume", json={"weight_version": "w1"})
             for res in await asyncio.gather(*calls):
                 _check(res)
-        assert sum(s["pause_aborts"] for s in await _stats(slow_pool)) == before
+        assert sum(s["pause_aborts"] for s in await engine_stats(slow_engines)) == before
 
 
 async def test_bad_pause_and_resume_bodies_are_400(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as http:
             r = await http.post("/admin/pause", json={"mode": "later"})
             assert r.status_code == 422 and "abort-and-continue" in r.text
@@ -256,9 +232,9 @@ def checkpoint(root: Path, name: str) -> str:
 
 
 def test_update_weights_runs_the_cycle_as_a_job_from_the_client(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str,
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         tmp_path: Path) -> None:
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url, \
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url, \
             RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client, \
             ThreadPoolExecutor(8) as pool:
         calls = [pool.submit(_completion, url, i) for i in range(8)]
@@ -267,7 +243,7 @@ def test_update_weights_runs_the_cycle_as_a_job_from_the_client(
 
         def push() -> None:  # the trainer's own transfer, while the engines are paused
             pushed.append(all(httpx.get(f"{u}/is_paused").json()["is_paused"]
-                              for u in slow_pool))
+                              for u in slow_engines))
 
         job = client.update_weights("2", push=push)
         assert pushed == [True]
@@ -279,21 +255,21 @@ def test_update_weights_runs_the_cycle_as_a_job_from_the_client(
             choice = f.result().json()["choices"][0]
             assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == N
         assert [httpx.get(f"{u}/weight_info").json()["weight_version"]
-                for u in slow_pool] == ["2", "2"]
+                for u in slow_engines] == ["2", "2"]
 
-        reloads = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_pool)
+        reloads = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_engines)
         job = client.update_weights("3", weights_path=checkpoint(tmp_path, "step-3"),
                                     mode="keep")
         assert job.succeeded and client.status()["weight_version"] == "3"
-        after = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_pool)
+        after = sum(httpx.get(f"{u}/sim/stats").json()["reloads"] for u in slow_engines)
         assert after == reloads + 2
 
 
 def test_an_engine_that_does_not_answer_fails_the_job_and_keeps_the_old_version(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str,
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    with gateway_at(sqlite_url, [*slow_pool, dead], admin_token="tok", api_keys=[KEY]) as url, \
+    with gateway_at(sqlite_url, [*slow_engines, dead], admin_token="tok", api_keys=[KEY]) as url, \
             RolloutClient(url, admin_token="tok", poll_interval_s=0.05) as client:
         with pytest.raises(JobFailed) as failed:
             client.update_weights("9", weights_path=checkpoint(tmp_path, "step-9"),
@@ -302,7 +278,7 @@ def test_an_engine_that_does_not_answer_fails_the_job_and_keeps_the_old_version(
             failed.value)
         assert client.status()["weight_version"] == "0"
         assert client.pool()["paused"] is False
-        assert [httpx.get(f"{u}/is_paused").json()["is_paused"] for u in slow_pool] == [
+        assert [httpx.get(f"{u}/is_paused").json()["is_paused"] for u in slow_engines] == [
             False, False]
         assert _completion(url, 99).status_code == 200
 
@@ -384,11 +360,11 @@ async def test_abort_and_continue_through_the_front_doors(
     with gateway_at(sqlite_url, long_pool, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
-            before = sum(s["pause_aborts"] for s in await _stats(long_pool))
+            before = sum(s["pause_aborts"] for s in await engine_stats(long_pool))
             kinds = [(d, s) for d in ("responses", "messages") for s in (False, True)]
             calls = [asyncio.create_task(_door_call(http, *kinds[i % 4], i))
                      for i in range(12)]
-            await _generating(long_pool, 10)
+            await generating(long_pool, 10)
             r = await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
             assert r.status_code == 200 and r.json()["ok"], r.text
             assert {e["mode"] for e in r.json()["engines"]} == {"abort"}
@@ -397,7 +373,7 @@ async def test_abort_and_continue_through_the_front_doors(
             r = await admin.post("/admin/resume", json={"weight_version": "1"})
             assert r.json()["ok"], r.text
             results = await asyncio.gather(*calls)
-            aborted = sum(s["pause_aborts"] for s in await _stats(long_pool)) - before
+            aborted = sum(s["pause_aborts"] for s in await engine_stats(long_pool)) - before
             spanned, split = 0, set()
             for res in results:
                 (call,) = (await admin.get(f"/trajectories/{res['tid']}")).json()["calls"]
@@ -424,23 +400,23 @@ async def test_abort_and_continue_through_the_front_doors(
 
 
 async def test_an_abort_the_gateway_did_not_ask_for_reaches_the_client(
-        slow_pool: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
     """Only calls whose engine the gateway paused in abort-and-continue are continued:
     an engine that aborts on its own (here: paused behind the gateway's back, as on a
     shutdown) ends the call with ``abort``, even after an abort-and-continue pause."""
-    with gateway_at(sqlite_url, slow_pool, admin_token="tok", api_keys=[KEY]) as url:
+    with gateway_at(sqlite_url, slow_engines, admin_token="tok", api_keys=[KEY]) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             await admin.post("/admin/pause", json={"mode": "abort-and-continue"})
             await admin.post("/admin/resume", json={"weight_version": "1"})
             calls = _load(http, 4)
-            await _generating(slow_pool, 4)
+            await generating(slow_engines, 4)
             try:
-                for u in slow_pool:
+                for u in slow_engines:
                     assert (await http.post(f"{u}/pause?mode=abort")).status_code == 200
                 results = await asyncio.wait_for(asyncio.gather(*calls), 10)
             finally:
-                for u in slow_pool:
+                for u in slow_engines:
                     await http.post(f"{u}/resume")
     for res in results:
         assert res["finish"] == "abort" and len(res["ids"]) < N
