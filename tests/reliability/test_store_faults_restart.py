@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,94 +29,22 @@ import httpx
 import pytest
 
 from tests.conftest import PG_ADMIN_DSN
-from tests.reliability.conftest import MODEL
 from tests.reliability.procs import Child
-from tests.servers import free_port
+from tests.reliability.restarts import (
+    RESTART_AT,
+    TRAJECTORIES,
+    TURNS,
+    Tally,
+    agents,
+    check_as_uninterrupted,
+    start_gateway,
+    stop_gateway,
+    turns,
+)
 from tests.store.relay import TcpRelay
 
 pytestmark = pytest.mark.postgres
-TRAJECTORIES, TURNS, RESTART_AT = 6, 6, 3
-
-
-@dataclass
-class Tally:
-    """What the agents saw after the restart (the figures RELIABILITY.md reports)."""
-
-    statuses: Counter[int] = field(default_factory=Counter)
-    codes: Counter[str] = field(default_factory=Counter)
-    retry_after: set[str] = field(default_factory=set)
-    first_call_s: list[float] = field(default_factory=list)  # per trajectory, retries in
-
-
-class Agent:
-    """One trajectory's client: keeps its history across the restart, retries a 503."""
-
-    def __init__(self, tid: str, group: str, task: int) -> None:
-        self.tid, self.group, self.task = tid, group, task
-        self.messages: list[dict[str, Any]] = [
-            {"role": "user", "content": f"solve task {task} step by step"}]
-        self.turn = 0
-
-    async def step(self, http: httpx.AsyncClient, url: str, tally: Tally) -> None:
-        while True:
-            r = await http.post(f"{url}/g/{self.group}/t/{self.tid}/v1/chat/completions",
-                                json={"model": MODEL, "messages": self.messages,
-                                      "max_tokens": 12, "seed": 1000 * self.task + self.turn})
-            tally.statuses[r.status_code] += 1
-            if r.status_code != 503:
-                break
-            error = r.json()["error"]
-            tally.codes[error["code"]] += 1
-            tally.retry_after.add(r.headers["retry-after"])
-            assert "not run" in error["message"], error
-            await asyncio.sleep(float(r.headers["retry-after"]))
-        assert r.status_code == 200, f"{self.tid} turn {self.turn}: {r.text}"
-        content = r.json()["choices"][0]["message"]["content"] or ""
-        self.messages += [{"role": "assistant", "content": content},
-                          {"role": "user", "content": f"tool output {self.turn}"}]
-        self.turn += 1
-
-
-async def _turns(http: httpx.AsyncClient, url: str, agents: list[Agent], until: int,
-                 tally: Tally) -> None:
-    async def run(agent: Agent) -> None:
-        first = agent.turn
-        while agent.turn < until:
-            t0 = time.monotonic()
-            await agent.step(http, url, tally)
-            if agent.turn == first + 1:
-                tally.first_call_s.append(time.monotonic() - t0)
-
-    await asyncio.gather(*(run(a) for a in agents))
-
-
-def _gateway(backend: str, db: str, tmp_path: Path, name: str,
-             env: dict[str, str] | None = None) -> Child:
-    port = free_port()
-    child = Child(["serve", "--port", str(port), "--backend", backend, "--database-url", db],
-                  port, log=tmp_path / f"{name}.log", env={
-                      "ROLLOUT_GATEWAY_SERVER__SHUTDOWN_DELAY_S": "0",
-                      "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH": str(tmp_path / "spool.jsonl"),
-                      "ROLLOUT_GATEWAY_POLICY": "slime", **(env or {})})
-    try:
-        child.wait_ready(timeout_s=90)
-    except BaseException:
-        child.stop()
-        raise
-    return child
-
-
-async def _stop(gw: Child) -> None:
-    gw.signal(signal.SIGTERM)
-    rc = await asyncio.to_thread(gw.proc.wait, 60)
-    assert rc in (0, -signal.SIGTERM), gw.output()
-
-
-def _comparable(sample: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in sample.items() if k not in ("trajectory_id", "calls")}
-    out["calls"] = [(c["seq"], c["prompt_start"], c["completion_start"], c["completion_end"])
-                    for c in sample["calls"]]
-    return out
+POLICY = "slime"
 
 
 def _dsn(db: str) -> str:
@@ -174,26 +100,6 @@ async def terminating(db: str, every_s: float, for_s: float) -> AsyncIterator[Co
         await admin.close()
 
 
-async def _check(http: httpx.AsyncClient, url: str, cut: list[Agent], ref: list[Agent]
-                 ) -> dict[str, Any]:
-    """Every cut trajectory's sample equals its reference's; seq 0..TURNS-1; no mismatch."""
-    for agent in cut + ref:
-        r = await http.post(f"{url}/trajectories/{agent.tid}/finish",
-                            json={"reward": float(agent.task)})
-        assert r.status_code == 200 and r.json()["attempt"] == 0, r.text
-    for a, b in zip(cut, ref, strict=True):
-        got = (await http.get(f"{url}/trajectories/{a.tid}/sample")).json()
-        want = (await http.get(f"{url}/trajectories/{b.tid}/sample")).json()
-        assert want["mismatches"] == [] and len(want["calls"]) == TURNS
-        assert _comparable(got) == _comparable(want), a.tid
-        calls = (await http.get(f"{url}/trajectories/{a.tid}")).json()["calls"]
-        assert [(c["attempt"], c["seq"]) for c in calls] == [(0, s) for s in range(TURNS)]
-        assert all(c["mismatch_pos"] is None for c in calls)
-        assert sum(got["loss_mask"]) == sum(len(c["completion_ids"]) for c in calls)
-    status = (await http.get(f"{url}/status")).json()
-    return status["restore"]
-
-
 async def _scenario(sim_children: Callable[..., Child], db: str, tmp_path: Path,
                     fault: Callable[[], contextlib.AbstractAsyncContextManager[Any]], *,
                     env: dict[str, str] | None = None, db_first: str | None = None,
@@ -205,29 +111,29 @@ async def _scenario(sim_children: Callable[..., Child], db: str, tmp_path: Path,
     saw after the restart, ``/status`` ``restore``, and how long those turns took."""
     sim = sim_children(speed=50.0)
     run = tmp_path.name[-8:]
-    cut = [Agent(f"cut-{run}-{i}", f"grp-{run}-{i % 2}", i) for i in range(TRAJECTORIES)]
-    ref = [Agent(f"ref-{run}-{i}", f"grp-{run}-{i % 2}", i) for i in range(TRAJECTORIES)]
-    first = await asyncio.to_thread(_gateway, sim.url, db_first or db, tmp_path, "first")
+    cut, ref = agents(run, "cut"), agents(run, "ref")
+    first = await asyncio.to_thread(start_gateway, sim.url, db_first or db, tmp_path, "first",
+                                    policy=POLICY)
     tally = Tally()
     second: Child | None = None
     async with httpx.AsyncClient(timeout=90) as http:
         try:
-            await _turns(http, first.url, cut, RESTART_AT - 1, Tally())
+            await turns(http, first.url, cut, RESTART_AT - 1, tally=Tally())
             if before_stop is not None:
                 await before_stop()
-            await _turns(http, first.url, cut, RESTART_AT, Tally())
+            await turns(http, first.url, cut, RESTART_AT, tally=Tally())
         finally:
-            await _stop(first)
+            await stop_gateway(first)
         try:
             async with during_start() if during_start else contextlib.nullcontext():
-                second = await asyncio.to_thread(_gateway, sim.url, db, tmp_path, "second",
-                                                 env)
+                second = await asyncio.to_thread(start_gateway, sim.url, db, tmp_path,
+                                                 "second", policy=POLICY, env=env)
                 t0 = time.monotonic()
                 async with fault():
-                    await _turns(http, second.url, cut, TURNS, tally)
+                    await turns(http, second.url, cut, TURNS, tally=tally)
                 took = time.monotonic() - t0
-            await _turns(http, second.url, ref, TURNS, Tally())
-            restore = await _check(http, second.url, cut, ref)
+            await turns(http, second.url, ref, TURNS, tally=Tally())
+            restore = (await check_as_uninterrupted(http, second.url, cut, ref))["restore"]
         finally:
             if second is not None:
                 second.stop()
