@@ -27,10 +27,12 @@ from gateway.client.types import (
     finished_from_json,
     group_samples_from_json,
     infos_from_json,
+    job_from_json,
     sample_from_json,
     samples_from_json,
 )
 from gateway.schema.ids import ID_PATTERN
+from gateway.schema.jobs import JobRef
 from gateway.schema.samples import Branches, Sample
 from gateway.schema.trajectories import HarnessKey
 
@@ -87,6 +89,11 @@ def _dict(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise TypeError(f"expected a JSON object, got {type(body).__name__}")
     return body
+
+
+def _job_id(body: Any) -> str:
+    """The id of the job a request started (``202``)."""
+    return JobRef.model_validate(body).job
 
 
 def _path_id(value: str, what: str = "trajectory_id") -> str:
@@ -170,8 +177,7 @@ class Endpoints:
                                 "method": "reload" if weights_path else "external"}
         if weights_path:
             body["weights_path"] = weights_path
-        return Request("POST", "/admin/weight-update", lambda b: str(_dict(b)["job"]),
-                       json=body)
+        return Request("POST", "/admin/weight-update", _job_id, json=body)
 
     @staticmethod
     def weight_update_done(job_id: str) -> Request[dict[str, Any]]:
@@ -193,7 +199,7 @@ class Endpoints:
                 if v is not None}
         if not body:
             raise ValueError("give gpus, layout or tp")
-        return Request("PUT", "/admin/pool", lambda b: str(_dict(b)["job"]), json=body)
+        return Request("PUT", "/admin/pool", _job_id, json=body)
 
     @staticmethod
     def policy() -> Request[dict[str, Any]]:
@@ -205,7 +211,7 @@ class Endpoints:
 
     @staticmethod
     def job(job_id: str) -> Request[JobInfo]:
-        return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", JobInfo.from_json)
+        return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", job_from_json)
 
     @staticmethod
     def backends() -> Request[list[dict[str, Any]]]:

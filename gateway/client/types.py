@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import TypeAdapter
 
-from gateway.schema.jobs import JobStatus
+from gateway.schema.jobs import JobStatus, JobView
 from gateway.schema.samples import GroupSamples, Sample, SampleList
 from gateway.schema.table import samples_table
 from gateway.schema.trajectories import (
@@ -52,6 +52,8 @@ class JobInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> JobInfo:
+        """From a job's JSON, as little as ``id`` and ``status`` (what ``JobFailed`` is
+        given); answers of the gateway go through :func:`job_from_json`."""
         return cls(id=str(d["id"]), kind=str(d.get("kind", "")),
                    status=JobStatus(d["status"]), errors=list(d.get("errors") or []), raw=d)
 
@@ -61,6 +63,12 @@ class JobInfo:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.raw.get(key, default)
+
+
+def job_from_json(d: Any) -> JobInfo:
+    """``GET /admin/jobs/{id}``, read with the route's model; ``raw`` keeps the JSON."""
+    job = JobView.model_validate(d)
+    return JobInfo(id=job.id, kind=job.kind, status=job.status, errors=job.errors, raw=d)
 
 
 def waiting_for_weights(job: JobInfo) -> bool:

@@ -10,12 +10,12 @@ builds ``Sample`` from its rows.
   samples.py       Sample, CallSpan, Mismatch; SampleList, GroupSamples
   trajectories.py  TrajectoryInfo (a list row), TrajectoryPage, TrajectoryDetail
                    (CallTrace, LiveView), FinishedTrajectory, HarnessKey
-  jobs.py          JobStatus of an admin job
+  jobs.py          JobStatus, JobView, JobList, JobRef, PoolChangeRef (admin jobs)
   table.py         SAMPLE_SCHEMA and samples_table (Arrow; export and client)
 """
 
 from gateway.schema.ids import ID_PATTERN
-from gateway.schema.jobs import JobStatus
+from gateway.schema.jobs import JobList, JobRef, JobStatus, JobView, PoolChangeRef
 from gateway.schema.samples import Branches, CallSpan, GroupSamples, Mismatch, Sample, SampleList
 from gateway.schema.trajectories import (
     CallTrace,
@@ -36,9 +36,13 @@ __all__ = [
     "FinishedTrajectory",
     "GroupSamples",
     "HarnessKey",
+    "JobList",
+    "JobRef",
     "JobStatus",
+    "JobView",
     "LiveView",
     "Mismatch",
+    "PoolChangeRef",
     "Sample",
     "SampleList",
     "TrajectoryDetail",
