@@ -29,6 +29,7 @@ from gateway.proxy.weights import (
 )
 from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
+from gateway.schema.weights import WeightVersionChange
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 REMOVE_DRAIN_TIMEOUT_S = 600.0
@@ -275,7 +276,8 @@ def _trainer_events(rt: Runtime) -> dict[str, asyncio.Event]:
 
 
 @router.put("/weight-version")
-async def set_weight_version(body: WeightVersion, rt: Runtime = Depends(get_rt)) -> dict[str, str]:
+async def set_weight_version(body: WeightVersion,
+                             rt: Runtime = Depends(get_rt)) -> WeightVersionChange:
     """Stamped on every call dispatched from now on (calls already running keep theirs);
     the engines are told, so that their own labels say it too."""
-    return await relabel(rt, body.version)
+    return WeightVersionChange.model_validate(await relabel(rt, body.version))

@@ -35,6 +35,7 @@ from gateway.schema.ids import ID_PATTERN
 from gateway.schema.jobs import JobRef
 from gateway.schema.samples import Branches, Sample
 from gateway.schema.trajectories import HarnessKey
+from gateway.schema.weights import WeightVersionChange
 
 T = TypeVar("T")
 PAGE = 1000  # rows per GET /trajectories page
@@ -185,7 +186,8 @@ class Endpoints:
 
     @staticmethod
     def set_weight_version(version: str) -> Request[str | None]:
-        return Request("PUT", "/admin/weight-version", lambda b: _dict(b).get("previous"),
+        return Request("PUT", "/admin/weight-version",
+                       lambda b: WeightVersionChange.model_validate(b).previous,
                        json={"version": version})
 
     @staticmethod

@@ -11,6 +11,7 @@ builds ``Sample`` from its rows.
   trajectories.py  TrajectoryInfo (a list row), TrajectoryPage, TrajectoryDetail
                    (CallTrace, LiveView), FinishedTrajectory, HarnessKey
   jobs.py          JobStatus, JobView, JobList, JobRef, PoolChangeRef (admin jobs)
+  weights.py       WeightVersionChange (PUT /admin/weight-version)
   table.py         SAMPLE_SCHEMA and samples_table (Arrow; export and client)
 """
 
@@ -27,6 +28,7 @@ from gateway.schema.trajectories import (
     TrajectoryPage,
     Usage,
 )
+from gateway.schema.weights import WeightVersionChange
 
 __all__ = [
     "ID_PATTERN",
@@ -49,4 +51,5 @@ __all__ = [
     "TrajectoryInfo",
     "TrajectoryPage",
     "Usage",
+    "WeightVersionChange",
 ]

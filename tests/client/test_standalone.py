@@ -50,6 +50,7 @@ def test_trainer_routes_declare_their_response_models() -> None:
         ("/groups/{group_id}/samples", "get"): "GroupSamples",
         ("/admin/jobs", "get"): "JobList",
         ("/admin/jobs/{job_id}", "get"): "JobView",
+        ("/admin/weight-version", "put"): "WeightVersionChange",
     }
     got = {k: _ok_schema(doc, *k) for k in expected}
     assert got == {k: f"{{'$ref': '#/components/schemas/{v}'}}" for k, v in expected.items()}
