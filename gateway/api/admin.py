@@ -28,6 +28,8 @@ from gateway.proxy.weights import (
     start_weight_update_job,
 )
 from gateway.runtime import Runtime
+from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
+from gateway.schema.weights import WeightVersionChange
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 REMOVE_DRAIN_TIMEOUT_S = 600.0
@@ -103,8 +105,13 @@ class WeightVersion(BaseModel):
     version: str = Field(min_length=1, max_length=128)
 
 
-def _job_ref(job: Job) -> dict[str, Any]:
-    return {"job": job.id, "status": job.status.value, "url": f"/admin/jobs/{job.id}"}
+def _job_ref(job: Job) -> JobRef:
+    return JobRef(job=job.id, status=job.status, url=f"/admin/jobs/{job.id}")
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    """:func:`_job_ref` inside the answers that are still untyped (backends)."""
+    return _job_ref(job).model_dump(mode="json")
 
 
 def _pool(rt: Runtime) -> PoolManager:
@@ -129,7 +136,7 @@ async def add_backend(body: AddBackend, response: Response,
         request = InstanceRequest(tp=body.tp or 1, node=body.node, id=body.id,
                                   gpus=None if body.gpus is None else tuple(body.gpus))
         try:
-            return _job_ref(_pool(rt).add_instance(request))
+            return _job_json(_pool(rt).add_instance(request))
         except LayoutError as exc:
             raise BadRequest(str(exc)) from None
     try:
@@ -154,7 +161,7 @@ async def remove_backend(backend_id: str, rt: Runtime = Depends(get_rt)) -> dict
         if backend is None:
             raise NotFound(f"no backend {backend_id!r}")
         job = start_remove_job(rt.registry, rt.jobs, backend, REMOVE_DRAIN_TIMEOUT_S)
-    return {"id": backend_id, "draining": True, **_job_ref(job)}
+    return {"id": backend_id, "draining": True, **_job_json(job)}
 
 
 @router.get("/pool")
@@ -168,7 +175,7 @@ async def get_pool(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
 
 
 @router.put("/pool", status_code=202)
-async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> PoolChangeRef:
     """Resize and/or re-lay-out the pool; validated now, applied by the returned job."""
     if body.gpus is None and body.layout is None and body.tp is None:
         raise BadRequest("give 'gpus', 'layout' or 'tp'")
@@ -179,20 +186,20 @@ async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> dict[s
         job = pool.reconfigure(gpus=body.gpus, layout=layout, tp=body.tp)
     except (LayoutError, ValidationError, ValueError) as exc:
         raise BadRequest(str(exc)) from None
-    return {**_job_ref(job), "planned": [s.id for s in pool.planned]}
+    return PoolChangeRef(**_job_ref(job).model_dump(), planned=[s.id for s in pool.planned])
 
 
 @router.get("/jobs")
-async def list_jobs(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    return {"data": [j.to_dict() for j in rt.jobs.recent(50)]}
+async def list_jobs(rt: Runtime = Depends(get_rt)) -> JobList:
+    return JobList(data=[JobView.model_validate(j.to_dict()) for j in rt.jobs.recent(50)])
 
 
 @router.get("/jobs/{job_id}")
-async def get_job(job_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def get_job(job_id: str, rt: Runtime = Depends(get_rt)) -> JobView:
     job = rt.jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}")
-    return job.to_dict()
+    return JobView.model_validate(job.to_dict())
 
 
 @router.post("/pause")
@@ -236,7 +243,7 @@ async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> d
 
 
 @router.post("/weight-update", status_code=202)
-async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> JobRef:
     """Run pause -> update -> set version -> resume on every engine, as a job."""
     if body.method == "reload" and not body.weights_path:
         raise BadRequest("method 'reload' needs 'weights_path'", param="weights_path")
@@ -250,7 +257,7 @@ async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> di
 
 
 @router.post("/weight-update/{job_id}/done")
-async def weight_update_done(job_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+async def weight_update_done(job_id: str, rt: Runtime = Depends(get_rt)) -> JobRef:
     """The trainer has pushed the new weights into the engines (method ``external``)."""
     job = rt.jobs.get(job_id)
     event = _trainer_events(rt).get(job_id)
@@ -269,7 +276,8 @@ def _trainer_events(rt: Runtime) -> dict[str, asyncio.Event]:
 
 
 @router.put("/weight-version")
-async def set_weight_version(body: WeightVersion, rt: Runtime = Depends(get_rt)) -> dict[str, str]:
+async def set_weight_version(body: WeightVersion,
+                             rt: Runtime = Depends(get_rt)) -> WeightVersionChange:
     """Stamped on every call dispatched from now on (calls already running keep theirs);
     the engines are told, so that their own labels say it too."""
-    return await relabel(rt, body.version)
+    return WeightVersionChange.model_validate(await relabel(rt, body.version))

@@ -12,7 +12,6 @@ again until its own deadline. Without ``count`` it answers at once with what is 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any, Literal
 
@@ -22,8 +21,9 @@ from fastapi.responses import JSONResponse
 from gateway.api.deps import get_rt, require_trainer
 from gateway.errors import Conflict
 from gateway.runtime import Runtime
+from gateway.schema.samples import GroupSamples, Sample
 from gateway.store import queries
-from gateway.store.samples import Sample, build_samples
+from gateway.store.samples import build_samples
 from gateway.trajectories.tagging import validate_id
 
 router = APIRouter(prefix="/groups", tags=["groups"], dependencies=[Depends(require_trainer)])
@@ -64,7 +64,7 @@ async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
 
 @router.get("/{group_id}/samples", summary="Wait until a group has `count` finished "
             "trajectories, then every branch of each as a training sample",
-            responses={408: _TIMEOUT_DOC})
+            response_model=GroupSamples, responses={408: _TIMEOUT_DOC})
 async def group_samples(
     group_id: str,
     count: int | None = Query(None, ge=1, le=MAX_COUNT, description="wait until this many "
@@ -81,7 +81,7 @@ async def group_samples(
                                         "measured against this (default: the gateway's "
                                         "weight version)"),
     rt: Runtime = Depends(get_rt),
-) -> Any:
+) -> GroupSamples | JSONResponse:  # the 408 is sent as is
     validate_id(group_id, what="group_id")
     deadline = time.monotonic() + timeout_s
     while len(ids := await _finished(rt, group_id)) < (count or 0):
@@ -98,5 +98,5 @@ async def group_samples(
     if max_staleness is not None and stale > max_staleness:
         raise Conflict(f"group {group_id!r} is {stale} versions stale (bound "
                        f"{max_staleness})", param="max_staleness")
-    return {"object": "list", "group_id": group_id, "finished": len(ordered),
-            "trajectory_ids": ordered, "data": [dataclasses.asdict(s) for s in built]}
+    return GroupSamples(group_id=group_id, finished=len(ordered), trajectory_ids=ordered,
+                        data=built)

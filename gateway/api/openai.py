@@ -28,7 +28,7 @@ from gateway.api.deps import Role, authorize, check_scope, get_proxy, get_rt, re
 from gateway.errors import GatewayError, error_response
 from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
-from gateway.trajectories.tagging import ID_PATTERN
+from gateway.schema.ids import ID_PATTERN
 
 ERROR_SCHEMA = {
     "type": "object",

@@ -4,7 +4,6 @@ harness key for one trajectory. Trainer role (the trainer or admin token, see
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -16,10 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
 from gateway.errors import Conflict, Forbidden, NotFound
 from gateway.runtime import Runtime
+from gateway.schema.samples import Sample, SampleList
+from gateway.schema.trajectories import (
+    CallTrace,
+    FinishedTrajectory,
+    HarnessKey,
+    LiveView,
+    TrajectoryDetail,
+    TrajectoryInfo,
+    TrajectoryPage,
+    Usage,
+)
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory
-from gateway.store.samples import Sample, build_samples
+from gateway.store.samples import build_samples
 from gateway.trajectories.tagging import validate_id
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"],
@@ -63,41 +73,39 @@ class KeyRequest(BaseModel):
                                  "GRPO group too (calls naming another group are 403)")
 
 
-def _live(rt: Runtime, trajectory_id: str) -> dict[str, Any] | None:
+def _live(rt: Runtime, trajectory_id: str) -> LiveView | None:
     st = rt.tracker.get(trajectory_id)
     if st is None:
         return None
-    return {"phase": st.phase.value, "attempt": st.attempt, "turns": st.turns,
-            "in_flight": st.in_flight,
-            "queued": st.queued, "context_tokens": st.context_tokens,
-            "llm_time_s": round(st.llm_time_s, 4), "tool_time_s": round(st.tool_time_s, 4),
-            "queue_time_s": round(st.queue_time_s, 4), "mismatches": st.mismatches,
-            "backend_id": st.backend_id}
+    return LiveView(phase=st.phase.value, attempt=st.attempt, turns=st.turns,
+                    in_flight=st.in_flight, queued=st.queued,
+                    context_tokens=st.context_tokens, llm_time_s=round(st.llm_time_s, 4),
+                    tool_time_s=round(st.tool_time_s, 4),
+                    queue_time_s=round(st.queue_time_s, 4), mismatches=st.mismatches,
+                    backend_id=st.backend_id)
 
 
-def _call_json(call: Call, *, text: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": call.id, "attempt": call.attempt, "seq": call.seq, "endpoint": call.endpoint,
-        "model": call.model,
-        "status": call.status, "error": call.error, "finish_reason": call.finish_reason,
-        "backend_id": call.backend_id, "tp": call.tp, "weight_version": call.weight_version,
-        "weight_segments": call.weight_segments,
-        "started_at": call.started_at.isoformat(), "queued_ms": call.queued_ms,
-        "ttft_ms": call.ttft_ms, "total_ms": call.total_ms, "prompt_len": call.prompt_len,
-        "prompt_offset": call.prompt_offset, "mismatch_pos": call.mismatch_pos,
-        "branch": call.branch, "parent_branch": call.parent_branch,
-        "kept_len": call.kept_len, "requested_model": call.requested_model,
-        "prompt_delta_ids": unpack_ids(call.prompt_delta),
-        "completion_ids": unpack_ids(call.completion_ids),
-        "completion_logprobs": unpack_floats(call.completion_logprobs),
-        "usage": {"prompt_tokens": call.prompt_tokens,
-                  "completion_tokens": call.completion_tokens},
-        "extra_choices": call.extra_choices,
-    }
-    if text:
-        out["request_messages"] = call.request_messages
-        out["completion_text"] = call.completion_text
-    return out
+def _call_trace(call: Call, *, text: bool) -> CallTrace:
+    """The call as stored; its text only when asked (the route leaves unset fields out,
+    so without ``include_text`` the two keys are absent, not null)."""
+    extra = {"request_messages": call.request_messages,
+             "completion_text": call.completion_text} if text else {}
+    return CallTrace(
+        id=call.id, attempt=call.attempt, seq=call.seq, endpoint=call.endpoint,
+        model=call.model, status=call.status, error=call.error,
+        finish_reason=call.finish_reason, backend_id=call.backend_id, tp=call.tp,
+        weight_version=call.weight_version, weight_segments=call.weight_segments,
+        started_at=call.started_at, queued_ms=call.queued_ms, ttft_ms=call.ttft_ms,
+        total_ms=call.total_ms, prompt_len=call.prompt_len,
+        prompt_offset=call.prompt_offset, mismatch_pos=call.mismatch_pos,
+        branch=call.branch, parent_branch=call.parent_branch, kept_len=call.kept_len,
+        requested_model=call.requested_model,
+        prompt_delta_ids=unpack_ids(call.prompt_delta),
+        completion_ids=unpack_ids(call.completion_ids),
+        completion_logprobs=unpack_floats(call.completion_logprobs),
+        usage=Usage(prompt_tokens=call.prompt_tokens,
+                    completion_tokens=call.completion_tokens),
+        extra_choices=call.extra_choices, **extra)
 
 
 def _want_text(request: Request, include_text: bool) -> bool:
@@ -114,20 +122,18 @@ async def list_trajectories(
     limit: int = Query(100, ge=1, le=10_000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
     rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
+) -> TrajectoryPage:
     await rt.writer.drain(DRAIN_TIMEOUT_S)
     async with rt.sessionmaker() as session:
         rows = await queries.list_trajectories(
             session, group_id=group_id, finished=finished, limit=limit, offset=offset)
-    data = [{
-        "id": r.trajectory.id, "group_id": r.trajectory.group_id,
-        "created_at": r.trajectory.created_at.isoformat(),
-        "finished_at": r.trajectory.finished_at.isoformat() if r.trajectory.finished_at
-        else None,
-        "reward": r.trajectory.reward, "calls": r.calls,
-        "completion_tokens": r.completion_tokens, "live": _live(rt, r.trajectory.id),
-    } for r in rows]
-    return {"object": "list", "data": data, "limit": limit, "offset": offset}
+    data = [TrajectoryInfo(
+        id=r.trajectory.id, group_id=r.trajectory.group_id,
+        created_at=r.trajectory.created_at, finished_at=r.trajectory.finished_at,
+        reward=r.trajectory.reward, calls=r.calls, completion_tokens=r.completion_tokens,
+        live=_live(rt, r.trajectory.id),
+    ) for r in rows]
+    return TrajectoryPage(data=data, limit=limit, offset=offset)
 
 
 async def _load(rt: Runtime, trajectory_id: str, attempt: int | None = None,
@@ -148,26 +154,25 @@ async def _load(rt: Runtime, trajectory_id: str, attempt: int | None = None,
     return traj, calls
 
 
-@router.get("/{trajectory_id}", summary="One trajectory with its calls' token traces")
+@router.get("/{trajectory_id}", summary="One trajectory with its calls' token traces",
+            response_model_exclude_unset=True)
 async def get_trajectory(
     request: Request, trajectory_id: str, include_text: bool = False,
     rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
+) -> TrajectoryDetail:
     text = _want_text(request, include_text)
     traj, calls = await _load(rt, trajectory_id, every_attempt=True)
-    return {
-        "id": traj.id, "attempt": traj.attempt, "group_id": traj.group_id,
-        "created_at": traj.created_at.isoformat(),
-        "finished_at": traj.finished_at.isoformat() if traj.finished_at else None,
-        "reward": traj.reward, "metadata": traj.meta, "live": _live(rt, traj.id),
-        "calls": [_call_json(c, text=text) for c in calls],
-    }
+    return TrajectoryDetail(
+        id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
+        created_at=traj.created_at, finished_at=traj.finished_at, reward=traj.reward,
+        metadata=traj.meta, live=_live(rt, traj.id),
+        calls=[_call_trace(c, text=text) for c in calls])
 
 
 @router.post("/{trajectory_id}/finish", summary="Finish a trajectory with its reward")
 async def finish(
     trajectory_id: str, body: FinishRequest, rt: Runtime = Depends(get_rt)
-) -> dict[str, Any]:
+) -> FinishedTrajectory:
     validate_id(trajectory_id)
     if body.group_id is not None:
         validate_id(body.group_id, what="group_id")
@@ -181,15 +186,14 @@ async def finish(
     if live is not None and live.finished_at is None:
         rt.tracker.finish(trajectory_id, body.reward, now)
         rt.dispatcher.scheduler.trajectory_finished(live)
-    return {"id": traj.id, "attempt": traj.attempt, "group_id": traj.group_id,
-            "reward": traj.reward,
-            "finished_at": traj.finished_at.isoformat() if traj.finished_at else None}
+    return FinishedTrajectory(id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
+                              reward=traj.reward, finished_at=traj.finished_at)
 
 
 @router.post("/{trajectory_id}/key", summary="Mint a harness key for this trajectory only "
              "(model calls; a call naming another trajectory is 403)")
 async def mint_key(request: Request, trajectory_id: str,
-                   body: KeyRequest | None = None) -> dict[str, Any]:
+                   body: KeyRequest | None = None) -> HarnessKey:
     """The key names its trajectory: a harness needs only the gateway's ``/v1`` URL and
     it. Verified statelessly (an HMAC under the key secret), so it is not stored."""
     validate_id(trajectory_id)
@@ -197,7 +201,7 @@ async def mint_key(request: Request, trajectory_id: str,
     if group is not None:
         validate_id(group, what="group_id")
     key = get_access(request).signer.mint(trajectory_id, group)
-    return {"key": key, "trajectory_id": trajectory_id, "group_id": group}
+    return HarnessKey(key=key, trajectory_id=trajectory_id, group_id=group)
 
 
 _ATTEMPT = Query(None, ge=0, le=2**31 - 1)
@@ -234,14 +238,14 @@ async def sample(
     max_staleness: int | None = _MAX_STALENESS,
     current_version: str | None = _CURRENT,
     rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
+) -> Sample:
     built = await _samples(rt, trajectory_id, attempt, "all", current_version, max_staleness)
     found = next((s for s in built if (s.main if branch is None else s.branch == branch)),
                  None)
     if found is None:
         raise NotFound(f"trajectory {trajectory_id!r} has no branch {branch} (branches: "
                        f"{[s.branch for s in built]})", param="branch")
-    return dataclasses.asdict(found)
+    return found
 
 
 @router.get("/{trajectory_id}/samples", summary="Every branch of one attempt of the "
@@ -255,7 +259,7 @@ async def samples(
     max_staleness: int | None = _MAX_STALENESS,
     current_version: str | None = _CURRENT,
     rt: Runtime = Depends(get_rt),
-) -> dict[str, Any]:
+) -> SampleList:
     built = await _samples(rt, trajectory_id, attempt, branches, current_version,
                            max_staleness)
-    return {"object": "list", "data": [dataclasses.asdict(s) for s in built]}
+    return SampleList(data=built)

@@ -11,13 +11,15 @@ rewards, and drives weight syncs and the pool::
         ...
         gw.finish("traj-7", reward=1.0)
         batch = gw.fetch_group("step3-prompt12", count=8, timeout_s=600)
-        batch.to_parquet("step3.parquet")            # gateway.store.export.SAMPLE_SCHEMA
+        batch.to_parquet("step3.parquet")            # gateway.schema.table.SAMPLE_SCHEMA
         with gw.weight_sync("step-4"):               # pause until idle ... resume
             load_new_weights()
         gw.resize_pool(gpus=4)                       # training borrows the other GPUs
 
 Everything is read from the gateway on demand; the client keeps no state of its own.
-Errors are :mod:`gateway.client.errors` exceptions. Needs ``httpx`` (extra ``client``).
+Errors are :mod:`gateway.client.errors` exceptions; answers are read with the models the
+routes declare (:mod:`gateway.schema`). Needs ``httpx`` (extra ``client``), not the server:
+importing it loads neither the store, SQLAlchemy nor FastAPI.
 """
 
 from gateway.client._base import new_id, openai_base_url, session_headers
@@ -38,7 +40,7 @@ from gateway.client.errors import (
 )
 from gateway.client.sync import RolloutClient
 from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, sample_from_json
-from gateway.store.samples import CallSpan, Mismatch, Sample
+from gateway.schema.samples import CallSpan, Mismatch, Sample
 
 __all__ = [
     "AsyncRolloutClient",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -21,14 +21,23 @@ from gateway.client.errors import (
     WaitTimeout,
     raise_for_response,
 )
-from gateway.client.types import JobInfo, TrajectoryInfo, sample_from_json, samples_from_json
-from gateway.store.samples import Sample
-from gateway.trajectories.tagging import ID_PATTERN
+from gateway.client.types import (
+    JobInfo,
+    TrajectoryInfo,
+    finished_from_json,
+    group_samples_from_json,
+    infos_from_json,
+    job_from_json,
+    sample_from_json,
+    samples_from_json,
+)
+from gateway.schema.ids import ID_PATTERN
+from gateway.schema.jobs import JobRef
+from gateway.schema.samples import Branches, Sample
+from gateway.schema.trajectories import HarnessKey
+from gateway.schema.weights import WeightVersionChange
 
 T = TypeVar("T")
-#: which branches of a trajectory become samples: every one (default), the main one (the
-#: branch of its last call), or the one with the most generated tokens
-Branches = Literal["all", "main", "longest"]
 PAGE = 1000  # rows per GET /trajectories page
 DEFAULT_TIMEOUT_S = 30.0
 #: seconds one request to ``GET /groups/{id}/samples`` waits on the server; a longer
@@ -77,14 +86,15 @@ def session_headers(trajectory_id: str, group_id: str | None = None) -> dict[str
     return headers
 
 
-def _infos(body: Any) -> list[TrajectoryInfo]:
-    return [TrajectoryInfo.from_json(d) for d in body["data"]]
-
-
 def _dict(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise TypeError(f"expected a JSON object, got {type(body).__name__}")
     return body
+
+
+def _job_id(body: Any) -> str:
+    """The id of the job a request started (``202``)."""
+    return JobRef.model_validate(body).job
 
 
 def _path_id(value: str, what: str = "trajectory_id") -> str:
@@ -102,7 +112,7 @@ class Endpoints:
             params["group_id"] = check_id(group_id, "group_id")
         if finished is not None:
             params["finished"] = "true" if finished else "false"
-        return Request("GET", "/trajectories", _infos, params=params)
+        return Request("GET", "/trajectories", infos_from_json, params=params)
 
     @staticmethod
     def trajectory(trajectory_id: str) -> Request[dict[str, Any]]:
@@ -117,7 +127,7 @@ class Endpoints:
         if group_id is not None:
             body["group_id"] = check_id(group_id, "group_id")
         return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/finish",
-                       TrajectoryInfo.from_json, json=body)
+                       finished_from_json, json=body)
 
     @staticmethod
     def sample(trajectory_id: str, branch: int | None = None) -> Request[Sample]:
@@ -138,13 +148,14 @@ class Endpoints:
         if count is not None:
             params["count"] = count
         return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/samples",
-                       samples_from_json, params=params, timeout=wait_s + DEFAULT_TIMEOUT_S)
+                       group_samples_from_json, params=params,
+                       timeout=wait_s + DEFAULT_TIMEOUT_S)
 
     @staticmethod
     def mint_key(trajectory_id: str, group_id: str | None) -> Request[str]:
         body = None if group_id is None else {"group_id": check_id(group_id, "group_id")}
         return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/key",
-                       lambda b: str(_dict(b)["key"]), json=body)
+                       lambda b: HarnessKey.model_validate(b).key, json=body)
 
     @staticmethod
     def pause(*, mode: str | None, wait_idle: bool, timeout_s: float
@@ -167,8 +178,7 @@ class Endpoints:
                                 "method": "reload" if weights_path else "external"}
         if weights_path:
             body["weights_path"] = weights_path
-        return Request("POST", "/admin/weight-update", lambda b: str(_dict(b)["job"]),
-                       json=body)
+        return Request("POST", "/admin/weight-update", _job_id, json=body)
 
     @staticmethod
     def weight_update_done(job_id: str) -> Request[dict[str, Any]]:
@@ -176,7 +186,8 @@ class Endpoints:
 
     @staticmethod
     def set_weight_version(version: str) -> Request[str | None]:
-        return Request("PUT", "/admin/weight-version", lambda b: _dict(b).get("previous"),
+        return Request("PUT", "/admin/weight-version",
+                       lambda b: WeightVersionChange.model_validate(b).previous,
                        json={"version": version})
 
     @staticmethod
@@ -190,7 +201,7 @@ class Endpoints:
                 if v is not None}
         if not body:
             raise ValueError("give gpus, layout or tp")
-        return Request("PUT", "/admin/pool", lambda b: str(_dict(b)["job"]), json=body)
+        return Request("PUT", "/admin/pool", _job_id, json=body)
 
     @staticmethod
     def policy() -> Request[dict[str, Any]]:
@@ -202,7 +213,7 @@ class Endpoints:
 
     @staticmethod
     def job(job_id: str) -> Request[JobInfo]:
-        return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", JobInfo.from_json)
+        return Request("GET", f"/admin/jobs/{quote(job_id, safe='')}", job_from_json)
 
     @staticmethod
     def backends() -> Request[list[dict[str, Any]]]:

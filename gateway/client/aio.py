@@ -13,7 +13,6 @@ import httpx
 from gateway.client._base import (
     DEFAULT_TIMEOUT_S,
     PAGE,
-    Branches,
     ClientBase,
     Endpoints,
     Request,
@@ -30,8 +29,14 @@ from gateway.client.errors import (
     NotFoundError,
     WaitTimeout,
 )
-from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, waiting_for_weights
-from gateway.store.samples import Sample
+from gateway.client.types import (
+    JobInfo,
+    SampleBatch,
+    TrajectoryInfo,
+    detail_info,
+    waiting_for_weights,
+)
+from gateway.schema.samples import Branches, Sample
 
 T = TypeVar("T")
 
@@ -130,7 +135,7 @@ class AsyncRolloutClient:
         while True:
             for tid in pending(wanted, done):
                 with contextlib.suppress(NotFoundError):
-                    info = TrajectoryInfo.from_json(await self.trajectory(tid))
+                    info = detail_info(await self.trajectory(tid))
                     if info.finished:
                         done[tid] = info
             if not pending(wanted, done):

@@ -48,21 +48,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
-import torch
 from transformers import TrainerCallback
 
 from gateway.client.aio import AsyncRolloutClient
 from gateway.client.sync import RolloutClient
+from gateway.client.trl_rows import LOGPROB_TOL, LogprobCheck, check_logprobs, to_trl_row
 from gateway.client.types import SampleBatch
-from gateway.store.samples import Sample
+from gateway.schema.samples import Sample
+
+__all__ = ["LOGPROB_TOL", "Agent", "GatewayGRPO", "LogprobCheck", "Push", "Rollout",
+           "StepRecord", "check_logprobs", "to_trl_row"]
 
 T = TypeVar("T")
 #: what to do with a trajectory that forked into branches (side calls, compaction): TRL
 #: trains one sequence per generation
 MultiBranch = Literal["error", "main", "longest"]
-#: a generated token "matches" when the trainer's logprob is this close to the engine's
-#: (bf16 engine, fp32 trainer on the tiny model: about 0.01)
-LOGPROB_TOL = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,19 +93,6 @@ class Push:
     save_s: float
     push_s: float  # the weight-update job, pause to resume
     phases: dict[str, float]  # the job's phases (pause, update, resume) in seconds
-
-
-@dataclass(slots=True)
-class LogprobCheck:
-    """The trainer's logprob of every generated token against the engine's."""
-
-    tokens: int
-    matched: int  # within ``LOGPROB_TOL``
-    max_gap: float
-    #: ``trajectory#seq`` of calls with a token past the tolerance: the weights differ,
-    #: or the engine sampled from a constrained distribution (a forced tool call,
-    #: structured output), whose logprobs are those of the masked distribution
-    off_calls: list[str]
 
 
 @dataclass(slots=True)
@@ -149,40 +136,6 @@ def _phase_seconds(job_raw: dict[str, Any]) -> dict[str, float]:
     """Each phase of a finished job (``pause``, ``update``, ``resume``) and its seconds."""
     return {str(p.get("name")): float(p["duration_s"]) for p in job_raw.get("phases") or ()
             if isinstance(p.get("duration_s"), int | float)}
-
-
-def to_trl_row(sample: Sample) -> dict[str, list[Any]]:
-    """One gateway sample as TRL's rollout row: the prompt is what came before the first
-    completion; the completion is the rest, with ``env_mask`` = the loss mask there."""
-    n = sample.num_prompt_tokens
-    if n >= len(sample.token_ids):
-        raise ValueError(f"trajectory {sample.trajectory_id!r} has no generated token "
-                         "(no successful model call): TRL cannot train on it")
-    return {"prompt_ids": sample.token_ids[:n], "completion_ids": sample.token_ids[n:],
-            "logprobs": sample.logprobs[n:], "env_mask": sample.loss_mask[n:]}
-
-
-def check_logprobs(model: Any, samples: Sequence[Sample]) -> LogprobCheck:
-    """Recompute every generated token's logprob with ``model`` (one forward pass per
-    sample) and compare it with the engine's, call by call."""
-    tokens = matched = 0
-    worst = 0.0
-    off: list[str] = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.token_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            for c in s.calls:
-                a, b = c.completion_start, c.completion_end
-                if b <= a or a == 0:
-                    continue
-                own = logp[a - 1:b - 1].gather(1, ids[0, a:b, None])[:, 0]
-                gap = (own - torch.tensor(s.logprobs[a:b])).abs()
-                tokens, matched = tokens + (b - a), matched + int((gap <= LOGPROB_TOL).sum())
-                worst = max(worst, float(gap.max()))
-                if float(gap.max()) > LOGPROB_TOL:
-                    off.append(f"{s.trajectory_id}#{c.seq}")
-    return LogprobCheck(tokens, matched, worst, off)
 
 
 class GatewayGRPO:

@@ -1,69 +1,35 @@
 """What the client hands back: trajectory summaries, admin jobs and batches of samples.
 
-Training samples are the gateway's own :class:`gateway.store.samples.Sample` (rebuilt
-from ``GET /trajectories/{id}/sample``), and tables use the exporter's ``SAMPLE_SCHEMA``,
-so a batch fetched over REST and a file written by ``rollout-gateway export`` have the
-same columns.
+The answers are parsed with the models the routes declare (:mod:`gateway.schema`), so
+the client and the gateway cannot disagree on a shape, and reading a sample needs
+neither the server nor its database. Tables use ``SAMPLE_SCHEMA``, so a batch fetched
+over REST and a file written by ``rollout-gateway export`` have the same columns.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import TypeAdapter
 
-from gateway.dispatch.jobs import JobStatus
-from gateway.store.export import samples_table
-from gateway.store.samples import CallSpan, Mismatch, Sample
+from gateway.schema.jobs import JobStatus, JobView
+from gateway.schema.samples import GroupSamples, Sample, SampleList
+from gateway.schema.table import samples_table
+from gateway.schema.trajectories import (
+    FinishedTrajectory,
+    TrajectoryDetail,
+    TrajectoryInfo,
+    TrajectoryPage,
+)
 
-T = TypeVar("T")
+__all__ = ["JobInfo", "SampleBatch", "TrajectoryInfo"]
 
-
-def _dt(value: Any) -> datetime | None:
-    return datetime.fromisoformat(value) if isinstance(value, str) else None
-
-
-def _known(cls: type[T], data: dict[str, Any]) -> T:
-    """``cls(**data)`` keeping only the fields ``cls`` has (the server may add more)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in data.items() if k in names})
-
-
-@dataclass(frozen=True, slots=True)
-class TrajectoryInfo:
-    """One row of ``GET /trajectories`` (or the answer of a finish)."""
-
-    id: str
-    group_id: str | None
-    reward: float | None
-    finished_at: datetime | None
-    created_at: datetime | None = None
-    calls: int = 0
-    completion_tokens: int = 0
-    #: the gateway's live view while the trajectory is tracked (phase, turns, ...)
-    live: dict[str, Any] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TrajectoryInfo:
-        """From a list row, a finish answer, or ``GET /trajectories/{id}`` (calls listed)."""
-        calls, tokens = d.get("calls") or 0, d.get("completion_tokens") or 0
-        if isinstance(calls, list):
-            tokens = sum(int((c.get("usage") or {}).get("completion_tokens") or 0)
-                         for c in calls)
-            calls = len(calls)
-        return cls(id=d["id"], group_id=d.get("group_id"), reward=d.get("reward"),
-                   finished_at=_dt(d.get("finished_at")), created_at=_dt(d.get("created_at")),
-                   calls=int(calls), completion_tokens=int(tokens), live=d.get("live"))
+_SAMPLE = TypeAdapter(Sample)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +52,8 @@ class JobInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> JobInfo:
+        """From a job's JSON, as little as ``id`` and ``status`` (what ``JobFailed`` is
+        given); answers of the gateway go through :func:`job_from_json`."""
         return cls(id=str(d["id"]), kind=str(d.get("kind", "")),
                    status=JobStatus(d["status"]), errors=list(d.get("errors") or []), raw=d)
 
@@ -97,30 +65,46 @@ class JobInfo:
         return self.raw.get(key, default)
 
 
+def job_from_json(d: Any) -> JobInfo:
+    """``GET /admin/jobs/{id}``, read with the route's model; ``raw`` keeps the JSON."""
+    job = JobView.model_validate(d)
+    return JobInfo(id=job.id, kind=job.kind, status=job.status, errors=job.errors, raw=d)
+
+
 def waiting_for_weights(job: JobInfo) -> bool:
     """A weight-update job has paused the engines and waits for the new weights."""
     return any(p.get("name") == "update" for p in job.raw.get("phases") or ())
 
 
-def sample_from_json(d: dict[str, Any]) -> Sample:
-    """Rebuild the gateway's ``Sample`` from the JSON of ``/trajectories/{id}/sample``."""
-    return Sample(
-        trajectory_id=d["trajectory_id"], group_id=d.get("group_id"), reward=d.get("reward"),
-        token_ids=list(d["token_ids"]), loss_mask=list(d["loss_mask"]),
-        logprobs=[float(x) for x in d["logprobs"]],
-        weight_versions=list(d.get("weight_versions") or []),
-        calls=[_known(CallSpan, c) for c in d.get("calls") or []],
-        mismatches=[_known(Mismatch, m) for m in d.get("mismatches") or []],
-        metadata=d.get("metadata"), attempt=int(d.get("attempt") or 0),
-        max_staleness=d.get("max_staleness"), branch=int(d.get("branch") or 0),
-        parent_branch=d.get("parent_branch"), fork_position=int(d.get("fork_position") or 0),
-        main=bool(d.get("main", True)), num_branches=int(d.get("num_branches") or 1),
-    )
+def sample_from_json(d: Any) -> Sample:
+    """The ``Sample`` of ``GET /trajectories/{id}/sample`` (keys it does not know are
+    left out: a newer gateway may send more)."""
+    return _SAMPLE.validate_python(d)
 
 
-def samples_from_json(d: dict[str, Any]) -> list[Sample]:
+def samples_from_json(d: Any) -> list[Sample]:
     """The samples of ``/trajectories/{id}/samples`` (one per branch)."""
-    return [sample_from_json(item) for item in d.get("data") or []]
+    return SampleList.model_validate(d).data
+
+
+def group_samples_from_json(d: Any) -> list[Sample]:
+    """The samples of ``GET /groups/{id}/samples``, each trajectory's branches together."""
+    return GroupSamples.model_validate(d).data
+
+
+def infos_from_json(d: Any) -> list[TrajectoryInfo]:
+    """The rows of one ``GET /trajectories`` page."""
+    return TrajectoryPage.model_validate(d).data
+
+
+def finished_from_json(d: Any) -> TrajectoryInfo:
+    """The answer of ``POST /trajectories/{id}/finish`` as a row."""
+    return FinishedTrajectory.model_validate(d).info()
+
+
+def detail_info(d: Any) -> TrajectoryInfo:
+    """The row of a trajectory from ``GET /trajectories/{id}`` (its calls counted)."""
+    return TrajectoryDetail.model_validate(d).info()
 
 
 @dataclass(slots=True)
@@ -159,7 +143,7 @@ class SampleBatch:
         return out
 
     def to_table(self) -> pa.Table:
-        """One row per sample (branch), columns of ``gateway.store.export.SAMPLE_SCHEMA``."""
+        """One row per sample (branch), columns of ``gateway.schema.table.SAMPLE_SCHEMA``."""
         return samples_table(self.samples)
 
     def to_parquet(self, path: str | Path) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import time
 from collections import OrderedDict
@@ -18,15 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.schema.jobs import JobStatus
+
+__all__ = ["Job", "JobBook", "JobStatus", "Phase"]
+
 MAX_JOBS = 200
-
-
-class JobStatus(enum.StrEnum):
-    PENDING = "pending"  # waiting for an earlier reconfiguration to finish
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # finished, but some step failed (see ``errors``)
-    CANCELLED = "cancelled"  # the gateway shut down first
 
 
 @dataclass(slots=True)

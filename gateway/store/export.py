@@ -4,55 +4,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import orjson
-import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.progress import Progress
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.schema.table import SAMPLE_SCHEMA, sample_record, samples_table
 from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
 from gateway.store.samples import Sample, build_samples
 
-SAMPLE_SCHEMA = pa.schema([
-    ("trajectory_id", pa.string()),
-    ("attempt", pa.int32()),
-    ("group_id", pa.string()),
-    ("reward", pa.float64()),
-    ("token_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("logprobs", pa.list_(pa.float32())),
-    ("weight_versions", pa.list_(pa.string())),
-    ("max_staleness", pa.int32()),
-    ("num_calls", pa.int32()),
-    ("num_mismatches", pa.int32()),
-    ("metadata", pa.string()),
-    ("branch", pa.int32()),
-    ("parent_branch", pa.int32()),
-    ("fork_position", pa.int32()),
-    ("is_main", pa.bool_()),
-])
-
-
-def sample_record(s: Sample) -> dict[str, Any]:
-    return {
-        "trajectory_id": s.trajectory_id, "attempt": s.attempt, "group_id": s.group_id,
-        "reward": s.reward,
-        "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-        "weight_versions": s.weight_versions, "max_staleness": s.max_staleness,
-        "num_calls": len(s.calls),
-        "num_mismatches": len(s.mismatches),
-        "metadata": orjson.dumps(s.metadata).decode() if s.metadata is not None else None,
-        "branch": s.branch, "parent_branch": s.parent_branch,
-        "fork_position": s.fork_position, "is_main": s.main,
-    }
-
-
-def samples_table(samples: list[Sample]) -> pa.Table:
-    return pa.Table.from_pylist([sample_record(s) for s in samples], schema=SAMPLE_SCHEMA)
-
+__all__ = ["SAMPLE_SCHEMA", "export_samples", "iter_samples", "sample_record", "samples_table"]
 
 async def iter_samples(
     sessionmaker: async_sessionmaker[AsyncSession], ids: list[str], branches: str = "all"

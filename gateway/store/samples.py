@@ -11,65 +11,20 @@ generated token is under loss mask 1 in exactly one sample.
 Rows written before branches existed are all on branch 0; a call among them whose
 prompt left the sequence (``prompt_offset`` short of its length) cuts the sample back to
 it, and is reported as a mismatch, as before.
+
+The data types are the API's own (:mod:`gateway.schema.samples`), so what this builds is
+what the routes answer and the trainer client reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
+from gateway.schema.samples import CallSpan, Mismatch, Sample
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
-
-@dataclass(slots=True)
-class CallSpan:
-    seq: int
-    call_id: str
-    prompt_start: int
-    completion_start: int
-    completion_end: int
-    weight_version: str
-    backend_id: str | None
-    tp: int | None
-    #: [[start, end, version], ...] relative to the call's completion, when the call ran
-    #: across a weight update (``weight_version`` is then the first segment's).
-    weight_segments: list[list[Any]] | None = None
-
-
-@dataclass(slots=True)
-class Mismatch:
-    seq: int
-    position: int
-    previous_length: int
-
-
-@dataclass(slots=True)
-class Sample:
-    trajectory_id: str
-    group_id: str | None
-    reward: float | None
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[str] = field(default_factory=list)
-    calls: list[CallSpan] = field(default_factory=list)
-    mismatches: list[Mismatch] = field(default_factory=list)
-    metadata: dict[str, Any] | None = None
-    attempt: int = 0
-    #: Versions behind ``current`` of the oldest completion token (numeric versions
-    #: only; None when a version is not an integer or there is no completion).
-    max_staleness: int | None = None
-    branch: int = 0
-    parent_branch: int | None = None  # the branch this one forked from
-    fork_position: int = 0  # tokens taken from the parent (context, loss mask 0)
-    main: bool = True  # the branch of the attempt's last call
-    num_branches: int = 1
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.calls[0].completion_start if self.calls else len(self.token_ids)
+__all__ = ["CallSpan", "Mismatch", "Sample", "build_sample", "build_samples", "staleness"]
 
 
 def _truncate(sample: Sample, length: int) -> None:

@@ -21,16 +21,15 @@ before the call got here; what it names can only narrow a call, never widen it.
 from __future__ import annotations
 
 import hashlib
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import Forbidden, InvalidTrajectoryId
+from gateway.schema.ids import ID_PATTERN
 from gateway.trajectories.keys import ScopedKey, named_by
 
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 PLACEHOLDER_KEYS = frozenset({"", "empty", "none", "null", "dummy", "fake", "x", "token-abc123"})
 
 
