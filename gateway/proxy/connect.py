@@ -16,15 +16,15 @@ from gateway.dispatch.backends import CircuitBreaker
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from gateway.proxy.calls import CallContext
-from gateway.proxy.client import (
+from gateway.proxy.live import live_calls
+from gateway.proxy.tokens import PromptPlanner
+from gateway.proxy.upstream import (
     UPSTREAM_HEADERS,
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.live import live_calls
-from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
