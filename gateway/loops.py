@@ -86,7 +86,7 @@ class Periodic:
         if self._task is not None:
             raise RuntimeError(f"{self.name}: already started")
         self._task = asyncio.create_task(self._run(), name=self.name)
-        self._task.add_done_callback(self._ended)
+        report_unexpected_end(self._task, self._log, lambda: self._closing)
 
     async def close(self) -> None:
         """Stop the loop, cancelling a step under way; returns once it has stopped."""
@@ -128,10 +128,19 @@ class Periodic:
             self._log.warning("%s: a step took %.3g s, longer than its %.3g s interval%s",
                               self.name, took, self.interval_s, more)
 
-    def _ended(self, task: asyncio.Task[None]) -> None:
-        if self._closing:
+
+def report_unexpected_end(task: asyncio.Task[None], logger: logging.Logger,
+                          closing: Callable[[], bool]) -> None:
+    """Log an error (with the traceback) if ``task``, a background task meant to run until
+    its owner stops it, ends while ``closing()`` is false. For loops that are not periodic
+    (the trace writer) as much as for :class:`Periodic`."""
+
+    def ended(done: asyncio.Task[None]) -> None:
+        if closing():
             return
-        exc = None if task.cancelled() else task.exception()
-        self._log.error("%s: the loop stopped without close() (%s)", self.name,
-                        "cancelled" if exc is None else f"{type(exc).__name__}: {exc}",
-                        exc_info=exc)
+        exc = None if done.cancelled() else done.exception()
+        how = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
+        logger.error("%s: the loop stopped without close() (%s)", done.get_name(), how,
+                     exc_info=exc)
+
+    task.add_done_callback(ended)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.loops import Periodic
+from gateway.loops import Periodic, report_unexpected_end
 
 LOGGER = "gateway.loops"
 
@@ -145,6 +145,32 @@ async def test_a_loop_ended_by_anything_but_close_says_so(
     stopped = records(caplog, logging.ERROR, "fatal: the loop stopped without close()")
     assert len(stopped) == 1 and "Fatal: out of the loop" in stopped[0].getMessage()
     await loop.close()  # already over: nothing to stop, nothing raised again
+
+
+async def test_a_task_that_is_not_periodic_is_reported_when_it_ends_unasked(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    log = logging.getLogger(LOGGER)
+    closing = False
+
+    async def dies() -> None:
+        raise OSError("disk full")
+
+    async def runs() -> None:
+        await asyncio.Event().wait()
+
+    dying = asyncio.create_task(dies(), name="writer-like")
+    running = asyncio.create_task(runs(), name="stopped-on-purpose")
+    for task in (dying, running):
+        report_unexpected_end(task, log, lambda: closing)
+    await asyncio.wait([dying])
+    await asyncio.sleep(0)
+    closing = True
+    running.cancel()
+    await asyncio.wait([running])
+    await asyncio.sleep(0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "writer-like: the loop stopped without close() (OSError: disk full)"]
 
 
 def test_an_interval_must_be_positive() -> None:
