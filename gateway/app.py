@@ -13,8 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.api import admin, count_tokens, groups, openai, policy, status, trajectories, web
 from gateway.api.browser import BrowserGuard
 from gateway.api.deps import Access
+from gateway.api.errors import BodyLimit, install_error_handlers
 from gateway.config import ServerSettings, Settings
-from gateway.errors import BodyLimit, install_error_handlers
 from gateway.proxy.relay import Proxy
 from gateway.readiness import announced
 from gateway.runtime import open_runtime

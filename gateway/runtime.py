@@ -22,8 +22,8 @@ from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, p
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.jobs import JobBook
 from gateway.dispatch.layout import LayoutError
-from gateway.dispatch.migrate import prewarm
 from gateway.dispatch.pool import PoolManager, open_pool
+from gateway.dispatch.prewarm import prewarm
 from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor

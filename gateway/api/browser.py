@@ -22,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.api.errors import error_response
 from gateway.config import ServerSettings, is_loopback
-from gateway.errors import BadRequest, Forbidden, error_response
+from gateway.errors import BadRequest, Forbidden
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")

@@ -25,7 +25,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.deps import Role, authorize, check_scope, get_proxy, get_rt, require_api_key
-from gateway.errors import GatewayError, error_response
+from gateway.api.errors import error_response
+from gateway.errors import GatewayError
 from gateway.proxy.relay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Endpoint
 from gateway.runtime import Runtime
 from gateway.schema.ids import ID_PATTERN

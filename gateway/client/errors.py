@@ -16,7 +16,7 @@
         +-- UpstreamError             502, 504 (a backend failed or timed out)
 
 The gateway answers ``/v1/*`` in OpenAI's envelope ``{"error": {message, type, param,
-code}}`` and every other route as ``{"detail": ...}`` (see ``gateway/errors.py``); both are
+code}}`` and every other route as ``{"detail": ...}`` (see ``gateway/api/errors.py``); both are
 read here, so ``message`` is always the gateway's own words.
 """
 

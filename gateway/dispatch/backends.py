@@ -9,7 +9,6 @@ managed pools add and remove theirs through the pool manager.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -21,6 +20,7 @@ import orjson
 
 from backends.base import InstanceState
 from gateway.config import UpstreamSettings
+from gateway.loops import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,23 @@ class CircuitBreaker:
                         backend.call_failures, backend.last_error)
 
 
+class GarbledReply(ValueError):
+    """A backend answered ``/v1/models`` with JSON that is not OpenAI's model list."""
+
+
+def model_ids(reply: object) -> set[str]:
+    """The model ids of a ``/v1/models`` reply, ``{"data": [{"id": ...}, ...]}`` (an
+    object without ``data`` lists none); :class:`GarbledReply` for any other shape."""
+    if not isinstance(reply, dict):
+        raise GarbledReply(f"/v1/models answered a JSON {type(reply).__name__}, not an "
+                           "object with a 'data' list; marked unhealthy")
+    data = reply.get("data", [])
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise GarbledReply("/v1/models answered 'data' that is not a list of objects; "
+                           "marked unhealthy")
+    return {m["id"] for m in data if isinstance(m.get("id"), str)}
+
+
 class HealthChecker:
     """Polls ``/health`` and ``/v1/models`` of every backend; marks them (un)healthy."""
 
@@ -172,24 +189,17 @@ class HealthChecker:
         self._registry = registry
         self._session = session
         self._settings = settings
-        self._task: asyncio.Task[None] | None = None
+        self.loop = Periodic("health-checker", self.check_all, settings.health_interval_s,
+                             immediately=True, logger=log)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-checker")
+        self.loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.loop.close()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(b) for b in self._registry))
-
-    async def _run(self) -> None:
-        while True:
-            await self.check_all()
-            await asyncio.sleep(self._settings.health_interval_s)
 
     async def check(self, backend: Backend) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout_s)
@@ -198,9 +208,13 @@ class HealthChecker:
                 ok = resp.status == 200
             if ok and (not backend.models or not backend.healthy):
                 async with self._session.get(f"{backend.url}/v1/models", timeout=timeout) as r:
-                    data = orjson.loads(await r.read())
-                backend.models = {m["id"] for m in data.get("data", []) if "id" in m}
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                    backend.models = model_ids(orjson.loads(await r.read()))
+        except GarbledReply as exc:
+            ok = False
+            if backend.last_error != str(exc):  # once per distinct reply, not every round
+                log.warning("backend %s (%s): %s", backend.id, backend.url, exc)
+            backend.last_error = str(exc)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok = False
             backend.last_error = f"{type(exc).__name__}: {exc}"[:300]
         self.record(backend, ok)

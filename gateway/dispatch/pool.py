@@ -61,6 +61,7 @@ from gateway.dispatch.layout import (
 )
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
 from gateway.dispatch.poolweights import WeightKeeper
+from gateway.loops import Periodic
 
 if TYPE_CHECKING:
     from gateway.dispatch.backends import BackendRegistry, HealthChecker
@@ -110,7 +111,8 @@ class PoolManager:
         self.initial: Job | None = None  # the job that starts the spec's layout (readiness)
         self._lock = asyncio.Lock()
         self._restarting = 0
-        self._watch: asyncio.Task[None] | None = None
+        self.crash_watch = Periodic("pool-watch", self._check_all_alive,
+                                    spec.check_interval_s, logger=log)
         self.keeper = WeightKeeper(rt, Weights(rt.weight_version, spec.weights_path()))
 
     @property
@@ -136,7 +138,7 @@ class PoolManager:
 
     def start(self) -> Job:
         """Bring up the spec's initial layout and start crash detection."""
-        self._watch = asyncio.create_task(self._watch_loop(), name="pool-watch")
+        self.crash_watch.start()
         self.initial = self._submit("initial", {"layout": "from spec"}, self.initial_specs())
         return self.initial
 
@@ -373,12 +375,10 @@ class PoolManager:
 
     # -- crash detection and restarts -------------------------------------------------
 
-    async def _watch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.spec.check_interval_s)
-            for inst in list(self.instances.values()):
-                if inst.state in (InstanceState.READY, InstanceState.DRAINING):
-                    await self._check_alive(inst)
+    async def _check_all_alive(self) -> None:
+        for inst in list(self.instances.values()):
+            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                await self._check_alive(inst)
 
     async def _check_alive(self, inst: PoolInstance) -> None:
         if inst.launched is None:
@@ -441,10 +441,7 @@ class PoolManager:
         }
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        await self.crash_watch.close()
         await self.rt.jobs.close()
         await asyncio.gather(*(self._stop(i) for i in list(self.instances.values())))
         await self.launcher.close()

@@ -20,7 +20,6 @@ This is the same ``Policy`` object the discrete-event simulator drives (``bench/
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -38,6 +37,7 @@ from gateway.errors import (
     TrajectoryFinished,
     UpstreamTimeout,
 )
+from gateway.loops import Periodic
 from gateway.policies.base import (
     Dispatch,
     Migrate,
@@ -76,7 +76,8 @@ class Scheduler:
         self._waiting: dict[str, Waiter] = {}
         self._keys = itertools.count()
         self._kick: asyncio.Handle | None = None
-        self._task: asyncio.Task[None] | None = None
+        self.ticker = Periodic("scheduler-tick", self._tick, settings.tick_s, logger=log)
+        self._last_plan = time.monotonic()
         self.dispatched = 0
         self.migrations = 0
         self.relayouts = 0
@@ -96,28 +97,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._task = asyncio.create_task(self._ticker(), name="scheduler-tick")
+        self._last_plan = time.monotonic()
+        self.ticker.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.ticker.close()
         for w in list(self._waiting.values()):
             if not w.future.done():
                 w.future.set_exception(Overloaded("the gateway is shutting down"))
         self._waiting.clear()
 
-    async def _ticker(self) -> None:
-        last_plan = time.monotonic()
-        while True:
-            await asyncio.sleep(self.settings.tick_s)
-            self.kick()
-            self.watch()
-            interval = self.policy.plan_interval_s
-            if interval and time.monotonic() - last_plan >= interval / self.settings.time_scale:
-                last_plan = time.monotonic()
-                await self._plan()
+    async def _tick(self) -> None:
+        """The periodic pass: aging priorities, the watchdog, the policy's ``plan``."""
+        self.kick()
+        self.watch()
+        interval = self.policy.plan_interval_s
+        if interval and time.monotonic() - self._last_plan >= interval / self.settings.time_scale:
+            self._last_plan = time.monotonic()
+            await self._plan()
 
     def watch(self, now: float | None = None) -> bool:
         """The watchdog: is the queue stuck while a backend has a free slot?

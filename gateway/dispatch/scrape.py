@@ -11,7 +11,6 @@ endpoint (any OpenAI-compatible server) are asked again only every ``MISSING_RET
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.dispatch.backends import Backend
+from gateway.loops import Periodic
 from gateway.metrics import EVENT_KINDS, History, Point, sample_sum
 
 if TYPE_CHECKING:
@@ -143,27 +143,22 @@ class Monitor:
         self._missing: dict[str, float] = {}
         self._seen: dict[str, tuple[str, bool]] = {}
         self._watched: tuple[str, str] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop: Periodic | None = None
 
     def start(self, rt: MonitorHost) -> None:
         rt.metrics.add_collector(lambda: self.collect(rt))
         self.observe(rt, time.time())
-        self._task = asyncio.create_task(self._run(rt), name="status-monitor")
+
+        async def round_() -> None:
+            await self.scrape_all(rt)
+            self.observe(rt, time.time())
+
+        self._loop = Periodic("status-monitor", round_, self.interval_s, logger=log)
+        self._loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self, rt: MonitorHost) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.scrape_all(rt)
-                self.observe(rt, time.time())
-            except Exception:  # a bug here must not stop the monitor for good
-                log.exception("status monitor round failed")
+        if self._loop is not None:
+            await self._loop.close()
 
     async def scrape_all(self, rt: MonitorHost) -> None:
         now = time.time()

@@ -8,7 +8,8 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from gateway.errors import BadRequest, PayloadTooLarge, openai_error_body
+from gateway.envelopes import openai_error_body
+from gateway.errors import BadRequest, PayloadTooLarge
 
 
 def parse_door(raw: bytes) -> dict[str, Any]:

@@ -15,15 +15,15 @@ import time
 from gateway.dispatch.backends import CircuitBreaker
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from gateway.proxy.calls import CallContext
-from gateway.proxy.client import (
+from gateway.proxy.lifecycle import dispatched, requeue
+from gateway.proxy.tokens import PromptPlanner
+from gateway.proxy.upstream import (
     UPSTREAM_HEADERS,
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamResponse,
     open_upstream,
 )
-from gateway.proxy.lifecycle import dispatched, requeue
-from gateway.proxy.tokens import PromptPlanner
 from gateway.runtime import Runtime
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})

@@ -36,9 +36,9 @@ import orjson
 
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
-from gateway.proxy.client import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
+from gateway.proxy.upstream import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.runtime import Runtime
 
 #: Sampling fields carried over to the continuation unchanged.

@@ -37,7 +37,6 @@ from gateway.proxy.bodies import (
 )
 from gateway.proxy.calls import CallContext
 from gateway.proxy.capture import Capture, inject
-from gateway.proxy.client import UpstreamResponse
 from gateway.proxy.connect import connect
 from gateway.proxy.continuation import (
     HoldingDecoder,
@@ -53,6 +52,7 @@ from gateway.proxy.doors.responses import ResponsesCall
 from gateway.proxy.lifecycle import abandon, arrive, end
 from gateway.proxy.sse import error_event
 from gateway.proxy.tokens import PromptPlanner
+from gateway.proxy.upstream import UpstreamResponse
 from gateway.runtime import Runtime
 from gateway.trajectories.branches import digest_messages
 from gateway.trajectories.tagging import identify, prompt_identity

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.errors import GatewayError, openai_error_body
+from gateway.envelopes import openai_error_body
+from gateway.errors import GatewayError
 from gateway.proxy.capture import Capture
 
 

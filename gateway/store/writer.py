@@ -3,7 +3,9 @@
 Submissions go into a bounded in-memory queue (``submit`` never blocks and never raises;
 when the queue is full the record is counted in ``dropped``). One task drains the queue
 in multi-row inserts (``gateway.store.inserts``), flushing when ``batch_size`` records
-are waiting or ``flush_interval_s`` has passed.
+are waiting or ``flush_interval_s`` has passed. It runs when records arrive, not on a
+period, so it is not a :class:`gateway.loops.Periodic`; like one, it logs if it ever
+stops before ``close()``.
 
 When the database is unreachable, nothing already accepted is lost: the failed batch and
 whatever queues up behind it move to a local spool file (off the event loop), which is
@@ -36,6 +38,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config import TraceSettings
+from gateway.loops import report_unexpected_end
 from gateway.store.inserts import write_batch
 from gateway.store.records import CallRecord
 from gateway.store.spool import Spool
@@ -56,6 +59,7 @@ class TraceWriter:
         self._spool = spool
         self._queue: asyncio.Queue[CallRecord] = asyncio.Queue(maxsize=settings.queue_size)
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._pending = 0
         self._inflight: list[CallRecord] = []
         self._overflow: deque[CallRecord] = deque()
@@ -94,6 +98,7 @@ class TraceWriter:
         if self._spool is not None and self._spool.pending_bytes:
             self._idle.clear()
         self._task = asyncio.create_task(self._run(), name="trace-writer")
+        report_unexpected_end(self._task, log, lambda: self._closing)
 
     def submit(self, record: CallRecord) -> bool:
         """Queue a record without waiting. False (and counted) when it cannot be kept.
@@ -175,6 +180,7 @@ class TraceWriter:
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to ``timeout_s``); spool the rest; stop."""
         await self.drain(timeout_s)
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

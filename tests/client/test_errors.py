@@ -18,7 +18,8 @@ from gateway.client import (
     session_headers,
 )
 from gateway.client.errors import error_from_response
-from gateway.errors import Paused, UpstreamTimeout, openai_error_body
+from gateway.envelopes import openai_error_body
+from gateway.errors import Paused, UpstreamTimeout
 
 
 def _response(status: int, *, json: Any = None, content: bytes | None = None,

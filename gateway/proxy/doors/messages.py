@@ -43,7 +43,8 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import BadRequest, GatewayError, anthropic_error_body
+from gateway.envelopes import anthropic_error_body
+from gateway.errors import BadRequest, GatewayError
 from gateway.proxy.doors import sse
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.trajectories.tools import ToolOutcome

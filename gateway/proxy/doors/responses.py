@@ -20,13 +20,8 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import (
-    BadRequest,
-    GatewayError,
-    NotFound,
-    UpstreamError,
-    openai_error_body,
-)
+from gateway.envelopes import openai_error_body
+from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamError
 from gateway.proxy.capture import merge_tool_call
 from gateway.proxy.doors import sse, text_of
 from gateway.proxy.doors.memory import ResponseMemory
