@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from backends.base import InstanceSpec, InstanceState, LaunchedInstance
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights
+
+log = logging.getLogger(__name__)
+WARMUP_TIMEOUT_S = 120.0
 
 
 @dataclass(slots=True)
@@ -53,3 +59,16 @@ class PoolInstance:
             "weights_path": self.weights.path if self.weights else None,
             "awaiting_weights": self.awaiting,
         }
+
+
+async def warm_up(session: aiohttp.ClientSession, url: str, model: str) -> None:
+    """One ``max_tokens: 1`` call: a real vLLM's first call is seconds slower."""
+    body = {"model": model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "warm-up"}]}
+    timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body,
+                                timeout=timeout) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("warm-up call to %s failed: %s", url, exc)

@@ -13,7 +13,7 @@ background job at a time:
 
 While a job runs and nothing is routable, the dispatcher holds calls (``CapacitySource``)
 instead of failing them. A crashed instance (``Launcher.alive`` false) is marked failed
-and restarted with exponential backoff, up to ``restart.max_restarts`` times.
+and restarted with exponential backoff (:mod:`gateway.dispatch.restarts`).
 
 The pool also holds the one record of the weights every engine must serve
 (:class:`~gateway.dispatch.checkpoint.Weights`, kept current by the weight-update job in
@@ -42,7 +42,7 @@ from backends.base import InstanceSpec, InstanceState, Launcher
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights
 from gateway.dispatch.drain import drain
-from gateway.dispatch.instance import PoolInstance
+from gateway.dispatch.instance import PoolInstance, warm_up
 from gateway.dispatch.jobs import Job, JobStatus
 from gateway.dispatch.layout import (
     InstanceRequest,
@@ -61,7 +61,7 @@ from gateway.dispatch.layout import (
 )
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
 from gateway.dispatch.poolweights import WeightKeeper
-from gateway.loops import Periodic
+from gateway.dispatch.restarts import Restarts
 
 if TYPE_CHECKING:
     from gateway.dispatch.backends import BackendRegistry, HealthChecker
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
     from gateway.metrics import EventLog, GatewayMetrics
 
 log = logging.getLogger(__name__)
-WARMUP_TIMEOUT_S = 120.0
 GpuSelection = int | Sequence[int | str]
 
 
@@ -109,10 +108,8 @@ class PoolManager:
         self.instances: dict[str, PoolInstance] = {}
         self.planned: list[InstanceSpec] = []  # the target of the last accepted job
         self.initial: Job | None = None  # the job that starts the spec's layout (readiness)
-        self._lock = asyncio.Lock()
-        self._restarting = 0
-        self.crash_watch = Periodic("pool-watch", self._check_all_alive,
-                                    spec.check_interval_s, logger=log)
+        self.job_lock = asyncio.Lock()  # one job (or restart) changes the pool at a time
+        self.restarts = Restarts(self)
         self.keeper = WeightKeeper(rt, Weights(rt.weight_version, spec.weights_path()))
 
     @property
@@ -128,7 +125,7 @@ class PoolManager:
     # -- what the dispatcher asks (CapacitySource) -----------------------------------
 
     def expecting_capacity(self) -> bool:
-        return (self._restarting > 0 or self.rt.jobs.running > 0
+        return (self.restarts.pending > 0 or self.rt.jobs.running > 0
                 or any(i.state is InstanceState.STARTING for i in self.instances.values()))
 
     def served_models(self) -> set[str]:
@@ -138,7 +135,7 @@ class PoolManager:
 
     def start(self) -> Job:
         """Bring up the spec's initial layout and start crash detection."""
-        self.crash_watch.start()
+        self.restarts.watch.start()
         self.initial = self._submit("initial", {"layout": "from spec"}, self.initial_specs())
         return self.initial
 
@@ -223,7 +220,7 @@ class PoolManager:
         metrics = self.rt.metrics
         metrics.reconfigurations_running.inc()
         try:
-            async with self._lock:
+            async with self.job_lock:
                 job.begin()
                 self.rt.events.emit("reconfiguration", f"job {job.id} ({job.kind}) started",
                                     job=job.id)
@@ -266,9 +263,9 @@ class PoolManager:
         await drain(job, [i.backend for i in insts if i.backend is not None],
                     self.spec.drain_timeout_s)
         with job.phase("stop", instances=[s.id for s in specs]):
-            await asyncio.gather(*(self._stop(i, job) for i in insts))
+            await asyncio.gather(*(self.stop_instance(i, job) for i in insts))
 
-    async def _stop(self, inst: PoolInstance, job: Job | None = None) -> None:
+    async def stop_instance(self, inst: PoolInstance, job: Job | None = None) -> None:
         inst.set_state(InstanceState.STOPPING)
         if inst.backend is not None:
             self.rt.registry.remove(inst.backend.id)
@@ -287,11 +284,11 @@ class PoolManager:
         if not specs:
             return
         with job.phase(name, instances=[s.id for s in specs]) as ph:
-            started = await asyncio.gather(*(self._start_one(s) for s in specs))
+            started = await asyncio.gather(*(self.start_instance(s) for s in specs))
             ph.detail["start_s"] = {i.spec.id: i.start_s for i in started}
             job.errors += [f"{i.spec.id}: {i.error}" for i in started if i.error]
 
-    async def _start_one(self, spec: InstanceSpec, restarts: int = 0) -> PoolInstance:
+    async def start_instance(self, spec: InstanceSpec, restarts: int = 0) -> PoolInstance:
         """Start on the current weights, warm up, check the weights, register; on failure
         mark failed and schedule a restart."""
         inst = PoolInstance(spec, restarts=restarts)
@@ -303,7 +300,7 @@ class PoolManager:
                 spec, weights_path=inst.weights.path)
             inst.launched = await self.launcher.start(launch)
             if self.spec.warmup and not self.static:
-                await self._warm_up(inst.launched.url)
+                await warm_up(self.rt.session, inst.launched.url, self.spec.model)
             inst.backend = Backend(id=spec.id, url=inst.launched.url, tp=spec.tp,
                                    gpus=spec.gpus, source=self.launcher.name,
                                    state=InstanceState.STARTING)
@@ -312,7 +309,7 @@ class PoolManager:
             inst.error = str(exc)[:2000]
             inst.set_state(InstanceState.FAILED)
             self.rt.events.emit("backend", f"{spec.id} failed to start", backend=spec.id)
-            self._schedule_restart(inst)
+            self.restarts.schedule(inst)
             return inst
         inst.start_s = round(time.monotonic() - t0, 3)
         if admitted:
@@ -358,70 +355,8 @@ class PoolManager:
         inst.set_state(InstanceState.FAILED)
         self.rt.events.emit("backend", f"{instance_id}: {reason}", backend=instance_id,
                             state="failed")
-        self._schedule_restart(inst)
+        self.restarts.schedule(inst)
         return True
-
-    async def _warm_up(self, url: str) -> None:
-        """One ``max_tokens: 1`` call: a real vLLM's first call is seconds slower."""
-        body = {"model": self.spec.model, "max_tokens": 1,
-                "messages": [{"role": "user", "content": "warm-up"}]}
-        timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
-        try:
-            async with self.rt.session.post(f"{url}/v1/chat/completions", json=body,
-                                            timeout=timeout) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("warm-up call to %s failed: %s", url, exc)
-
-    # -- crash detection and restarts -------------------------------------------------
-
-    async def _check_all_alive(self) -> None:
-        for inst in list(self.instances.values()):
-            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
-                await self._check_alive(inst)
-
-    async def _check_alive(self, inst: PoolInstance) -> None:
-        if inst.launched is None:
-            return
-        try:
-            alive = await self.launcher.alive(inst.launched)
-        except Exception:  # a launcher bug: do not restart on it
-            log.exception("alive() of %s failed", inst.spec.id)
-            return
-        if alive or inst.state not in (InstanceState.READY, InstanceState.DRAINING):
-            return
-        was_ready = inst.state is InstanceState.READY
-        inst.error = "the server exited"
-        inst.set_state(InstanceState.FAILED)
-        self.rt.events.emit("backend", f"{inst.spec.id} crashed", backend=inst.spec.id,
-                            state="failed")
-        if was_ready:  # a draining instance was on its way out anyway
-            self._schedule_restart(inst)
-
-    def _schedule_restart(self, inst: PoolInstance) -> None:
-        policy = self.spec.restart
-        if inst.restarts >= policy.max_restarts:
-            self.rt.events.emit("backend", f"{inst.spec.id}: gave up after {inst.restarts} "
-                                "restarts", backend=inst.spec.id)
-            return
-        delay = min(policy.backoff_s * 2**inst.restarts, policy.backoff_max_s)
-        self._restarting += 1
-        self.rt.jobs.track(asyncio.create_task(self._restart(inst, delay),
-                                               name=f"restart-{inst.spec.id}"))
-
-    async def _restart(self, inst: PoolInstance, delay: float) -> None:
-        try:
-            await asyncio.sleep(delay)
-            async with self._lock:
-                if self.instances.get(inst.spec.id) is not inst:
-                    return  # a reconfiguration replaced or removed it meanwhile
-                await self._stop(inst)
-                n = inst.restarts + 1
-                self.rt.events.emit("backend", f"{inst.spec.id}: restart {n} of "
-                                    f"{self.spec.restart.max_restarts}", backend=inst.spec.id)
-                await self._start_one(inst.spec, restarts=n)
-        finally:
-            self._restarting -= 1
 
     # -- views and shutdown -----------------------------------------------------------
 
@@ -441,9 +376,9 @@ class PoolManager:
         }
 
     async def close(self) -> None:
-        await self.crash_watch.close()
+        await self.restarts.watch.close()
         await self.rt.jobs.close()
-        await asyncio.gather(*(self._stop(i) for i in list(self.instances.values())))
+        await asyncio.gather(*(self.stop_instance(i) for i in list(self.instances.values())))
         await self.launcher.close()
 
 
