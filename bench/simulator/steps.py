@@ -28,7 +28,7 @@ from bench.simulator.metrics import critical_path, gpu_work
 from bench.simulator.speeds import profiles, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, load_workloads, prompt_group
-from gateway.policies.registry import ORACLE_NAMES, get_policy
+from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 
 #: two-sided 95% Student-t quantiles by degrees of freedom (df > 30: normal)
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -107,7 +107,8 @@ def run_steps(sc: StepScenario) -> StepRun:
                     weight_update_every_s=sc.weight_update_every_s,
                     weight_update_mode=sc.weight_update_mode, weight_update_s=sc.weight_update_s)
     truth: dict[str, int] = {}
-    oracle = (lambda tid, gen: truth[tid] - gen) if sc.policy in ORACLE_NAMES else None
+    sees_truth = resolve_name(sc.policy) in ORACLE_NAMES
+    oracle = (lambda tid, gen: truth[tid] - gen) if sees_truth else None
     policy = get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle)
     run, t0 = StepRun(sc), 0.0
     for k in range(sc.steps):

@@ -28,7 +28,7 @@ TRAJECTORIES, TURNS, RESTART_AT = 6, 6, 3
 def _gateway(backend: str, db: str, tmp_path: Path, port: int, name: str) -> Child:
     env = {"ROLLOUT_GATEWAY_SERVER__SHUTDOWN_DELAY_S": "0",
            "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH": str(tmp_path / f"{name}-spool.jsonl"),
-           "ROLLOUT_GATEWAY_POLICY": "ours"}
+           "ROLLOUT_GATEWAY_POLICY": "progressive"}
     child = Child(["serve", "--port", str(port), "--backend", backend, "--database-url", db],
                   port, env=env, log=tmp_path / f"{name}.log")
     child.wait_ready()
