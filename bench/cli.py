@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.progress import Progress, TaskID
 
-from bench.reports import record, tail_cli
+from bench.reports import page, record, tail_cli
 from bench.runners import live_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
@@ -219,3 +219,4 @@ bench_app.command("live")(live_cli.live)
 bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
 bench_app.command("record")(record.record)
 bench_app.command("tail")(tail_cli.tail)
+bench_app.command("page")(page.page)

@@ -57,7 +57,7 @@ def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
 
 def test_without_the_lane_a_group_is_dealt_round_robin_and_trajectories_stay_home() -> None:
     """Lane off: verl's routing, not sgl-router's cache_aware, which would keep a GRPO
-    group on the instance that holds its shared prompt (``BENCHMARKS.md``: 3-18% slower
+    group on the instance that holds its shared prompt (``docs/benchmarks/history.md``: 3-18% slower
     on static TP8 at 64 GPUs)."""
     planner = LanePlanner(k=8)
     planner.lane_on = False
