@@ -58,28 +58,29 @@ def load(rel: str, root: Path = ROOT) -> Doc:
     return doc
 
 
-def command(docs: Iterable[Doc], json_out: str | None) -> str:
-    """One command that reproduces what several recorded runs of one benchmark did: the
-    first run's options, every run's policies/layouts/inputs, current names and paths."""
-    docs = list(docs)
+def command(docs: Iterable[Doc], *outputs: str) -> str:
+    """One command that reproduces what several recorded runs of one benchmark did: their
+    common options, every run's policies/layouts/inputs (current names and paths), then
+    ``outputs`` (``--json PATH``, ``--out DIR``) in place of where each run wrote."""
     lists: dict[str, list[str]] = {o: [] for o in _LIST_OPTS}
-    head: list[str] = []
-    for i, doc in enumerate(docs):
-        toks = shlex.split(doc["command"])
+    heads: list[list[str]] = []
+    for doc in docs:
+        toks, head = shlex.split(doc["command"]), list[str]()
         k = 0
         while k < len(toks):
-            tok = toks[k]
-            if tok in lists or tok == "--json":
-                value = _path(toks[k + 1])
-                if tok in lists and _name(value) not in lists[tok]:
-                    lists[tok].append(_name(value))
+            if toks[k] in lists and _name(_path(toks[k + 1])) not in lists[toks[k]]:
+                lists[toks[k]].append(_name(_path(toks[k + 1])))
+            if toks[k] in lists or toks[k] in ("--json", "--out"):
                 k += 2
                 continue
-            if i == 0:
-                head.append(tok)
+            head.append(toks[k])
             k += 1
+        heads.append(head)
+    head = heads[0]
+    if any(h != head for h in heads):  # one command would not reproduce them all
+        raise ValueError(f"runs differ in more than their policies: {heads}")
     out = head + [x for o in _LIST_OPTS for v in lists[o] for x in (o, v)]
-    return shlex.join(out + (["--json", json_out] if json_out else []))
+    return shlex.join([*out, *outputs])
 
 
 def _steps_runs(workload: str, root: Path) -> tuple[list[Doc], dict[str, Doc]]:
@@ -135,7 +136,7 @@ def steps_table(root: Path = ROOT) -> str:
         for name, r in sorted(rows.items(), key=lambda kv: kv[1]["mean_s"]):
             lines.append(f"| {w} | `{name}` | {r['mean_s']:.1f} | {r['ci95_s']:.1f} | "
                          f"{_ratio(rows[BEST], r)} | {r['migrations']:.0f} |")
-        cmds.append(command(docs, f"{BENCH}/steps/{STEPS[w][0]}"))
+        cmds.append(command(docs, "--json", f"{BENCH}/steps/{STEPS[w][0]}"))
     crit = "; ".join(f"{w} {_steps_runs(w, root)[1][BEST]['lb_critical_s']:.1f} s"
                      for w in STEPS)
     return "\n".join([*lines, "", f"Critical path (lower bound; it binds on all three): "
@@ -162,7 +163,7 @@ def tail_table(root: Path = ROOT) -> str:
                        f"{a['ci95_high']:.2f})" for n, a in against.items())
         notes.append(f"- {w}: estimate {est['mean']:.1f} ± {est['ci95']:.1f} s; whole-batch "
                      f"`bench steps` makespan / estimate: {vs}.")
-        cmds.append(command(docs, f"{BENCH}/tail/{files[0]}"))
+        cmds.append(command(docs, "--json", f"{BENCH}/tail/{files[0]}"))
     return "\n".join([*lines, "", *notes, "", "```sh", *cmds, "```"])
 
 
@@ -188,7 +189,8 @@ def weights_table(root: Path = ROOT) -> str:
         extra = _weights_cells(ws) if ws else "- | - | - | -"
         lines.append(f"| `{name}` | {mode} | {' / '.join(f'{m:.0f}' for m in ms)} | "
                      f"{statistics.fmean(ms):.0f} | {extra} |")
-    return "\n".join([*lines, "", "```sh", command([runs["wait-seed1"]], "out.json"), "```"])
+    cmd = command([runs["wait-seed1"]], "--json", "out.json")
+    return "\n".join([*lines, "", "```sh", cmd, "```"])
 
 
 def _weights_cells(ws: list[Doc]) -> str:
@@ -214,7 +216,8 @@ def live_table(root: Path = ROOT) -> str:
                          f"{r['makespan_s']:.0f} | {r['sim_makespan_s']:.0f} | "
                          f"{r['live_vs_sim_diff']:+.1%} | {r['reconfigurations']} | "
                          f"{r['migrations']} |")
-    return "\n".join([*lines, "", "```sh", command(docs, None), "```"])
+    return "\n".join([*lines, "", "```sh", command(docs, "--out", "/tmp/live",
+                                                   "--json", "/tmp/live.json"), "```"])
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

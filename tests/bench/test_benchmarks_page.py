@@ -11,6 +11,7 @@ import pytest
 import typer
 
 from bench.reports.page import PAGE, ROOT, render
+from bench.reports.page import command as merged_command
 from gateway.policies.registry import ALL_NAMES
 from rollout_gateway.cli import app
 
@@ -82,3 +83,15 @@ def test_a_number_changed_in_the_json_changes_the_page(tmp_path: Path) -> None:
     text = PAGE.read_text()
     assert "| `heddle` | 1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1 | 646 |" in text
     assert "| `heddle` | 1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1 | 746 |" in render(text, tmp_path)
+
+
+def test_runs_merge_into_one_command_only_when_they_differ_in_policies_alone() -> None:
+    runs = [{"command": "rollout-gateway bench steps --gpus 8 --policy ours-lane "
+                        "--json docs/steps-a.json"},
+            {"command": "rollout-gateway bench steps --gpus 8 --policy heddle --json /tmp/b"}]
+    assert merged_command(runs, "--json", "x.json") == (
+        "rollout-gateway bench steps --gpus 8 --policy straggler-lane --policy heddle "
+        "--json x.json")
+    runs[1]["command"] = runs[1]["command"].replace("--gpus 8", "--gpus 16")
+    with pytest.raises(ValueError, match="differ"):
+        merged_command(runs)
