@@ -7,7 +7,7 @@ latency per tool call, and the tool outcome state. These hidden lengths are what
 harness forces with ``max_tokens`` + ``ignore_eos``; no policy may read them (the
 simulator hands them only to the oracle).
 
-Modelling choices not in the JSON (estimates, documented in BENCHMARKS.md):
+Modelling choices not in the JSON (estimates, listed here):
 - Tool names: swe ``bash``; search ``search`` / ``browse`` (by observation component);
   math-code ``python``; tau ``db`` / ``user`` (by latency component).
 - ``uniform`` latency components (swe 30-60 s, math-code 10-30 s) are timeouts.
