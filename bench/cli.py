@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.progress import Progress, TaskID
 
-from bench.reports import record, tail_cli
+from bench.reports import page, record, tail_cli
 from bench.runners import live_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
@@ -52,10 +52,10 @@ def sim(
     from bench.reports.sim_table import table
     from bench.simulator.run import Bench, Scenario
     from bench.simulator.weights import check_schedule
-    from gateway.policies.registry import ALL_NAMES, POLICY_NAMES
+    from gateway.policies.registry import ALL_NAMES, POLICY_NAMES, resolve_names
 
-    names = policy or ["verl-tp8", "slime", "heddle", "libra", "ours", "ours-lane",
-                       "ours-perfect"]
+    names = resolve_names(policy or ["verl-tp8", "slime", "heddle", "libra", "progressive",
+                                     "straggler-lane", "progressive-oracle"])
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}; available: {', '.join(POLICY_NAMES)}"
@@ -92,8 +92,8 @@ def sim(
 def steps(
     workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
     policy: Annotated[list[str] | None, typer.Option(
-        help="repeatable; default: static slime/verl TP1-TP8, heddle, libra, ours, "
-             "ours-lane, ours-perfect")] = None,
+        help="repeatable; default: static slime/verl TP1-TP8, heddle, libra, progressive, "
+             "straggler-lane, progressive-oracle")] = None,
     gpus: Annotated[int, typer.Option()] = 64,
     steps_: Annotated[int, typer.Option("--steps", help="RL steps per run")] = 5,
     seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
@@ -113,10 +113,11 @@ def steps(
     from bench.simulator.steps import StepScenario, paired_ratio, run_seeds, summarize
     from bench.simulator.weights import check_schedule
     from bench.workloads import load_workloads
-    from gateway.policies.registry import ALL_NAMES
+    from gateway.policies.registry import ALL_NAMES, resolve_names
 
-    names = policy or [*(f"{b}-tp{t}" for b in ("slime", "verl") for t in (1, 2, 4, 8)),
-                       "heddle", "libra", "ours", "ours-lane", "ours-perfect"]
+    names = resolve_names(policy or [
+        *(f"{b}-tp{t}" for b in ("slime", "verl") for t in (1, 2, 4, 8)),
+        "heddle", "libra", "progressive", "straggler-lane", "progressive-oracle"])
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise typer.BadParameter(f"unknown policy {unknown}")
@@ -171,13 +172,13 @@ def demo(
         "--static-pool", help="servers in a child process as a fixed pool (the policy's "
         "layout changes are not applied)")] = False,
     policy: Annotated[str, typer.Option(
-        help="scheduling policy; ours (default here) shows relayouts and migrations live, "
-        "the gateway's own default is ours-lane")] = "ours",
+        help="scheduling policy; progressive (default here) shows relayouts and migrations "
+        "live, the gateway's own default is straggler-lane")] = "progressive",
 ) -> None:
     """Gateway + simulated pool + an agentic batch through the OpenAI client, end to end."""
     from bench.runners.demo import DemoOptions, run_demo
 
-    live_cli.check_live_names([policy])
+    policy = live_cli.check_live_names([policy])[0]
     opts = DemoOptions(workload=workload, prompts=prompts, group_size=group_size,
                        instances=instances, speed=speed, seed=seed, port=port, keep=keep,
                        static_pool=static_pool, policy=policy)
@@ -218,3 +219,4 @@ bench_app.command("live")(live_cli.live)
 bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
 bench_app.command("record")(record.record)
 bench_app.command("tail")(tail_cli.tail)
+bench_app.command("page")(page.page)

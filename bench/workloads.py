@@ -7,7 +7,7 @@ latency per tool call, and the tool outcome state. These hidden lengths are what
 harness forces with ``max_tokens`` + ``ignore_eos``; no policy may read them (the
 simulator hands them only to the oracle).
 
-Modelling choices not in the JSON (estimates, documented in BENCHMARKS.md):
+Modelling choices not in the JSON (estimates, listed here):
 - Tool names: swe ``bash``; search ``search`` / ``browse`` (by observation component);
   math-code ``python``; tau ``db`` / ``user`` (by latency component).
 - ``uniform`` latency components (swe 30-60 s, math-code 10-30 s) are timeouts.
@@ -124,6 +124,29 @@ def _turns(rng: random.Random, name: str, w: dict[str, Any], u: float, prompt: i
     return tuple(turns)
 
 
+def prompt_group(name: str, w: dict[str, Any], p: int, *, task: random.Random,
+                 samples: random.Random, size: int,
+                 max_context: int = 65536) -> list[TrajectorySpec]:
+    """Prompt ``p``'s GRPO group of ``size`` trajectories.
+
+    ``task`` draws what belongs to the prompt (its difficulty and length), ``samples``
+    what belongs to each sample (setup, reward, turns). :func:`generate` passes one
+    generator for both; ``bench steps`` keeps the prompt fixed across steps and draws
+    new samples each step, so it passes two.
+    """
+    u = math.exp(0.5 * task.gauss(0.0, 1.0))
+    prompt = max(16, round(draw(task, w["prompt_tokens"])[0]))
+    out: list[TrajectorySpec] = []
+    for m in range(size):
+        setup = draw(samples, w["setup_s"])[0] if "setup_s" in w else 0.0
+        reward = draw(samples, w["reward_s"])[0] if "reward_s" in w else 0.0
+        out.append(TrajectorySpec(
+            id=f"{name}-p{p}-m{m}", group_id=f"g{p}", prompt_id=f"{name}-prompt-{p}",
+            prompt_index=p, prompt_tokens=prompt, setup_s=setup, reward_s=reward,
+            turns=_turns(samples, name, w, u, prompt, max_context)))
+    return out
+
+
 def generate(name: str, seed: int, *, prompts: int | None = None,
              group_size: int | None = None, max_context: int = 65536) -> list[TrajectorySpec]:
     """The batch of workload ``name`` for ``seed`` (same seed, same batch, any machine)."""
@@ -136,13 +159,6 @@ def generate(name: str, seed: int, *, prompts: int | None = None,
     out: list[TrajectorySpec] = []
     for p in range(n_prompts):
         rng = random.Random(f"{seed}:{name}:{p}")
-        u = math.exp(0.5 * rng.gauss(0.0, 1.0))
-        prompt = max(16, round(draw(rng, w["prompt_tokens"])[0]))
-        for m in range(size):
-            setup = draw(rng, w["setup_s"])[0] if "setup_s" in w else 0.0
-            reward = draw(rng, w["reward_s"])[0] if "reward_s" in w else 0.0
-            out.append(TrajectorySpec(
-                id=f"{name}-p{p}-m{m}", group_id=f"g{p}", prompt_id=f"{name}-prompt-{p}",
-                prompt_index=p, prompt_tokens=prompt, setup_s=setup, reward_s=reward,
-                turns=_turns(rng, name, w, u, prompt, max_context)))
+        out += prompt_group(name, w, p, task=rng, samples=rng, size=size,
+                            max_context=max_context)
     return out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gateway.config import Settings
-from gateway.policies.registry import LIVE_NAMES
+from gateway.policies.registry import LIVE_NAMES, resolve_name
 
 if TYPE_CHECKING:
     import uvicorn
@@ -42,7 +42,7 @@ def serve(
     pool: Annotated[Path | None, typer.Option(help="pool spec file (managed pool)")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy async URL")] = None,
     policy: Annotated[str | None, typer.Option(
-        help="scheduling policy (default ours-lane; docs/policies.md)")] = None,
+        help="scheduling policy (default straggler-lane; docs/policies.md)")] = None,
     wait_ready: Annotated[bool | None, typer.Option(
         "--wait-ready/--no-wait-ready",
         help="open the port only once the pool's initial engines are up (exit 3 if none "
@@ -62,7 +62,7 @@ def serve(
         **({"backends": Settings(backends=backend).backends} if backend else {}),
         **({"pool": pool} if pool else {}),
         **({"database_url": database_url} if database_url else {}),
-        **({"policy": policy} if policy else {}),
+        **({"policy": resolve_name(policy)} if policy else {}),
     })
     try:
         if settings.policy not in LIVE_NAMES:

@@ -190,7 +190,7 @@ class Settings(BaseSettings):
         "trainer token, else random per process (keys then die with it)")
     backends: Annotated[list[str], NoDecode] = []
     pool: Path | None = None
-    policy: str = Field("ours-lane",
+    policy: str = Field("straggler-lane",
                         description="scheduling/placement policy (see docs/policies.md)")
     weight_version: str = "0"
     auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")
@@ -230,6 +230,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"model alias {pair!r} is not of the form pattern=model")
             out[pattern] = target
         return out
+
+    @field_validator("policy")
+    @classmethod
+    def _current_policy_name(cls, value: str) -> str:
+        """An old policy name (``ours-lane``) still works during the alias period."""
+        from gateway.policies.registry import resolve_name
+
+        return resolve_name(value)
 
     @field_validator("backends")
     @classmethod

@@ -17,7 +17,7 @@ from rollout_gateway.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ["serve", "migrate", "export", "sim-backend", "demo", "bench"]
 BENCH = ["sim", "steps", "soak", "overhead", "store", "headroom", "live", "vllm-cpu",
-         "record", "tail"]
+         "record", "tail", "page"]
 
 
 def _names(group: object) -> list[str]:
@@ -54,7 +54,7 @@ def test_bench_sim_runs_through_the_root() -> None:
 
 
 @pytest.mark.parametrize(("name", "why"), [
-    ("ours-lane-perfect", "hidden lengths"), ("nope", "unknown policy")])
+    ("straggler-lane-oracle", "hidden lengths"), ("nope", "unknown policy")])
 def test_bench_live_refuses_what_a_live_gateway_cannot_run(name: str, why: str) -> None:
     res = CliRunner().invoke(app, ["bench", "live", "--policy", name])
     assert res.exit_code == 2 and why in res.output
@@ -63,8 +63,8 @@ def test_bench_live_refuses_what_a_live_gateway_cannot_run(name: str, why: str) 
 def test_bench_live_accepts_the_static_layouts() -> None:
     from bench.runners.live_cli import LIVE_POLICIES
 
-    assert {"verl-tp8", "slime-tp1", "ours-lane"} <= set(LIVE_POLICIES)
-    assert not {"ours-perfect", "ours-lane-perfect"} & set(LIVE_POLICIES)
+    assert {"verl-tp8", "slime-tp1", "straggler-lane"} <= set(LIVE_POLICIES)
+    assert not {"progressive-oracle", "straggler-lane-oracle"} & set(LIVE_POLICIES)
 
 
 def test_unknown_command_is_refused() -> None:
@@ -87,11 +87,11 @@ def test_python_dash_m_runs_the_whole_cli(module: str) -> None:
 
 
 @pytest.mark.parametrize(("args", "env"), [
-    (["--policy", "nope"], {}), ([], {"ROLLOUT_GATEWAY_POLICY": "ours-perfect"})])
+    (["--policy", "nope"], {}), ([], {"ROLLOUT_GATEWAY_POLICY": "progressive-oracle"})])
 def test_serve_refuses_a_policy_it_cannot_run_before_starting(
         args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = CliRunner().invoke(app, ["serve", "--port", "0", *args])
     assert res.exit_code == 2 and "unknown policy" in res.output, res.output
-    assert "ours-lane" in res.output  # the names it does run
+    assert "straggler-lane" in res.output  # the names it does run

@@ -23,7 +23,8 @@ from pathlib import Path
 from bench.harness.hosting import free_port
 from bench.harness.procs import process
 
-LITELLM_SPEC = "litellm[proxy]==1.106.2"  # the version measured in BENCHMARKS.md
+#: the version the recorded overhead runs measured (docs/benchmarks/history-overhead-store-sim.md)
+LITELLM_SPEC = "litellm[proxy]==1.106.2"
 DEFAULT_VENV = Path.home() / ".cache" / "rollout-gateway" / "litellm-venv"
 
 _LOGGER = '''\

@@ -39,13 +39,13 @@ def tail(
     from bench.simulator.steps import StepScenario, interval, paired_ratio
     from bench.simulator.tail import DEFAULT_LAYOUTS, run_tail
     from bench.workloads import load_workloads
-    from gateway.policies.registry import ALL_NAMES
+    from gateway.policies.registry import ALL_NAMES, resolve_names
 
     table = load_workloads()
     if workload not in table:
         raise typer.BadParameter(f"unknown workload {workload!r}; available: "
                                  f"{', '.join(sorted(table))}")
-    layouts = layout or list(DEFAULT_LAYOUTS)
+    layouts = resolve_names(layout or DEFAULT_LAYOUTS)
     bad = [n for n in layouts if n not in ALL_NAMES]
     if bad:
         raise typer.BadParameter(f"not a layout or policy: {bad}")
@@ -103,13 +103,17 @@ def tail(
 def _load_against(paths: list[Path]) -> tuple[str | None, dict[str, dict[str, float]]]:
     """Per-seed makespans by policy from ``bench steps`` files, and the first best static
     layout they name."""
+    from gateway.policies.registry import DEPRECATED_NAMES
+
     best: str | None = None
     runs: dict[str, dict[str, float]] = {}
     for path in paths:
         try:
             doc = json.loads(path.read_text())
-            runs.update({name: {str(s): float(v) for s, v in row["per_seed_s"].items()}
-                         for name, row in doc["results"].items()})
+            runs.update({  # files recorded before the rename name policies the old way
+                DEPRECATED_NAMES.get(name, name): {
+                    str(s): float(v) for s, v in row["per_seed_s"].items()}
+                for name, row in doc["results"].items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise typer.BadParameter(f"{path}: not a `bench steps --json` file with per-seed "
                                      f"makespans ({exc})") from None

@@ -58,10 +58,11 @@ class DemoOptions:
     database_url: str | None = None
     keep: bool = False
     stream: bool = False
-    #: ``ours``, not the gateway's default ``ours-lane``: the demo shows every mechanism
-    #: live, and ``ours`` is the policy that changes the pool's TP layout and migrates
-    #: (``ours-lane`` keeps one layout per step, so on 8 GPUs it never relayouts)
-    policy: str = "ours"
+    #: ``progressive``, not the gateway's default ``straggler-lane``: the demo shows every
+    #: mechanism live, and ``progressive`` is the policy that changes the pool's TP layout
+    #: and migrates (``straggler-lane`` keeps one layout per step, so on 8 GPUs it never
+    #: relayouts)
+    policy: str = "progressive"
     max_context: int = 32768  # the model serves 40960; leave room for the chat template
     static_pool: bool = False  # servers in a child process; layout changes not applied
 

@@ -1,6 +1,6 @@
 """How closely the simulated vLLM matches reality: ``python -m bench.runners.fidelity``.
 
-Writes ``docs/fidelity.md`` and ``docs/fidelity.json``. Three comparisons:
+Writes ``docs/fidelity.md`` and ``docs/benchmarks/fidelity/fidelity.json``. Three comparisons:
 
 (a) Published-anchor consistency of the GPU profiles: the engine reproduces the latency
     model's closed forms (TPOT at batch 1, TTFT of a 2k prompt) and every profile's
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-profile", action="store_true",
                     help="store the fitted tiny/cpu/tp1 constants in the package data")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "fidelity.md")
+    ap.add_argument("--json", type=Path,
+                    default=ROOT / "docs" / "benchmarks" / "fidelity" / "fidelity.json")
     ns = ap.parse_args(argv)
     res: dict[str, Any] = {"anchors": anchors(),
                            "libra": libra([0.0, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15])}
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     res["loads"] = load_sweep()
     print("(b2) " + ", ".join(f"{r['load']}: {r['short']['ratio_equal_total']:.2f}"
                               for r in res["loads"]), flush=True)
-    old = ns.out.with_suffix(".json")
+    old = ns.json
     if ns.skip_real and old.exists():  # keep the last real-vLLM comparison on record
         res["real"] = json.loads(old.read_text()).get("real")
     if not ns.skip_real:
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             write_profile(res["real"]["fitted"])
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(render(res))
-    ns.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    ns.json.parent.mkdir(parents=True, exist_ok=True)
+    ns.json.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {ns.out}")
     return 0
 

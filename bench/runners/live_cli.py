@@ -15,13 +15,15 @@ from rich.table import Table
 
 from bench.reports.plots import completion_cdf, gantt, throughput_bars
 from bench.runners.live import LivePass, LiveScenario, as_json, run_live
-from gateway.policies.registry import LIVE_NAMES, ORACLE_NAMES, STATIC_NAMES
+from gateway.policies.registry import LIVE_NAMES, ORACLE_NAMES, STATIC_NAMES, resolve_names
 
 #: what these benchmarks run live (as before, without heddle-learned) and the static layouts
 LIVE_POLICIES = tuple(n for n in LIVE_NAMES if n != "heddle-learned") + STATIC_NAMES
 
 
-def check_live_names(names: list[str]) -> None:
+def check_live_names(names: list[str]) -> list[str]:
+    """The names, old ones resolved to the current ones; a bad name is a usage error."""
+    names = resolve_names(names)
     for n in names:
         if n in ORACLE_NAMES:
             raise typer.BadParameter(f"{n!r} cannot run live: it needs the benchmark's "
@@ -29,6 +31,7 @@ def check_live_names(names: list[str]) -> None:
         if n not in LIVE_POLICIES:
             raise typer.BadParameter(f"unknown policy {n!r}; choose from "
                                      f"{', '.join(LIVE_POLICIES)}")
+    return names
 
 
 def _table(sc: LiveScenario, lb: float, passes: list[LivePass]) -> Table:
@@ -106,8 +109,7 @@ def live(
         "counted, not applied; the simulator ignores them too)")] = False,
 ) -> None:
     """Rollouts through the real gateway and harness on a simulated pool, per policy."""
-    names = policy or ["slime", "ours"]
-    check_live_names(names)
+    names = check_live_names(policy or ["slime", "progressive"])
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
                       static_pool=static_pool)
     console = Console(width=None if Console().is_terminal else 180)
@@ -141,8 +143,7 @@ def vllm_cpu(
     """The live benchmark against two real vLLM engines on CPU (tiny model)."""
     from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
-    names = policy or ["slime", "ours"]
-    check_live_names(names)
+    names = check_live_names(policy or ["slime", "progressive"])
     console = Console(width=None if Console().is_terminal else 180)
     console.print(f"bench vllm-cpu: {prompts * group_size} trajectories per pass on two real "
                   f"vLLM CPU engines (tiny model), policies {names}; each pass starts fresh "

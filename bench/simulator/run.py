@@ -11,7 +11,7 @@ from bench.simulator.metrics import Result, lower_bound, summarize
 from bench.simulator.speeds import profiles, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, generate
-from gateway.policies.registry import ORACLE_NAMES, get_policy
+from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,8 @@ class Bench:
 
     def run(self, name: str, progress: Callable[[int], None] | None = None) -> Result:
         sc = self.sc
-        truth = self._truth if name in ORACLE_NAMES else None  # the only door to hidden lengths
+        # the only door to hidden lengths
+        truth = self._truth if resolve_name(name) in ORACLE_NAMES else None
         policy = get_policy(name, tp=sc.tp, seed=sc.seed, oracle_truth=truth)
         cfg = SimConfig(sc.gpus, self.profiles, self.speeds, cap_per_gpu=sc.cap_per_gpu,
                         seed=sc.seed, weight_update_every_s=sc.weight_update_every_s,

@@ -27,8 +27,8 @@ from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path, gpu_work
 from bench.simulator.speeds import profiles, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
-from bench.workloads import TrajectorySpec, _turns, draw, load_workloads
-from gateway.policies.registry import ORACLE_NAMES, get_policy
+from bench.workloads import TrajectorySpec, load_workloads, prompt_group
+from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 
 #: two-sided 95% Student-t quantiles by degrees of freedom (df > 30: normal)
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -64,17 +64,10 @@ def generate_step(name: str, seed: int, step: int, *, prompts: int | None = None
         range(n_prompts * pool_factor), n_prompts)
     out: list[TrajectorySpec] = []
     for p in sorted(picks):
-        task = random.Random(f"{seed}:{name}:{p}")  # the prompt itself: same every step
-        u = math.exp(0.5 * task.gauss(0.0, 1.0))
-        prompt = max(16, round(draw(task, w["prompt_tokens"])[0]))
-        rng = random.Random(f"{seed}:{name}:{p}:{step}")  # this step's samples
-        for m in range(size):
-            setup = draw(rng, w["setup_s"])[0] if "setup_s" in w else 0.0
-            reward = draw(rng, w["reward_s"])[0] if "reward_s" in w else 0.0
-            out.append(TrajectorySpec(
-                id=f"{name}-p{p}-m{m}", group_id=f"g{p}", prompt_id=f"{name}-prompt-{p}",
-                prompt_index=p, prompt_tokens=prompt, setup_s=setup, reward_s=reward,
-                turns=_turns(rng, name, w, u, prompt, max_context)))
+        out += prompt_group(
+            name, w, p, size=size, max_context=max_context,
+            task=random.Random(f"{seed}:{name}:{p}"),  # the prompt itself: same every step
+            samples=random.Random(f"{seed}:{name}:{p}:{step}"))  # this step's samples
     return out
 
 
@@ -114,7 +107,8 @@ def run_steps(sc: StepScenario) -> StepRun:
                     weight_update_every_s=sc.weight_update_every_s,
                     weight_update_mode=sc.weight_update_mode, weight_update_s=sc.weight_update_s)
     truth: dict[str, int] = {}
-    oracle = (lambda tid, gen: truth[tid] - gen) if sc.policy in ORACLE_NAMES else None
+    sees_truth = resolve_name(sc.policy) in ORACLE_NAMES
+    oracle = (lambda tid, gen: truth[tid] - gen) if sees_truth else None
     policy = get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle)
     run, t0 = StepRun(sc), 0.0
     for k in range(sc.steps):

@@ -28,7 +28,7 @@ from bench.simulator.metrics import critical_path
 from bench.simulator.speeds import profiles, speeds
 from bench.simulator.steps import StepScenario, generate_step
 from bench.workloads import TrajectorySpec
-from gateway.policies.registry import ORACLE_NAMES, get_policy
+from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 
 #: the layouts tried for each subset unless told otherwise
 DEFAULT_LAYOUTS = ("verl-tp8", "verl-tp4")
@@ -58,7 +58,8 @@ def tail_makespan(job: TailJob) -> float:
                           group_size=sc.group_size, pool_factor=sc.pool_factor)
     subset = longest(specs, job.k, max_tp, model=sc.model, gpu=sc.gpu)
     truth = {s.id: s.total_output for s in subset}
-    oracle = (lambda tid, gen: truth[tid] - gen) if sc.policy in ORACLE_NAMES else None
+    sees_truth = resolve_name(sc.policy) in ORACLE_NAMES
+    oracle = (lambda tid, gen: truth[tid] - gen) if sees_truth else None
     policy = get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle)
     return Simulator(subset, policy, cfg).run()
 

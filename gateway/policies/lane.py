@@ -2,11 +2,11 @@
 
 Why: on a small pool a batch's makespan is bound by its longest trajectory's critical
 path (``bench steps`` lower bound by component), and on a static all-TP8 pool that
-straggler decodes inside a batch of every other sequence (at 128 in flight a TP8 step is
-~4.7x a lone one under the fitted speeds; the engine's own step time grows less, which
-is one reason the lane measured no gain: ``docs/policies.md``). A lane keeps the few
-trajectories predicted to run longest on one high-TP instance with at most ``k`` of
-them, so their steps stay close to a lone decode, while the bulk packs on the others.
+straggler decodes inside a batch of every other sequence, each step lengthened by the
+others' contexts. A lane keeps the few trajectories predicted to run longest on one
+high-TP instance with at most ``k`` of them, so their steps stay close to a lone decode,
+while the bulk packs on the others. What it gains, or does not, is measured in
+``BENCHMARKS.md`` (why in ``docs/policies.md``), not kept here, where it would go stale.
 
 Layout (:class:`LanePlanner`): every step starts with all GPUs at the highest TP
 (``min(8, gpus)``); from 32 GPUs the first instance is the lane. With 8 GPUs that is one
@@ -43,7 +43,7 @@ from gateway.policies.resources import ContextBalancer, GainMigrator, uniform_la
 
 #: the lane holds at most 1/MAX_LANE_SHARE of the up GPUs: on a smaller pool (two TP8
 #: instances at 16 GPUs, two backends of a static pool) it would idle half the pool for
-#: eight trajectories, and at 16 GPUs it measured no gain (``docs/policies.md``)
+#: eight trajectories (measured at 16 GPUs: ``docs/policies.md``)
 MAX_LANE_SHARE = 4
 
 
@@ -54,8 +54,8 @@ class LanePlacer:
     most a quarter of the up GPUs; otherwise, or with the lane switched off, routing is
     verl's (``plain``: sticky, new trajectories round robin). Not slime's ``cache_aware``:
     it keeps a GRPO group on the instance holding the group's shared prompt, so a hard
-    prompt's siblings share one engine; on static TP8 at 64 GPUs verl's routing is 3-18%
-    faster (``BENCHMARKS.md``), and ``ours-lane`` on search gained 9% from the switch. A
+    prompt's siblings share one engine; on static TP8 verl's routing is the faster of
+    the two (``BENCHMARKS.md``). A
     bulk trajectory keeps its instance while it has a slot (prefix cache), else goes to
     the least-loaded bulk instance; a bulk call is held, not sent to the lane, when the
     bulk is full, so the lane stays light. A trajectory that fell out of the top-k stays
@@ -212,8 +212,8 @@ class LanePlanner:
     fastest; with 8 GPUs this *is* the best static layout. No relayout inside a step.
     (A switch to the best-throughput uniform layout when the last step looked
     work-bound, scored with the fitted speeds, was tried and removed: the fitted linear
-    interference put math-code's work at 3.5x its true bound at 64 trajectories per GPU,
-    so it moved to 2xTP4 and lost; see ``docs/policies.md``.)
+    interference overstated math-code's work at high load, so it moved to 2xTP4 and
+    lost; see ``docs/policies.md``.)
 
     The lane itself is tried in the first step and kept only while it pays its way: if
     the trajectory that finished last in the last step did not join the lane with at

@@ -1,4 +1,6 @@
-"""Ours: one predictor blending group statistics, the causal tree and live progress.
+"""The predictor of ``progressive`` and ``straggler-lane``.
+
+One predictor blending group statistics, the causal tree and live progress.
 
 Sources and rationale:
 
@@ -11,7 +13,7 @@ Sources and rationale:
   log blend keeps one wild estimate from dominating; the tree's weight grows with the
   depth of the prefix it matched (more specific history, more trust), but stays small:
   in a cold batch the tree's samples come from the trajectories that finished first,
-  a survivorship bias that measured as a negative rank correlation on its own.
+  a survivorship bias (its rank correlation on its own: ``docs/benchmarks/history.md``).
 """
 
 from __future__ import annotations

@@ -2,18 +2,26 @@
 
 Each name is a combination of mechanisms from ``placement``, ``resources`` and the
 predictors; see ``docs/policies.md`` for the table. Only the names in ``ORACLE_NAMES``
-(ours, or ours with the straggler lane, given a perfect length predictor) may be given the
+(``progressive`` and ``straggler-lane`` given a perfect length predictor) may be given the
 truth, through ``oracle_truth``; they are *not* upper bounds (they know nothing about tool
 time and still schedule online): they say what a mechanism could do with perfect
 predictions.
 
 Static layouts: a baseline name with a ``-tpN`` suffix (``slime-tp4``, ``verl-tp8``) runs
 that routing on a uniform TP-N pool, whatever ``tp`` says.
+
+Names say the mechanism: ``progressive`` (progressive priority, presorted-DP placement,
+joint TP planning, gain migration), ``straggler-lane`` (a lane for the predicted
+stragglers, verl routing and context balancing for the rest), ``-oracle`` for a perfect
+length predictor. The names these had before (``ours``, ``ours-lane``, ``ours-perfect``,
+``ours-lane-perfect``) are still accepted for a while: :func:`resolve_name` maps them to
+the new ones and logs a deprecation warning once per name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 
 from gateway.policies.base import Policy
 from gateway.policies.compose import ComposedPolicy
@@ -35,15 +43,23 @@ from gateway.policies.placement import (
 from gateway.policies.predict import OraclePredictor, StatsPredictor
 from gateway.policies.resources import GainMigrator, JointPlanner, TailMergePlanner, UniformPlanner
 
-OURS_INITIAL = {4: 0.25}
-#: trajectories kept on the straggler lane (``ours-lane``)
+log = logging.getLogger(__name__)
+
+#: share of the GPUs ``progressive`` starts at TP4
+PROGRESSIVE_INITIAL = {4: 0.25}
+#: trajectories kept on the straggler lane (``straggler-lane``)
 LANE_K = 8
 
 POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
-                "heddle-learned", "libra", "libra-search", "ours", "ours-lane", "ours-perfect",
-                "ours-lane-perfect")
+                "heddle-learned", "libra", "libra-search", "progressive", "straggler-lane",
+                "progressive-oracle", "straggler-lane-oracle")
 #: the only names that see hidden lengths (benchmarks only; a live gateway has none)
-ORACLE_NAMES = ("ours-perfect", "ours-lane-perfect")
+ORACLE_NAMES = ("progressive-oracle", "straggler-lane-oracle")
+#: names before issue 29, accepted during the alias period (admin API, config, CLI)
+DEPRECATED_NAMES = {"ours": "progressive", "ours-lane": "straggler-lane",
+                    "ours-perfect": "progressive-oracle",
+                    "ours-lane-perfect": "straggler-lane-oracle"}
+_WARNED: set[str] = set()
 #: what a live gateway can run: every name but those that need hidden lengths
 LIVE_NAMES = tuple(n for n in POLICY_NAMES if n not in ORACLE_NAMES)
 BASELINES = ("slime", "verl", "verl-star", "round-robin", "las")
@@ -51,6 +67,24 @@ STATIC_TPS = (1, 2, 4, 8)
 #: Every static-layout name (``slime-tp1`` ... ``verl-tp8``) ``get_policy`` accepts.
 STATIC_NAMES = tuple(f"{b}-tp{t}" for b in BASELINES for t in STATIC_TPS)
 ALL_NAMES = POLICY_NAMES + STATIC_NAMES
+
+
+def resolve_name(name: str, *, warned: set[str] = _WARNED) -> str:
+    """The current name for ``name``: an old name maps to its new one, with a deprecation
+    warning logged the first time each old name is seen (``warned`` remembers them)."""
+    new = DEPRECATED_NAMES.get(name)
+    if new is None:
+        return name
+    if name not in warned:
+        warned.add(name)
+        log.warning("policy name %r is deprecated; use %r (the old name will be removed)",
+                    name, new)
+    return new
+
+
+def resolve_names(names: Iterable[str]) -> list[str]:
+    """:func:`resolve_name` for each name, order kept."""
+    return [resolve_name(n) for n in names]
 
 
 def _baseline(name: str, tp: int, label: str | None = None) -> ComposedPolicy:
@@ -80,9 +114,36 @@ def _libra(name: str) -> ComposedPolicy:
                           LibraTree(), label=f"libra ({cfg.name} config)")
 
 
+def _oracle(name: str, truth: Callable[[str, int], int] | None) -> OraclePredictor:
+    if truth is None:
+        raise ValueError(f"{name} needs oracle_truth (the benchmark's hidden lengths)")
+    return OraclePredictor(truth)
+
+
+def _progressive(name: str, truth: Callable[[str, int], int] | None) -> ComposedPolicy:
+    oracle = name.endswith("-oracle")
+    return ComposedPolicy(name, ProgressivePriority(), PresortedDPPlacer(),
+                          JointPlanner(PROGRESSIVE_INITIAL),
+                          _oracle(name, truth) if oracle else BlendPredictor(),
+                          GainMigrator(locality=True),
+                          label="progressive + perfect predictor" if oracle else "")
+
+
+def _straggler_lane(name: str, truth: Callable[[str, int], int] | None) -> ComposedPolicy:
+    oracle = name.endswith("-oracle")
+    lane = LanePlanner(LANE_K)
+    placer = LanePlacer(LANE_K, lane)
+    predictor = _oracle(name, truth) if oracle else BlendPredictor()
+    return ComposedPolicy(name, LanePriority(lane), placer, lane, predictor,
+                          LaneMigrator(placer),
+                          label=f"straggler lane{' + perfect predictor' if oracle else ''}")
+
+
 def get_policy(name: str, *, tp: int = 1, seed: int = 0,
                oracle_truth: Callable[[str, int], int] | None = None) -> Policy:
-    """A fresh policy object by name; ``tp`` is the uniform TP of the baselines."""
+    """A fresh policy object by name (old names accepted); ``tp`` is the uniform TP of
+    the baselines."""
+    name = resolve_name(name)
     if name in BASELINES:
         return _baseline(name, tp)
     base, _, suffix = name.rpartition("-tp")
@@ -92,26 +153,8 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return _heddle(name, seed)
     if name in ("libra", "libra-search"):
         return _libra(name)
-    if name == "ours":
-        return ComposedPolicy("ours", ProgressivePriority(), PresortedDPPlacer(),
-                              JointPlanner(OURS_INITIAL), BlendPredictor(),
-                              GainMigrator(locality=True))
-    if name in ("ours-lane", "ours-lane-perfect"):
-        lane = LanePlanner(LANE_K)
-        placer = LanePlacer(LANE_K, lane)
-        if name == "ours-lane":
-            return ComposedPolicy(name, LanePriority(lane), placer, lane, BlendPredictor(),
-                                  LaneMigrator(placer), label="ours + straggler lane")
-        if oracle_truth is None:
-            raise ValueError(f"{name} needs oracle_truth (the benchmark's hidden lengths)")
-        return ComposedPolicy(name, LanePriority(lane), placer, lane,
-                              OraclePredictor(oracle_truth), LaneMigrator(placer),
-                              label="ours + straggler lane + perfect predictor")
-    if name == "ours-perfect":
-        if oracle_truth is None:
-            raise ValueError("ours-perfect needs oracle_truth (the benchmark's hidden lengths)")
-        return ComposedPolicy("ours-perfect", ProgressivePriority(), PresortedDPPlacer(),
-                              JointPlanner(OURS_INITIAL), OraclePredictor(oracle_truth),
-                              GainMigrator(locality=True),
-                              label="ours + perfect predictor")
+    if name in ("progressive", "progressive-oracle"):
+        return _progressive(name, oracle_truth)
+    if name in ("straggler-lane", "straggler-lane-oracle"):
+        return _straggler_lane(name, oracle_truth)
     raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")

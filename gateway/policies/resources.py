@@ -34,7 +34,7 @@ class GainMigrator:
     Move during the tool gap only if ``remaining * (t_here - t_there)`` (decode time
     saved) exceeds ``margin`` times the re-prefill cost of the context on the target;
     the driver then prewarms the target (``max_tokens: 1``) while the tool runs. With
-    ``locality`` (ours), the cache at the current instance is also valued for the
+    ``locality`` (``progressive``), the cache at the current instance is also valued for the
     interference the re-prefill inflicts on the target's batch, so moves must pay more.
     """
 
@@ -203,7 +203,7 @@ def layout_of(snap: Snapshot) -> list[int]:
 
 
 class JointPlanner:
-    """Ours: TP layout chosen jointly with the presorted-DP placement.
+    """``progressive``'s planner: TP layout chosen jointly with the presorted-DP placement.
 
     Candidates are the current layout and single moves from it (merge idle instances into
     one of TP 2/4/8, or split an idle high-TP instance into TP1s). Each is scored by the

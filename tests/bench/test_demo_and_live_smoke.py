@@ -28,11 +28,11 @@ def test_demo_runs_a_batch_and_prints_the_summary():
 
 def test_bench_live_writes_its_report(tmp_path: Path):
     out = _cli("bench", "live", "--prompts", "1", "--group-size", "3", "--gpus", "2",
-               "--speed", "40", "--policy", "slime", "--policy", "ours",
+               "--speed", "40", "--policy", "slime", "--policy", "progressive",
                "--out", str(tmp_path), "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
-    for name in ("slime", "ours"):
+    for name in ("slime", "progressive"):
         r = doc["results"][name]
         for key in ("makespan_s", "throughput_tok_s", "p50_trajectory_s", "p99_trajectory_s",
                     "lower_bound_makespan_s", "migrations", "reconfigurations",

@@ -106,7 +106,7 @@ def _sim(name: str) -> tuple[Simulator, Recording, float]:
 
 
 def test_every_call_dispatched_exactly_once_and_all_finish() -> None:
-    for name in ("slime", "ours"):
+    for name in ("slime", "progressive"):
         sim, rec, _ = _sim(name)
         calls = sum(len(s.turns) for s in (t.spec for t in sim.trajs.values()))
         assert len(rec.dispatched) == len(set(rec.dispatched)) == calls
@@ -146,16 +146,16 @@ def test_cli_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     res = CliRunner().invoke(_cli(), [
         "bench", "sim", "--workload", "math-code", "--gpus", "4", "--prompts", "2", "--group-size",
-        "4", "--policy", "slime", "--policy", "ours", "--policy", "ours-perfect", "--json", str(out)])
+        "4", "--policy", "slime", "--policy", "progressive", "--policy", "progressive-oracle", "--json", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
-    for name in ("slime", "ours", "ours-perfect"):
+    for name in ("slime", "progressive", "progressive-oracle"):
         r = doc["results"][name]
         assert r["makespan_s"] >= r["lower_bound_makespan_s"] * 0.999
         for key in ("throughput_tok_s", "p50_trajectory_s", "p99_trajectory_s", "migrations",
                     "reconfigurations"):
             assert key in r
-    assert doc["results"]["ours-perfect"]["label"] == "ours + perfect predictor"
+    assert doc["results"]["progressive-oracle"]["label"] == "progressive + perfect predictor"
 
 
 def test_cli_rejects_unknown_policy() -> None:

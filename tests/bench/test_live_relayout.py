@@ -1,4 +1,4 @@
-"""A TP change proposed by ``ours`` is applied live on a managed sim pool, losing no call.
+"""A TP change proposed by ``progressive`` is applied live on a managed sim pool, losing no call.
 
 The batch runs through the real gateway and the emulated harness (official OpenAI
 client), on simulated servers started by the pool's in-process launcher with a simulated
@@ -36,7 +36,7 @@ async def _calls(http: httpx.AsyncClient, gw: str, ids: list[str], expected: int
 async def test_ours_merges_instances_into_higher_tp_live(tmp_path: Path) -> None:
     specs = generate("swe", SEED, prompts=2, group_size=4, max_context=32768)
     settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", policy="ours",
+        database_url=f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", policy="progressive",
         pool=sim_pool_spec(tmp_path / "pool.json", [1, 1, 1, 1], model=MODEL, gpu="H100",
                            speed=SPEED, seed=SEED),
         server=ServerSettings(host="127.0.0.1", port=free_port()),

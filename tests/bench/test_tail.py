@@ -67,7 +67,7 @@ def test_bad_options_are_refused_before_any_simulation(extra, message):
     assert message in " ".join(r.output.split())
 
 
-@pytest.mark.parametrize("layout", ["verl-tp8", "ours-lane-perfect"])
+@pytest.mark.parametrize("layout", ["verl-tp8", "straggler-lane-oracle"])
 def test_a_step_cannot_beat_its_longest_trajectory_alone(layout):
     """k = 1 is the longest trajectory alone on a TP8 instance: the critical-path bound
     (plus the per-call overhead); more of the step's trajectories can only add to it. A

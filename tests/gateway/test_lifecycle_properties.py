@@ -41,7 +41,7 @@ from gateway.trajectories.tracker import Tracker, TrajectoryState
 
 MODEL = "qwen3-14b"
 IDS = [f"p{p}-{s}" for p in range(3) for s in range(2)]  # reused across "steps"
-POLICIES = ["ours-lane", "ours", "slime", "libra", "heddle", "las", "round-robin", "verl"]
+POLICIES = ["straggler-lane", "progressive", "slime", "libra", "heddle", "las", "round-robin", "verl"]
 BACKENDS = ["b0", "b1", "b2"]
 
 
@@ -75,7 +75,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.settings = DispatchSettings(cap_per_gpu=1, backend_wait_s=0.0, migrate=True)
         for bid in BACKENDS:
             self.registry.add(self._backend(bid))
-        self.scheduler = Scheduler(self.registry, self.tracker, get_policy("ours"),
+        self.scheduler = Scheduler(self.registry, self.tracker, get_policy("progressive"),
                                    speeds_for("qwen3-14b/H100"), self.settings)
         self.dispatcher = Dispatcher(self.registry, self.scheduler, settings=self.settings)
         self.calls: list[Call] = []

@@ -115,10 +115,12 @@ def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway
         queued = [httpx.get(f"{gw}/trajectories/traj-{i}", headers=hdr).json()["calls"][0][
             "queued_ms"] for i in range(8)]
         assert sum(q > 50 for q in queued) >= 4  # cap 1 x 2 backends: most had to wait
-        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "ours-lane"
+        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "straggler-lane"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"
-        assert httpx.put(f"{gw}/admin/policy", json={"policy": "ours-perfect"},
+        r = httpx.put(f"{gw}/admin/policy", json={"policy": "ours"}, headers=hdr)  # old name
+        assert r.status_code == 200 and r.json()["policy"] == "progressive"
+        assert httpx.put(f"{gw}/admin/policy", json={"policy": "progressive-oracle"},
                          headers=hdr).status_code == 400
         assert httpx.put(f"{gw}/admin/policy", json={"policy": "slime"}).status_code == 401
         assert call(99) == 200

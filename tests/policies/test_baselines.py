@@ -104,7 +104,7 @@ def test_unknown_policy_lists_names() -> None:
         get_policy("nope")
 
 
-@pytest.mark.parametrize("name", ["ours-perfect", "ours-lane-perfect"])
+@pytest.mark.parametrize("name", ["progressive-oracle", "straggler-lane-oracle"])
 def test_perfect_predictor_needs_truth_and_is_not_called_a_bound(name: str) -> None:
     with pytest.raises(ValueError, match="oracle_truth"):
         get_policy(name)

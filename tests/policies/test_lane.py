@@ -1,4 +1,4 @@
-"""The straggler lane (``ours-lane``): lane routing and the per-step layout it learns."""
+"""The straggler lane (``straggler-lane``): lane routing and the per-step layout it learns."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_small_pool_starts_as_the_best_static_layout_and_larger_pools_split_a_la
 
 
 def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
-    policy = get_policy("ours-lane")
+    policy = get_policy("straggler-lane")
     assert isinstance(policy, ComposedPolicy)
     planner = policy.planner
     assert isinstance(planner, LanePlanner)
@@ -57,7 +57,7 @@ def test_the_lane_is_dropped_when_it_missed_last_steps_straggler() -> None:
 
 def test_without_the_lane_a_group_is_dealt_round_robin_and_trajectories_stay_home() -> None:
     """Lane off: verl's routing, not sgl-router's cache_aware, which would keep a GRPO
-    group on the instance that holds its shared prompt (``BENCHMARKS.md``: 3-18% slower
+    group on the instance that holds its shared prompt (``docs/benchmarks/history.md``: 3-18% slower
     on static TP8 at 64 GPUs)."""
     planner = LanePlanner(k=8)
     planner.lane_on = False
@@ -108,7 +108,7 @@ def test_no_lane_where_it_would_hold_more_than_a_quarter_of_the_pool() -> None:
 def test_a_live_gateway_starts_the_next_step_when_the_batch_is_over() -> None:
     """A live gateway never calls ``initial_layout`` between RL steps: the step ends at
     the first plan that finds every trajectory finished, and the lane switch follows."""
-    policy = get_policy("ours-lane")
+    policy = get_policy("straggler-lane")
     assert isinstance(policy, ComposedPolicy)
     planner = policy.planner
     assert isinstance(planner, LanePlanner) and planner.lane_on

@@ -127,7 +127,7 @@ def test_migration_only_when_gain_beats_reprefill() -> None:
 
 def test_migrations_are_decided_only_in_tool_gaps() -> None:
     """The policy is asked in tool gaps; the driver contract is checked in tests/bench."""
-    policy = get_policy("ours")
+    policy = get_policy("progressive")
     t = traj("t", instance="i0", phase=Phase.TOOL, turns=3, generated=3000)
     snap = snapshot(0.0, [inst("i0")], [t])
     assert policy.on_tool_gap(snap, t) is None  # nowhere better to go: stays with its cache

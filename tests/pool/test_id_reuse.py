@@ -33,7 +33,7 @@ async def _rollout(c: httpx.AsyncClient, tid: str, group: str, step: int) -> int
     return int(r.json()["attempt"])
 
 
-@pytest.mark.parametrize("policy", ["ours-lane", "ours", "slime", "libra"])
+@pytest.mark.parametrize("policy", ["straggler-lane", "progressive", "slime", "libra"])
 async def test_steps_reusing_trajectory_ids_never_wedge_the_pool(
         pool_gateway: PoolGateway, policy: str) -> None:
     ids = [(f"p{p}-{s}", f"p{p}") for p in range(PROMPTS) for s in range(SAMPLES)]

@@ -1,4 +1,4 @@
-"""``ours-lane`` learns per RL step; a live gateway has no call that says a step began, so
+"""``straggler-lane`` learns per RL step; a live gateway has no call that says a step began, so
 the policy must see the step end from what the gateway observes: every trajectory of the
 batch finished. Two steps through a managed sim pool that reuse the trajectory ids."""
 
@@ -43,7 +43,7 @@ async def _step(c: httpx.AsyncClient, planner: LanePlanner, step: int,
 async def test_a_live_gateway_closes_each_rl_step_for_the_lane(
         pool_gateway: PoolGateway) -> None:
     # four TP1 instances: a lane of one GPU is a quarter of the pool, so the lane runs
-    with pool_gateway(sim_spec(gpus=4), cap_per_gpu=2, policy="ours-lane",
+    with pool_gateway(sim_spec(gpus=4), cap_per_gpu=2, policy="straggler-lane",
                       tick_s=0.02, time_scale=20) as gw:
         policy = gw.rt.dispatcher.scheduler.policy
         assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, LanePlanner)

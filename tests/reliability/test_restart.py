@@ -35,14 +35,14 @@ async def test_restart_mid_batch_continues_every_trajectory_as_if_uninterrupted(
     port = free_port()
     run = tmp_path.name[-8:]
     cut, ref = agents(run, "cut"), agents(run, "ref")
-    first = start_gateway(sim.url, db_url, tmp_path, "first", policy="ours", port=port,
+    first = start_gateway(sim.url, db_url, tmp_path, "first", policy="progressive", port=port,
                           spool="first-spool.jsonl")
     async with httpx.AsyncClient(timeout=60) as http:
         try:
             await turns(http, first.url, cut, RESTART_AT)
         finally:
             await stop_gateway(first, 30)
-        second = start_gateway(sim.url, db_url, tmp_path, "second", policy="ours", port=port,
+        second = start_gateway(sim.url, db_url, tmp_path, "second", policy="progressive", port=port,
                                spool="second-spool.jsonl")
         try:
             # after the restart the agents call without the group in the path: the

@@ -22,7 +22,7 @@ def test_bench_vllm_cpu_runs_two_policies(vllm_python: str, tmp_path: Path):
         env={**os.environ, "ROLLOUT_GATEWAY_VLLM_PYTHON": vllm_python})
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads((tmp_path / "r.json").read_text())
-    for name in ("slime", "ours"):
+    for name in ("slime", "progressive"):
         r = doc["results"][name]
         assert r["failed_trajectories"] == 0
         assert r["makespan_s"] > 0 and r["throughput_tok_s"] > 0

@@ -149,8 +149,8 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
 
     # The policy form offers the names the gateway accepts, and a switch takes effect.
     offered = page.eval_on_selector_all("#policy-names option", "els => els.map(e => e.value)")
-    assert "ours-lane" in offered and "verl" in offered, offered
-    assert "ours-perfect" not in offered and "least-loaded" not in offered, offered
+    assert "straggler-lane" in offered and "verl" in offered, offered
+    assert "progressive-oracle" not in offered and "least-loaded" not in offered, offered
     page.fill("#policy-name", "verl")
     page.click("#policy-form button[type=submit]")
     expect(page.locator("#policy")).to_have_text("verl", timeout=5_000)
@@ -195,7 +195,7 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
 
 def test_page_shows_a_relayout_the_policy_applied(browser, loop_thread: LoopThread,
                                                   sqlite_url: str, tmp_path: Path):
-    """``ours`` on a managed 4 x TP1 sim pool merges instances for the tail (as in
+    """``progressive`` on a managed 4 x TP1 sim pool merges instances for the tail (as in
     tests/bench/test_live_relayout.py); the pool card counts it and the Gantt shades it."""
     from playwright.sync_api import expect
 
@@ -208,7 +208,7 @@ def test_page_shows_a_relayout_the_policy_applied(browser, loop_thread: LoopThre
     spec = sim_pool_spec(tmp_path / "pool.json", [1, 1, 1, 1], model="qwen3-14b", gpu="H100",
                          speed=speed, seed=1)
     # no token: the emulated harnesses send no key (loopback, zero setup)
-    settings = gateway_settings(sqlite_url, [], admin_token=None, pool=spec, policy="ours",
+    settings = gateway_settings(sqlite_url, [], admin_token=None, pool=spec, policy="progressive",
                                 dispatch=DispatchSettings(tick_s=0.05, time_scale=speed))
     specs = generate("swe", 1, prompts=2, group_size=4, max_context=32768)
     with app_in_thread(loop_thread, lambda: create_app(settings)) as gw:

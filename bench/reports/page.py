@@ -1,0 +1,255 @@
+"""``BENCHMARKS.md``'s tables and commands, generated from the JSON under ``docs/benchmarks/``.
+
+Every number on the page comes from a file listed in :data:`SOURCES`; the page holds
+blocks between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` that
+``rollout-gateway bench page`` rewrites (``--check`` only compares, for CI and the tests).
+Prose outside the blocks is the page's own. Files recorded before issue 29 name policies
+the old way (``ours-lane``); they are shown, and their commands given, under the current
+names (``gateway.policies.registry.DEPRECATED_NAMES``), with the JSON's current paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import statistics
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bench.simulator.steps import StepScenario, paired_ratio
+from gateway.policies.registry import DEPRECATED_NAMES
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "BENCHMARKS.md"
+BENCH = "docs/benchmarks"
+Doc = dict[str, Any]
+
+#: the runs each table is made of, by workload (several files of one workload pair seed
+#: by seed: the simulator is deterministic per seed)
+STEPS = {"search": ["search-64gpu-5steps.json", "search-64gpu-5steps-rivals.json"],
+         "math-code": ["math-code-64gpu-5steps.json"],
+         "swe": ["swe-64gpu-5steps.json", "swe-64gpu-5steps-heddle.json"]}
+TAIL = {"search": ["search-64gpu.json", "search-64gpu-perfect.json"],
+        "math-code": ["math-code-64gpu.json", "math-code-64gpu-perfect.json"],
+        "swe": ["swe-64gpu.json"]}
+WEIGHTS = "weights/math-code-8gpu.json"
+LIVE = ["live-16gpu/3x/static-and-lane.json", "live-16gpu/3x/heddle-libra.json"]
+#: the rival each workload is compared with in the headline (Libra's config for it)
+LIBRA = {"search": "libra-search", "math-code": "libra", "swe": "libra"}
+LANE, BEST = "straggler-lane", "verl-tp8"
+_LIST_OPTS = ("--policy", "--layout", "--against")
+
+
+def _name(name: str) -> str:
+    return DEPRECATED_NAMES.get(name, name)
+
+
+def _path(p: str) -> str:
+    """Where a JSON path of a recorded command lives now."""
+    return re.sub(r"^docs/(steps|tail|weights)-", rf"{BENCH}/\1/", p)
+
+
+def load(rel: str, root: Path = ROOT) -> Doc:
+    doc: Doc = json.loads((root / BENCH / rel).read_text())
+    return doc
+
+
+def command(docs: Iterable[Doc], *outputs: str) -> str:
+    """One command that reproduces what several recorded runs of one benchmark did: their
+    common options, every run's policies/layouts/inputs (current names and paths), then
+    ``outputs`` (``--json PATH``, ``--out DIR``) in place of where each run wrote."""
+    lists: dict[str, list[str]] = {o: [] for o in _LIST_OPTS}
+    heads: list[list[str]] = []
+    for doc in docs:
+        toks, head = shlex.split(doc["command"]), list[str]()
+        k = 0
+        while k < len(toks):
+            if toks[k] in lists and _name(_path(toks[k + 1])) not in lists[toks[k]]:
+                lists[toks[k]].append(_name(_path(toks[k + 1])))
+            if toks[k] in lists or toks[k] in ("--json", "--out"):
+                k += 2
+                continue
+            head.append(toks[k])
+            k += 1
+        heads.append(head)
+    head = heads[0]
+    if any(h != head for h in heads):  # one command would not reproduce them all
+        raise ValueError(f"runs differ in more than their policies: {heads}")
+    out = head + [x for o in _LIST_OPTS for v in lists[o] for x in (o, v)]
+    return shlex.join([*out, *outputs])
+
+
+def _steps_runs(workload: str, root: Path) -> tuple[list[Doc], dict[str, Doc]]:
+    docs = [load(f"steps/{f}", root) for f in STEPS[workload]]
+    rows: dict[str, Doc] = {}
+    for doc in docs:
+        for name, row in doc["results"].items():
+            rows.setdefault(_name(name), row)
+    return docs, rows
+
+
+def _reported(doc: Doc) -> str:
+    toks = shlex.split(doc["command"])
+    steps = (int(toks[toks.index("--steps") + 1]) if "--steps" in toks
+             else StepScenario("", "").steps)
+    return f"2-{steps}"
+
+
+def _ratio(base: Doc, other: Doc) -> str:
+    g, lo, hi = paired_ratio(base["per_seed_s"], other["per_seed_s"])
+    return f"{g:.2f}x ({lo:.2f}-{hi:.2f})"
+
+
+def _scale() -> str:
+    sc = StepScenario("", "")
+    return f"{sc.model} on simulated {sc.gpu}s"
+
+
+def headline(root: Path = ROOT) -> str:
+    lines = [f"{_scale()}, 64 GPUs, 5 seeds. `{LANE}` (the gateway's default) against "
+             "each rival: the geometric mean of the per-seed makespan ratios (rival / "
+             f"`{LANE}`), paired 95% interval; above 1 means `{LANE}` is faster.", "",
+             f"| workload (steps reported) | `{LANE}` makespan s | vs best static (`{BEST}`) | "
+             "vs `heddle` | vs `libra` (its config for the workload) | makespan / critical "
+             "path |", "|---|---|---|---|---|---|"]
+    for w in STEPS:
+        docs, rows = _steps_runs(w, root)
+        lane, libra = rows[LANE], LIBRA[w]
+        lines.append(
+            f"| {w} ({_reported(docs[0])}) | {lane['mean_s']:.1f} ± {lane['ci95_s']:.1f} | "
+            f"{_ratio(rows[BEST], lane)} | {_ratio(rows['heddle'], lane)} | "
+            f"{_ratio(rows[libra], lane)} (`{libra}`) | "
+            f"{lane['mean_s'] / lane['lb_critical_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def steps_table(root: Path = ROOT) -> str:
+    lines = ["| workload | policy | makespan s (mean of the steps reported) | 95% CI ± | "
+             f"`{BEST}` / this (paired 95% CI) | migrations per run |", "|---|---|---|---|---|---|"]
+    cmds = []
+    for w in STEPS:
+        docs, rows = _steps_runs(w, root)
+        for name, r in sorted(rows.items(), key=lambda kv: kv[1]["mean_s"]):
+            lines.append(f"| {w} | `{name}` | {r['mean_s']:.1f} | {r['ci95_s']:.1f} | "
+                         f"{_ratio(rows[BEST], r)} | {r['migrations']:.0f} |")
+        cmds.append(command(docs, "--json", f"{BENCH}/steps/{STEPS[w][0]}"))
+    crit = "; ".join(f"{w} {_steps_runs(w, root)[1][BEST]['lb_critical_s']:.1f} s"
+                     for w in STEPS)
+    return "\n".join([*lines, "", f"Critical path (lower bound; it binds on all three): "
+                      f"{crit}.", "", "```sh", *cmds, "```"])
+
+
+def tail_table(root: Path = ROOT) -> str:
+    lines = ["| workload | k longest alone | `verl-tp8` s | `straggler-lane` s | "
+             "`straggler-lane-oracle` s |", "|---|---|---|---|---|"]
+    notes, cmds = [], []
+    for w, files in TAIL.items():
+        docs = [load(f"tail/{f}", root) for f in files]
+        per: dict[tuple[int, str], float] = {}
+        for doc in docs:
+            for key, seeds in doc["per_k"].items():
+                k, layout = key.split(":")
+                per.setdefault((int(k), _name(layout)), statistics.fmean(seeds.values()))
+        for k in docs[0]["ks"]:
+            cells = [per.get((k, p)) for p in (BEST, LANE, f"{LANE}-oracle")]
+            lines.append(f"| {w} | {k} | " + " | ".join(
+                "not run" if c is None else f"{c:.1f}" for c in cells) + " |")
+        est, against = docs[0]["estimate_s"], docs[0]["against"]
+        vs = ", ".join(f"`{_name(n)}` {a['geomean']:.2f}x ({a['ci95_low']:.2f}-"
+                       f"{a['ci95_high']:.2f})" for n, a in against.items())
+        notes.append(f"- {w}: estimate {est['mean']:.1f} ± {est['ci95']:.1f} s; whole-batch "
+                     f"`bench steps` makespan / estimate: {vs}.")
+        cmds.append(command(docs, "--json", f"{BENCH}/tail/{files[0]}"))
+    return "\n".join([*lines, "", *notes, "", "```sh", *cmds, "```"])
+
+
+def weights_table(root: Path = ROOT) -> str:
+    runs = load(WEIGHTS, root)["runs"]
+    first = next(iter(runs.values()))
+    sc = first["scenario"]
+    by: dict[tuple[str, str], list[Doc]] = {}
+    seeds: list[str] = []
+    for key, doc in runs.items():
+        mode, seed = key.rsplit("-seed", 1)
+        seeds += [seed] if seed not in seeds else []
+        for name, r in doc["results"].items():
+            by.setdefault((_name(name), mode), []).append(r)
+    lines = [f"math-code, {sc['gpus']} x {sc['model']} on simulated {sc['gpu']}s, "
+             f"{first['trajectories']} trajectories, an update every 60 s taking "
+             f"{sc['weight_update_s']:g} s, seeds {', '.join(seeds)}.", "",
+             "| policy | mode | makespan s (per seed) | mean | updates | paused s | "
+             "staleness mean / max | stale tokens |", "|---|---|---|---|---|---|---|---|"]
+    for (name, mode), rs in sorted(by.items(), key=lambda kv: kv[0][0]):  # modes as run
+        ms = [r["makespan_s"] for r in rs]
+        ws = [r["weights"] for r in rs if r["weights"]]
+        extra = _weights_cells(ws) if ws else "- | - | - | -"
+        lines.append(f"| `{name}` | {mode} | {' / '.join(f'{m:.0f}' for m in ms)} | "
+                     f"{statistics.fmean(ms):.0f} | {extra} |")
+    cmd = command([runs["wait-seed1"]], "--json", "out.json")
+    return "\n".join([*lines, "", "```sh", cmd, "```"])
+
+
+def _weights_cells(ws: list[Doc]) -> str:
+    def mean(key: str) -> float:
+        return statistics.fmean(w[key] for w in ws)
+
+    return (f"{mean('updates'):.1f} | {mean('paused_s'):.0f} | "
+            f"{mean('mean_staleness'):.2f} / {max(w['max_staleness'] for w in ws)} | "
+            f"{mean('stale_token_frac'):.0%}")
+
+
+def live_table(root: Path = ROOT) -> str:
+    docs = [load(f, root) for f in LIVE]
+    sc = docs[0]["scenario"]
+    lines = [f"{sc['workload']}, {docs[0]['trajectories']} trajectories on {sc['gpus']} x "
+             f"{sc['model']} ({sc['gpu']}, simulated engines, {sc['speed']:g}x time "
+             f"compression), cap {sc['cap_per_gpu']} per GPU.", "",
+             "| policy | layout (start) | live makespan s | simulator s | live vs sim | "
+             "relayouts applied | migrations |", "|---|---|---|---|---|---|---|"]
+    for doc in docs:
+        for name, r in doc["results"].items():
+            lines.append(f"| `{_name(name)}` | {'+'.join(map(str, r['layout']))} | "
+                         f"{r['makespan_s']:.0f} | {r['sim_makespan_s']:.0f} | "
+                         f"{r['live_vs_sim_diff']:+.1%} | {r['reconfigurations']} | "
+                         f"{r['migrations']} |")
+    return "\n".join([*lines, "", "```sh", command(docs, "--out", "/tmp/live",
+                                                   "--json", "/tmp/live.json"), "```"])
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "headline": headline, "steps": steps_table, "tail": tail_table,
+    "weights": weights_table, "live": live_table}
+
+
+def render(text: str, root: Path = ROOT) -> str:
+    """``text`` with every generated block rewritten from the JSON under ``root``."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"<!-- generated: {name} -->\n.*?(?=<!-- end: {name} -->)", re.S)
+        found = pattern.search(text)
+        if found is None:
+            raise ValueError(f"BENCHMARKS.md has no block {name!r}")
+        block = f"<!-- generated: {name} -->\n{make(root)}\n"
+        text = text[:found.start()] + block + text[found.end():]
+    return text
+
+
+def page(
+    check: Annotated[bool, typer.Option(
+        "--check", help="only compare: exit 1 if the page differs from its JSON")] = False,
+    path: Annotated[Path, typer.Option(help="the page")] = PAGE,
+) -> None:
+    """Regenerate BENCHMARKS.md's tables and commands from docs/benchmarks/*/*.json."""
+    text = path.read_text()
+    new = render(text)
+    if check:
+        if new != text:
+            typer.echo(f"{path} is out of date: run rollout-gateway bench page", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{path} matches its JSON")
+        return
+    path.write_text(new)
+    typer.echo(f"updated {path}")

@@ -1,0 +1,97 @@
+"""BENCHMARKS.md: its tables are what ``bench page`` makes of the JSON in the repo, and
+every command it lists is one the CLI accepts."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+
+from bench.reports.page import PAGE, ROOT, render
+from bench.reports.page import command as merged_command
+from gateway.policies.registry import ALL_NAMES
+from rollout_gateway.cli import app
+
+
+def page_commands(text: str) -> list[str]:
+    """``rollout-gateway ...`` lines of fenced blocks and inline code spans."""
+    fenced = [line.strip() for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+              for line in block.splitlines()]
+    inline = re.findall(r"`(rollout-gateway [^`]+)`", text)
+    return [c for c in fenced + inline if c.startswith("rollout-gateway ")]
+
+
+def check_command(command: str) -> None:
+    """Parse ``command`` as the CLI would (subcommands, options, types) without running
+    it; policy and layout names must be current ones, input files must exist. Raises
+    ``ValueError`` saying what is wrong."""
+    args = shlex.split(command)[1:]
+    cmd = typer.main.get_command(app)
+    path = ["rollout-gateway"]
+    while hasattr(cmd, "list_commands"):  # a group (typer vendors click: duck-typed)
+        sub = cmd.get_command(cmd.context_class(cmd), args[0]) if args else None
+        if sub is None:
+            raise ValueError(f"no command {' '.join(path + args[:1])!r}")
+        path.append(args.pop(0))
+        cmd = sub
+    try:
+        params = cmd.make_context(" ".join(path), args).params
+    except Exception as exc:  # typer's UsageError and its kin: what the CLI would refuse
+        raise ValueError(f"{command}: {exc}") from exc
+    given = [params.get(opt) or [] for opt in ("policy", "layout")]  # one name or a list
+    bad = [n for v in given for n in ([v] if isinstance(v, str) else v) if n not in ALL_NAMES]
+    if bad:
+        raise ValueError(f"{command}: not a current policy name: {bad}")
+    missing = [p for p in params.get("against") or [] if not (ROOT / p).exists()]
+    if missing:
+        raise ValueError(f"{command}: no such input: {missing}")
+
+
+def test_the_page_is_what_its_json_makes() -> None:
+    text = PAGE.read_text()
+    assert render(text) == text, "BENCHMARKS.md is stale: run rollout-gateway bench page"
+
+
+def test_the_page_lists_commands_and_every_one_is_accepted() -> None:
+    commands = page_commands(PAGE.read_text())
+    assert len(commands) >= 10  # steps x3, tail x3, weights, live, the other benchmarks
+    for command in commands:
+        check_command(command)
+
+
+@pytest.mark.parametrize("command", [
+    "rollout-gateway bench sim --workload swe --policy oracle",  # a name that is gone
+    "rollout-gateway bench steps --policy ours-lane",  # an old name: accepted, not on the page
+    "rollout-gateway bench steps --no-such-option 1",
+    "rollout-gateway bench stepz --gpus 8",
+    "rollout-gateway bench tail --against docs/steps-search-64gpu.json",  # moved
+])
+def test_the_check_refuses_what_would_fail_or_is_out_of_date(command: str) -> None:
+    with pytest.raises(ValueError, match="bench"):
+        check_command(command)
+
+
+def test_a_number_changed_in_the_json_changes_the_page(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(ROOT / "docs" / "benchmarks", tmp_path / "docs" / "benchmarks")
+    live = tmp_path / "docs" / "benchmarks" / "live-16gpu" / "3x" / "heddle-libra.json"
+    live.write_text(live.read_text().replace('"makespan_s": 645.', '"makespan_s": 745.', 1))
+    text = PAGE.read_text()
+    assert "| `heddle` | 1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1 | 646 |" in text
+    assert "| `heddle` | 1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1 | 746 |" in render(text, tmp_path)
+
+
+def test_runs_merge_into_one_command_only_when_they_differ_in_policies_alone() -> None:
+    runs = [{"command": "rollout-gateway bench steps --gpus 8 --policy ours-lane "
+                        "--json docs/steps-a.json"},
+            {"command": "rollout-gateway bench steps --gpus 8 --policy heddle --json /tmp/b"}]
+    assert merged_command(runs, "--json", "x.json") == (
+        "rollout-gateway bench steps --gpus 8 --policy straggler-lane --policy heddle "
+        "--json x.json")
+    runs[1]["command"] = runs[1]["command"].replace("--gpus 8", "--gpus 16")
+    with pytest.raises(ValueError, match="differ"):
+        merged_command(runs)
