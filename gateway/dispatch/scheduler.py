@@ -14,7 +14,13 @@ migration prewarms the target's prefix cache with a ``max_tokens: 1`` call of th
 trajectory's exact token context) and ``plan`` every ``plan_interval_s`` (layout changes
 are handed to the managed pool, if there is one).
 
-This is the same ``Policy`` object the discrete-event simulator drives (``bench/simulator/des.py``).
+Each pass per model is ``gateway/dispatch/step.py``'s ``schedule_pass``, the pure step the
+discrete-event simulator (``bench/simulator/des.py``) runs too: retries to the least loaded
+untried backend, stale calls failed, a raising policy isolated to the calls it raises on,
+the cap held. This module only applies its answer (resolving futures, counting faults) and
+keeps what is the gateway's own: the queue's futures and timeouts, backends that vanish
+(``backend_wait_s``), the watchdog and the policy's other hooks. Time comes from the
+injected ``clock`` (intervals) and ``wall`` (what policies see), so tests use a fake clock.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
-from gateway.dispatch.isolation import isolate
+from gateway.dispatch.step import STALE, Failure, Queued, schedule_pass
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
 from gateway.errors import (
     NoBackendAvailable,
@@ -39,7 +45,6 @@ from gateway.errors import (
 )
 from gateway.loops import Periodic
 from gateway.policies.base import (
-    Dispatch,
     Migrate,
     PendingCall,
     Policy,
@@ -52,6 +57,7 @@ from gateway.trajectories.tracker import Tracker, TrajectoryState
 log = logging.getLogger(__name__)
 Placed = tuple[Backend, int]
 KvLookup = Callable[[str], float | None]
+Clock = Callable[[], float]
 
 
 @dataclass(slots=True)
@@ -64,7 +70,10 @@ class Waiter:
 
 class Scheduler:
     def __init__(self, registry: BackendRegistry, tracker: Tracker, policy: Policy,
-                 speeds: dict[int, TPSpeed], settings: DispatchSettings) -> None:
+                 speeds: dict[int, TPSpeed], settings: DispatchSettings, *,
+                 clock: Clock = time.monotonic, wall: Clock = time.time) -> None:
+        self.clock = clock  # intervals: the plan interval, the watchdog
+        self.wall = wall  # what policies see: enqueue times, the snapshot's ``now``
         self.registry = registry
         self.tracker = tracker
         self.policy = policy
@@ -77,14 +86,14 @@ class Scheduler:
         self._keys = itertools.count()
         self._kick: asyncio.Handle | None = None
         self.ticker = Periodic("scheduler-tick", self._tick, settings.tick_s, logger=log)
-        self._last_plan = time.monotonic()
+        self._last_plan = self.clock()
         self.dispatched = 0
         self.migrations = 0
         self.relayouts = 0
         self.faults = 0  # calls failed because scheduling them raised
         self.stalls = 0  # times the watchdog found the queue stuck beside free slots
         self.on_fault: Callable[[str], None] | None = None
-        self._last_progress = time.monotonic()
+        self._last_progress = self.clock()
         self._stalled = False
         #: Whether capacity is on its way (a managed pool starting instances); set by the
         #: dispatcher. Queued calls outlive ``backend_wait_s`` without a routable backend
@@ -97,7 +106,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._last_plan = time.monotonic()
+        self._last_plan = self.clock()
         self.ticker.start()
 
     async def close(self) -> None:
@@ -112,8 +121,8 @@ class Scheduler:
         self.kick()
         self.watch()
         interval = self.policy.plan_interval_s
-        if interval and time.monotonic() - self._last_plan >= interval / self.settings.time_scale:
-            self._last_plan = time.monotonic()
+        if interval and self.clock() - self._last_plan >= interval / self.settings.time_scale:
+            self._last_plan = self.clock()
             await self._plan()
 
     def watch(self, now: float | None = None) -> bool:
@@ -124,7 +133,7 @@ class Scheduler:
         cap, the stall is counted and logged once (with what is waiting), and another pass
         is forced. Returns whether the queue is stalled now.
         """
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if not self._waiting or not self._has_free_slot():
             self._last_progress = now
             self._stalled = False
@@ -136,7 +145,7 @@ class Scheduler:
             self.stalls += 1
             oldest = min(w.call.enqueued_at for w in self._waiting.values())
             log.error("scheduler stalled: %d calls queued (oldest %.1fs) while backends have "
-                      "free slots; policy %s", len(self._waiting), time.time() - oldest,
+                      "free slots; policy %s", len(self._waiting), self.wall() - oldest,
                       self.policy.name)
             if self.on_fault is not None:
                 self.on_fault("stall")
@@ -145,7 +154,7 @@ class Scheduler:
 
     @property
     def stalled_for_s(self) -> float:
-        return time.monotonic() - self._last_progress if self._stalled else 0.0
+        return self.clock() - self._last_progress if self._stalled else 0.0
 
     def _has_free_slot(self) -> bool:
         models = {w.model for w in self._waiting.values()}
@@ -169,7 +178,7 @@ class Scheduler:
                              retry_after_s=self.settings.overload_retry_after_s)
         key = f"q{next(self._keys)}"
         fut: asyncio.Future[Placed] = asyncio.get_running_loop().create_future()
-        call = PendingCall(key, trajectory_id, seq, context_tokens, time.time())
+        call = PendingCall(key, trajectory_id, seq, context_tokens, self.wall())
         self._waiting[key] = Waiter(call, model, frozenset(exclude), fut)
         self.kick()
         try:
@@ -225,39 +234,17 @@ class Scheduler:
         if not backends:
             self._expire_unroutable(model, waiters)
             return
-        retries = [w for w in waiters if w.exclude]
-        for w in retries:  # a retry goes to the least loaded backend it has not tried
-            free = [b for b in backends.values()
-                    if b.id not in w.exclude and b.in_flight < self._cap(b)]
-            if free:
-                self._resolve(w, min(free, key=lambda b: (b.in_flight, b.id)), 0)
-        live = self.tracker.live
-        plain: list[PendingCall] = []
-        for w in waiters:
-            if w.exclude or w.future.done():
-                continue
-            if w.call.trajectory_id in live:
-                plain.append(w.call)
-            else:  # its trajectory is gone from the live set: fail it, never hold it
-                self._fail(w, "stale", SchedulingFailed(
-                    f"trajectory {w.call.trajectory_id!r} is no longer live in the gateway "
-                    "(finished or evicted while this call waited); retry the call"))
-        if not plain:
-            return
-        snap = self.snapshot(backends.values())
-        try:
-            dispatches = self.policy.schedule(snap, plain)
-        except Exception:
-            faults = self.faults
-            dispatches = self._isolate(snap, plain)
-            if self.faults > faults:  # the bad calls are out: the next pass is a batch again
-                asyncio.get_running_loop().call_soon(self.kick)
-        for d in dispatches:
-            waiter, backend = self._waiting.get(d.key), backends.get(d.instance)
-            if waiter is None or backend is None or waiter.future.done():
-                continue
-            if backend.in_flight < self._cap(backend):
-                self._resolve(waiter, backend, d.priority)
+        by_key = {w.call.key: w for w in waiters}
+        done = schedule_pass(self.policy, self.snapshot(backends.values()),
+                             [Queued(w.call, w.exclude) for w in waiters], self.tracker.live)
+        for f in done.failed:
+            self._failed(by_key[f.call.key], f)
+        if done.isolated:  # the bad calls are out: the next pass is a batch again
+            asyncio.get_running_loop().call_soon(self.kick)
+        for d in done.placed:
+            waiter = by_key[d.key]
+            if not waiter.future.done():
+                self._resolve(waiter, backends[d.instance], d.priority)
 
     def _expire_unroutable(self, model: str, waiters: list[Waiter]) -> None:
         """Every backend of ``model`` went away while these calls waited: fail the ones that
@@ -266,30 +253,27 @@ class Scheduler:
         whole queue timeout. The periodic tick brings this pass round."""
         if self.expecting_capacity():
             return
-        deadline = time.time() - self.settings.backend_wait_s
+        deadline = self.wall() - self.settings.backend_wait_s
         for w in waiters:
             if w.call.enqueued_at <= deadline and not w.future.done():
                 w.future.set_exception(NoBackendAvailable(
                     f"no healthy backend can serve model {model!r}: every backend went "
                     f"away while this call waited in the gateway queue"))
 
-    def _isolate(self, snap: Snapshot, calls: list[PendingCall]) -> list[Dispatch]:
-        """The policy raised on the batch: fail only the calls it raises on alone (each
-        logged once, with its context, and counted); the rest are placed this pass."""
-
-        def failed(call: PendingCall, exc: Exception) -> None:
-            waiter = self._waiting.get(call.key)
-            if waiter is None:
-                return
-            log.exception("policy %s raised scheduling call %s of trajectory %r (seq %d); "
-                          "the call fails, the queue goes on", self.policy.name, call.key,
-                          call.trajectory_id, call.seq, exc_info=exc)
-            self._fail(waiter, "policy", SchedulingFailed(
-                f"the {self.policy.name!r} policy failed to schedule this call of "
-                f"trajectory {call.trajectory_id!r} ({type(exc).__name__}: {exc}); "
-                "other calls are unaffected"))
-
-        return isolate(self.policy, snap, calls, failed)
+    def _failed(self, w: Waiter, f: Failure) -> None:
+        call = f.call
+        if f.reason == STALE:  # its trajectory is gone from the live set: never hold it
+            self._fail(w, "stale", SchedulingFailed(
+                f"trajectory {call.trajectory_id!r} is no longer live in the gateway "
+                "(finished or evicted while this call waited); retry the call"))
+            return
+        log.error("policy %s raised scheduling call %s of trajectory %r (seq %d); the call "
+                  "fails, the queue goes on", self.policy.name, call.key, call.trajectory_id,
+                  call.seq, exc_info=f.error)
+        self._fail(w, "policy", SchedulingFailed(
+            f"the {self.policy.name!r} policy failed to schedule this call of trajectory "
+            f"{call.trajectory_id!r} ({type(f.error).__name__}: {f.error}); "
+            "other calls are unaffected"))
 
     def _count_fault(self, stage: str) -> None:
         self.faults += 1
@@ -316,7 +300,7 @@ class Scheduler:
     def _resolve(self, w: Waiter, backend: Backend, priority: int) -> None:
         backend.in_flight += 1  # in the same step as the choice (pool drain contract)
         self.dispatched += 1
-        self._last_progress = time.monotonic()
+        self._last_progress = self.clock()
         self._stalled = False
         w.future.set_result((backend, priority))
 
@@ -325,7 +309,7 @@ class Scheduler:
         instances = tuple(instance_view(b, self.settings.cap_per_gpu, self.kv_usage(b.id))
                           for b in chosen)
         return Snapshot(
-            now=time.time(), total_gpus=sum(i.gpus for i in instances), instances=instances,
+            now=self.wall(), total_gpus=sum(i.gpus for i in instances), instances=instances,
             trajectories=LiveTrajectories(self.tracker), groups=Groups(self.tracker),
             speeds=self.speeds, restart_s=self.settings.restart_s,
             finished=self.tracker.finished_count)
@@ -348,7 +332,7 @@ class Scheduler:
 
     def _after_call(self, state: TrajectoryState) -> None:
         view = trajectory_view(state)
-        self.policy.observe(view, Groups(self.tracker), time.time())
+        self.policy.observe(view, Groups(self.tracker), self.wall())
         if not self.settings.migrate or state.in_flight or state.queued:
             return
         routable = [b for b in self.registry if b.routable]
@@ -378,7 +362,7 @@ class Scheduler:
     def _learn(self, state: TrajectoryState, what: str) -> None:
         """``observe``, best effort: a policy error is logged and counted, never raised."""
         try:
-            self.policy.observe(trajectory_view(state), Groups(self.tracker), time.time())
+            self.policy.observe(trajectory_view(state), Groups(self.tracker), self.wall())
         except Exception:
             log.exception("policy %s failed to observe %s of trajectory %r",
                           self.policy.name, what, state.id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -21,13 +22,14 @@ MODEL = "qwen3-14b"
 
 
 def _scheduler(n_backends: int = 2, cap: int = 1, policy: str = "slime",
+               clock: Callable[[], float] = time.monotonic,
                **kw: object) -> tuple[Scheduler, list[Backend], Tracker]:
     registry, tracker = BackendRegistry(), Tracker()
     backends = [registry.add(Backend(f"b{i}", f"http://127.0.0.1:{9 + i}", tp=1,
                                      models={MODEL}, healthy=True)) for i in range(n_backends)]
     settings = DispatchSettings(cap_per_gpu=cap, **kw)  # type: ignore[arg-type]
     sched = Scheduler(registry, tracker, get_policy(policy), speeds_for("qwen3-14b/H100"),
-                      settings)
+                      settings, clock=clock)
     return sched, backends, tracker
 
 

@@ -117,15 +117,30 @@ async def test_finishing_a_trajectory_fails_its_queued_calls_with_409():
     await asyncio.wait_for(other, 1)
 
 
+class FakeClock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
 async def test_watchdog_reports_a_queue_stuck_beside_free_slots_once():
-    sched, backends, tracker = _scheduler(n_backends=1, cap=1, watchdog_s=0.05)
+    clock = FakeClock()
+    sched, backends, tracker = _scheduler(n_backends=1, cap=1, clock=clock, watchdog_s=0.05)
     sched.policy = Idle()  # type: ignore[assignment]
     stages: list[str] = []
     sched.on_fault = stages.append
     stuck = asyncio.create_task(sched.place(*_call(tracker, "s"), MODEL))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # queued, its pass run
+    clock.advance(0.01)
     assert not sched.watch()  # not yet: under watchdog_s
-    await asyncio.sleep(0.06)
+    clock.advance(0.06)
     assert sched.watch() and sched.watch()  # stalled, reported once
     assert sched.stalls == 1 and stages == ["stall"] and sched.stalled_for_s > 0.05
     stuck.cancel()
@@ -134,10 +149,12 @@ async def test_watchdog_reports_a_queue_stuck_beside_free_slots_once():
 
 
 async def test_watchdog_is_quiet_when_the_pool_is_simply_full():
-    sched, backends, tracker = _scheduler(n_backends=1, cap=1, watchdog_s=0.01)
+    clock = FakeClock()
+    sched, backends, tracker = _scheduler(n_backends=1, cap=1, clock=clock, watchdog_s=0.01)
     await sched.place(*_call(tracker, "a"), MODEL)
     waiting = asyncio.create_task(sched.place(*_call(tracker, "b"), MODEL))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # queued, its pass run
+    clock.advance(0.05)
     assert not sched.watch() and sched.stalls == 0
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
