@@ -7,7 +7,10 @@ event (``EngineCore.step(horizon_s)``), capped at ``max_fuse_s`` so a call route
 busy engine by a step end elsewhere waits at most that long for the batch boundary.
 The gateway side is modelled as in ``gateway/dispatch``: a queue, a per-instance
 concurrency cap, the policy's priority stamped on every request, prewarms
-(``max_tokens: 1``) for migrations, drain-and-restart for layout changes.
+(``max_tokens: 1``) for migrations, drain-and-restart for layout changes. Each scheduling
+pass *is* the gateway's: ``gateway/dispatch/step.py``'s ``schedule_pass``, the pure step the
+live scheduler runs (cap, retries, stale calls, a raising policy isolated to the calls it
+raises on: such a call fails and its trajectory ends there).
 
 Admission is the engine's, as in vLLM: the gateway cap defaults to the engine's
 ``max_num_seqs`` per *instance* (whatever its TP), and the engine itself admits by its
@@ -33,6 +36,7 @@ from backends.sim.request import SimRequest, StepOutput
 from bench.simulator.state import Instance, LiveViews, SimStats, Traj
 from bench.simulator.weights import DEFAULT_UPDATE_S, WeightUpdater
 from bench.workloads import TrajectorySpec
+from gateway.dispatch.step import PassKey, Queued, schedule_pass
 from gateway.policies.base import (
     GroupView,
     InstanceState,
@@ -87,7 +91,8 @@ class Simulator:
         self._seq = itertools.count()
         self._ids = itertools.count()
         self._snap: Snapshot | None = None
-        self._dirty = True
+        self._revision = 0  # bumped by every change a scheduling pass reads
+        self._last: PassKey | None = None  # what the last pass read (an equal one is skipped)
         self.bs = next(iter(cfg.profiles.values())).block_size
         self.weights = (None if cfg.weight_update_every_s is None else WeightUpdater(
             cfg.weight_update_every_s, cfg.weight_update_mode, cfg.weight_update_s,
@@ -141,17 +146,17 @@ class Simulator:
         elif kind == FINISH:
             assert isinstance(payload, Traj)
             self._finish(payload)
-            self._dirty = True
+            self._revision += 1
         elif kind == PLAN:
             self._plan()
-            self._dirty = True
+            self._revision += 1
         elif kind in (PAUSE, RESUME):
             self._weight_event(kind)
         else:
             assert isinstance(payload, tuple)
             for tp in payload:
                 self._start_instance(tp)
-            self._dirty = True
+            self._revision += 1
         self._schedule()
 
     # ------------------------------------------------------------------ snapshot
@@ -166,7 +171,7 @@ class Simulator:
     def _changed(self, tr: Traj) -> None:
         tr.touch()
         self._snap = None
-        self._dirty = True
+        self._revision += 1
 
     # ------------------------------------------------------------------ trajectories
     def _ready(self, tr: Traj) -> None:
@@ -201,25 +206,32 @@ class Simulator:
             self.stats.early[tr.spec.id] = tr.generated + pred.mean
 
     def _schedule(self) -> None:
-        # A pass that changed nothing is not repeated until something it reads changes
-        # (a call arrives or ends, a trajectory moves, the layout changes): engine steps
-        # alone do not free gateway slots, and re-sorting a long queue per step made
-        # large batches quadratic.
-        if not self.pending or not self._dirty or (self.weights and self.weights.gate_closed):
+        """One pass of the gateway's own step, skipped until something it reads changes
+        (``_revision``: engine steps alone free no gateway slot, and re-sorting a long queue
+        per step made large batches quadratic). Free slots are the instances' own: one a
+        plan retires takes no call, even before the snapshot is rebuilt."""
+        if not self.pending or (self.weights and self.weights.gate_closed):
             return
-        self._dirty = False
-        snap = self.snapshot()
-        if not any(i.free_slots for i in snap.instances):
-            return
-        for d in self.policy.schedule(snap, list(self.pending.values())):
-            inst = self.instances.get(d.instance)
-            call = self.pending.get(d.key)
-            if inst is None or call is None or inst.state is not InstanceState.UP:
-                continue
-            if inst.running >= inst.cap:
-                continue
-            del self.pending[d.key]
-            self._dispatch(self.trajs[call.trajectory_id], inst, d.priority)
+        free = {i.id: i.cap - i.running if i.state is InstanceState.UP else 0
+                for i in self.instances.values()}
+        done = schedule_pass(self.policy, self.snapshot(),
+                             [Queued(c) for c in self.pending.values()], self.live,
+                             revision=self._revision, last=self._last, free=free)
+        self._last = done.key
+        for f in done.failed:
+            self._call_failed(self.trajs[self.pending.pop(f.call.key).trajectory_id])
+        for d in done.placed:
+            call = self.pending.pop(d.key)
+            self._dispatch(self.trajs[call.trajectory_id], self.instances[d.instance],
+                           d.priority)
+
+    def _call_failed(self, tr: Traj) -> None:
+        """The step failed this call (the policy raised on it): the harness gives up."""
+        self.stats.failed_calls += 1
+        tr.phase = Phase.TOOL
+        tr.finished_at = self.now
+        self._changed(tr)
+        self._push(self.now + OVERHEAD_S, FINISH, tr)
 
     def _dispatch(self, tr: Traj, inst: Instance, priority: int) -> None:
         n = tr.prompt_len()
@@ -340,7 +352,7 @@ class Simulator:
             self.weights.pause(self)
         else:
             self.weights.resume(self)
-            self._dirty = True
+            self._revision += 1
             for inst in self.instances.values():
                 self._kick(inst)
         for inst in list(self.instances.values()):
@@ -380,7 +392,7 @@ class Simulator:
         left.discard(inst.id)
         del self.instances[inst.id]
         self._snap = None
-        self._dirty = True
+        self._revision += 1
         if not left:
             del self.relayouts[inst.relayout]
             self._push(self.now + self.cfg.restart_s, UP, change.launch)

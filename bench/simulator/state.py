@@ -114,6 +114,7 @@ class SimStats:
     reconfigurations: int = 0
     preemptions: int = 0
     calls: int = 0
+    failed_calls: int = 0  # calls the gateway's step failed (a policy fault)
     call_times: list[float] = field(default_factory=list)  # when each call became ready
     cache_hit_tokens: int = 0
     cache_query_tokens: int = 0

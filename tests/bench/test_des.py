@@ -135,6 +135,35 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
     assert a[2] == b[2] and a[0].stats.migrations == b[0].stats.migrations
 
 
+class RaisesOnOneCall(Recording):
+    """Raises on any batch holding one given call (a policy bug that hits one entry)."""
+
+    def __init__(self, inner: Policy, key: str) -> None:
+        super().__init__(inner)
+        self.key = key
+
+    def schedule(self, snap: Snapshot, pending: Sequence[PendingCall]) -> list[Dispatch]:
+        if any(c.key == self.key for c in pending):
+            raise KeyError(self.key)
+        return super().schedule(snap, pending)
+
+
+def test_a_policy_raising_on_one_call_fails_that_call_and_the_run_completes() -> None:
+    """The simulator runs the gateway's step: the call the policy raises on alone fails,
+    its trajectory ends there (the harness gives it up), every other call is served."""
+    bench = Bench(TINY)
+    bad = next(s for s in bench.specs if len(s.turns) > 2)
+    rec = RaisesOnOneCall(get_policy("slime"), f"{bad.id}#1")
+    profs = profiles("qwen3-14b", "H100")
+    sim = Simulator(bench.specs, rec, SimConfig(8, profs, speeds(profs)))
+    assert sim.run() > 0
+    assert sim.stats.failed_calls == 1 and sim.trajs[bad.id].turn == 1
+    others = sum(len(s.turns) for s in bench.specs if s.id != bad.id)
+    assert len(rec.dispatched) == len(set(rec.dispatched)) == others + 1
+    assert all(t.finished_at is not None for t in sim.trajs.values())
+    assert rec.finished_seen.keys() == sim.trajs.keys()
+
+
 def _cli() -> typer.Typer:
     """The bench group as ``rollout-gateway`` mounts it (``rollout_gateway.cli``)."""
     root = typer.Typer()
