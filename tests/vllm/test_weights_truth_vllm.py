@@ -107,12 +107,29 @@ async def _call(http: httpx.AsyncClient, tid: str, body: dict[str, Any]) -> str:
     return str(finishes[0])
 
 
-async def _generated(engine: str) -> float:
+async def _metric(engine: str, name: str) -> float:
     async with httpx.AsyncClient(timeout=30) as http:
         for line in (await http.get(f"{engine}/metrics")).text.splitlines():
-            if line.startswith("vllm:generation_tokens_total{"):
+            if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:generation_tokens_total")
+    raise AssertionError(f"no {name}")
+
+
+async def _mid_generation(admin: httpx.AsyncClient, engine: str, calls: int,
+                          tokens: float = 600) -> None:
+    """Wait until the gateway has at least half of its ``calls`` in flight on the engine
+    and the engine has generated ``tokens`` more since: the update then lands inside
+    those calls, however fast or loaded the machine. (Counting the engine's tokens alone
+    could end before the calls were dispatched, when an earlier test's requests were still
+    generating: the update then came before every token, and no call spanned it.)"""
+    deadline = time.monotonic() + 300
+    while sum(b["in_flight"] for b in (await admin.get("/status")).json()["backends"]) \
+            < (calls + 1) // 2:
+        assert time.monotonic() < deadline, f"the gateway never dispatched {calls} calls"
+        await asyncio.sleep(0.02)
+    before = await _metric(engine, "vllm:generation_tokens_total")
+    while await _metric(engine, "vllm:generation_tokens_total") < before + tokens:
+        await asyncio.sleep(0.05)
 
 
 async def _job(admin: httpx.AsyncClient, body: dict[str, Any], timeout_s: float = 300
@@ -225,9 +242,7 @@ async def test_every_token_version_is_true_on_real_vllm(
                 calls = {tid: asyncio.create_task(_call(http, f"{mode}-{tid}", body))
                          for tid, body in _bodies(f"{mode}{n}", tokens).items()}
                 tids.update({f"{mode}-{tid}": mode for tid in calls})
-                before = await _generated(engine)
-                while await _generated(engine) < before + 600:  # mid-generation
-                    await asyncio.sleep(0.05)
+                await _mid_generation(admin, engine, len(calls))
                 t0 = time.monotonic()
                 job = await _job(admin, {"version": version, "mode": mode,
                                          "method": "reload", "weights_path": target})
