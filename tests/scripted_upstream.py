@@ -24,6 +24,7 @@ class Script:
     mode: str = "ok"  # ok | hang | error500 | error400 | slow
     tokens: int = 5
     token_delay_s: float = 0.0
+    tail_delay_s: float = 0.0  # between the last token and the end of the stream
     model: str = "scripted"
 
 
@@ -80,6 +81,8 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
                                                                    "top_logprobs": []}]},
                                          "finish_reason": "length" if i == len(ids) - 1 else None,
                                          "token_ids": [tok]}]})
+            if script.tail_delay_s:
+                await asyncio.sleep(script.tail_delay_s)
             yield b"data: [DONE]\n\n"
             seen.completed += 1
         except (asyncio.CancelledError, GeneratorExit, OSError):

@@ -73,6 +73,12 @@ class Capture:
             cap = self.choices[index] = ChoiceCapture()
         return cap
 
+    def generated_all(self) -> bool:
+        """Whether the engine finished every choice (a weight-update ``abort`` is not done:
+        the call is continued), so the record is whole whatever the client does next."""
+        return bool(self.choices) and all(
+            c.finish_reason not in (None, "abort") for c in self.choices.values())
+
     def feed(self, payload: dict[str, Any], *, stream: bool) -> bool:
         """Record ``payload`` and strip it in place; True if it was modified.
 

@@ -364,7 +364,11 @@ class Proxy:
                 self._broke(ctx.lease.backend, exc)
             yield error_event(exc) if ctx.door is None else ctx.door.error_event(exc)
         except BaseException as exc:  # client went away (cancelled) or a bug: record it
-            error = exc
+            # a client that leaves once it has the finish (before the engine's stream
+            # ends) got every token: the call is whole, and ok for training
+            whole = (isinstance(exc, asyncio.CancelledError | GeneratorExit)
+                     and not decoder.held and ctx.capture.generated_all())
+            error = None if whole else exc
             raise
         finally:
             upstream.close()

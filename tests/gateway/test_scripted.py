@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import httpx
 import orjson
@@ -120,3 +121,28 @@ def test_client_disconnect_before_first_byte_closes_upstream(scripted, gateway_a
         assert _wait_for(lambda: httpx.get(f"{gw}/status").json()["backends"][0]["in_flight"] == 0)
         calls = httpx.get(f"{gw}/trajectories/d-2").json()["calls"]
         assert calls[0]["status"] == "cancelled"
+
+
+def test_client_leaving_after_the_last_token_keeps_the_call(scripted, gateway_at, sqlite_url):
+    """A harness that closes its stream once it has the finish (Codex after
+    ``response.completed``) before the engine's stream ends: every token was generated
+    and captured, so the call is recorded ok and its tokens reach the sample."""
+    url, seen = scripted(Script(tail_delay_s=2.0))
+    with gateway_at(sqlite_url, [url]) as gw:
+        with httpx.stream("POST", f"{gw}/t/leaves/v1/chat/completions", timeout=10, json={
+                "model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and any(
+                        c.get("finish_reason") for c in orjson.loads(line[6:])["choices"]):
+                    break  # the finish is here: leave without waiting for [DONE]
+        for _ in range(100):
+            calls = httpx.get(f"{gw}/trajectories/leaves").json().get("calls", [])
+            if calls:
+                break
+            time.sleep(0.05)
+        (call,) = calls
+        assert call["status"] == "ok" and call["error"] is None, call
+        assert call["completion_ids"] == [1000, 1001, 1002, 1003, 1004]
+        sample = httpx.get(f"{gw}/trajectories/leaves/sample").json()
+        assert sum(sample["loss_mask"]) == 5

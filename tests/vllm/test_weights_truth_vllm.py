@@ -115,20 +115,28 @@ async def _metric(engine: str, name: str) -> float:
     raise AssertionError(f"no {name}")
 
 
-async def _mid_generation(admin: httpx.AsyncClient, engine: str, calls: int,
-                          tokens: float = 600) -> None:
-    """Wait until the gateway has at least half of its ``calls`` in flight on the engine
-    and the engine has generated ``tokens`` more since: the update then lands inside
-    those calls, however fast or loaded the machine. (Counting the engine's tokens alone
-    could end before the calls were dispatched, when an earlier test's requests were still
-    generating: the update then came before every token, and no call spanned it.)"""
+async def _mid_generation(admin: httpx.AsyncClient, engine: str,
+                          calls: list[asyncio.Task[str]], tokens: float = 600) -> None:
+    """Wait until the gateway has at least half of ``calls`` in flight on the engine and
+    the engine has generated ``tokens`` more since: the update then lands inside those
+    calls, however fast or loaded the machine. (Counting the engine's tokens alone could
+    end before the calls were dispatched, when an earlier test's requests were still
+    generating.) Returns early once every call is done: never waits on tokens that
+    cannot come; the spans check then says the update missed them."""
     deadline = time.monotonic() + 300
-    while sum(b["in_flight"] for b in (await admin.get("/status")).json()["backends"]) \
-            < (calls + 1) // 2:
-        assert time.monotonic() < deadline, f"the gateway never dispatched {calls} calls"
+
+    async def in_flight() -> int:
+        return sum(b["in_flight"] for b in (await admin.get("/status")).json()["backends"])
+
+    while await in_flight() < (len(calls) + 1) // 2:
+        if all(c.done() for c in calls):
+            return
+        assert time.monotonic() < deadline, f"the gateway never dispatched {len(calls)} calls"
         await asyncio.sleep(0.02)
     before = await _metric(engine, "vllm:generation_tokens_total")
     while await _metric(engine, "vllm:generation_tokens_total") < before + tokens:
+        if all(c.done() for c in calls):
+            return
         await asyncio.sleep(0.05)
 
 
@@ -242,7 +250,7 @@ async def test_every_token_version_is_true_on_real_vllm(
                 calls = {tid: asyncio.create_task(_call(http, f"{mode}-{tid}", body))
                          for tid, body in _bodies(f"{mode}{n}", tokens).items()}
                 tids.update({f"{mode}-{tid}": mode for tid in calls})
-                await _mid_generation(admin, engine, len(calls))
+                await _mid_generation(admin, engine, list(calls.values()))
                 t0 = time.monotonic()
                 job = await _job(admin, {"version": version, "mode": mode,
                                          "method": "reload", "weights_path": target})
