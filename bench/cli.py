@@ -17,8 +17,9 @@ from typing import Annotated
 import typer
 from rich.progress import Progress, TaskID
 
+from bench.options import Gpu, Model, TpEfficiency, band_point
 from bench.reports import page, record, tail_cli
-from bench.runners import live_cli, perf_cli
+from bench.runners import grid_cli, live_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -26,8 +27,9 @@ bench_app = typer.Typer(no_args_is_help=True)
 @bench_app.command()
 def sim(
     workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "swe",
-    model: Annotated[str, typer.Option()] = "qwen3-14b",
-    gpu: Annotated[str, typer.Option()] = "H100",
+    model: Model = "qwen3-14b",
+    gpu: Gpu = "H100",
+    tp_efficiency: TpEfficiency = "calibrated",
     gpus: Annotated[int, typer.Option(help="GPUs in the pool")] = 64,
     policy: Annotated[list[str] | None, typer.Option(help="repeatable; see docs/policies.md")]
     = None,
@@ -66,7 +68,8 @@ def sim(
         raise typer.BadParameter(str(exc)) from None
     sc = Scenario(workload, model, gpu, gpus, seed, tp, prompts, group_size, cap_per_gpu,
                   weight_update_every_s=weight_update_every,
-                  weight_update_mode=weight_update_mode, weight_update_s=weight_update_s)
+                  weight_update_mode=weight_update_mode, weight_update_s=weight_update_s,
+                  tp_efficiency=band_point(tp_efficiency, model, gpu))
     console = Console()
     if not console.is_terminal:
         console = Console(width=170)
@@ -95,6 +98,9 @@ def steps(
         help="repeatable; default: static slime/verl TP1-TP8, heddle, libra, progressive, "
              "straggler-lane, progressive-oracle")] = None,
     gpus: Annotated[int, typer.Option()] = 64,
+    model: Model = "qwen3-14b",
+    gpu: Gpu = "H100",
+    tp_efficiency: TpEfficiency = "calibrated",
     steps_: Annotated[int, typer.Option("--steps", help="RL steps per run")] = 5,
     seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
     per_gpu: Annotated[int | None, typer.Option(
@@ -130,13 +136,16 @@ def steps(
         raise typer.BadParameter(f"unknown workload {workload!r}")
     size = group_size or table[workload]["group_size"]
     prompts = max(1, per_gpu * gpus // size) if per_gpu else None
-    base = StepScenario(workload, names[0], steps=steps_, gpus=gpus, prompts=prompts,
-                        group_size=group_size, weight_update_every_s=weight_update_every,
-                        weight_update_mode=weight_update_mode, weight_update_s=weight_update_s)
+    base = StepScenario(workload, names[0], steps=steps_, gpus=gpus, model=model, gpu=gpu,
+                        prompts=prompts, group_size=group_size,
+                        weight_update_every_s=weight_update_every,
+                        weight_update_mode=weight_update_mode, weight_update_s=weight_update_s,
+                        tp_efficiency=band_point(tp_efficiency, model, gpu))
     res = summarize(run_seeds(base, names, range(1, seeds + 1), jobs))
     static = {n: r for n, r in res.items() if "-tp" in n}
     best = min(static, key=lambda n: static[n]["mean_s"]) if static else None
-    lines = [f"{workload}, {gpus} GPUs, {steps_} steps (steps 2-{steps_} reported), "
+    lines = [f"{workload}, {model}/{gpu}, TP efficiency {tp_efficiency}, {gpus} GPUs, "
+             f"{steps_} steps (steps 2-{steps_} reported), "
              f"{seeds} seeds; mean makespan per step +- 95% t-interval"]
     for n, r in sorted(res.items(), key=lambda kv: kv[1]["mean_s"]):
         vs = ""
@@ -220,3 +229,4 @@ bench_app.command("vllm-cpu")(live_cli.vllm_cpu)
 bench_app.command("record")(record.record)
 bench_app.command("tail")(tail_cli.tail)
 bench_app.command("page")(page.page)
+bench_app.command("grid")(grid_cli.grid)

@@ -23,8 +23,12 @@ high TP wins (weight streaming dominates, split 8 ways); at tens to hundreds TP1
 (weights are amortized, and TP pays the all-reduces and a worse compute efficiency).
 See ``docs/fidelity.md`` (``bench/runners/fidelity.py``).
 
-``tp_penalty`` (a multiplier ``1 + tp_penalty*log2(tp)`` on ``T0`` and ``K``) is kept for
-calibration sweeps; it defaults to 0 now that the all-reduce is modelled explicitly.
+``tp_penalty`` (a multiplier ``1 + tp_penalty*log2(tp)`` on ``T0`` and ``K``) is the knob
+of the TP-efficiency band: how much faster one TP8 instance decodes than one TP1 instance
+is the cost model's least certain premise (published measurements disagree by 2-3x), so
+benchmarks are run across a band of it (:data:`TP_BAND`, :func:`penalty_for`; sources in
+``docs/tp-efficiency.md``). It defaults to 0 (``calibrated``: the fit to Libra's table,
+which scales TP better than any published measurement does).
 """
 
 from __future__ import annotations
@@ -160,6 +164,57 @@ def load_profile(
         request_overhead_ms=float(c.get("request_overhead_ms", 5.0)),
         placeholder=bool(c.get("placeholder", False)),
     )
+
+
+#: The reference load of the TP-efficiency band: one instance, 256 sequences in flight,
+#: each holding 1024 tokens of context (decode steps, no prefill).
+SCALING_SEQS, SCALING_CTX = 256, 1024
+#: TP8-over-TP1 decode throughput of one instance at the reference load: the band drawn
+#: from published measurements of 7-14B models on H100/A100 (docs/tp-efficiency.md). Low:
+#: vLLM 0.5.4, CPU-bound (Llama-3.1-8B-FP8 on H100, 1.16x); high: vLLM 0.6 multi-step
+#: (Mistral-Nemo-12B on H100, 2.12x); mid: their geometric mean. ``calibrated`` is the model
+#: as shipped (``tp_penalty`` 0, fitted to Libra's table: 3.2-4.7x), above every measurement.
+TP_BAND = {"low": 1.15, "mid": 1.6, "high": 2.2}
+#: every name ``--tp-efficiency`` accepts
+TP_POINTS = ("low", "mid", "high", "calibrated")
+
+
+def tp_scaling(model: str, gpu: str, tp_penalty: float = 0.0, tp: int = 8) -> float:
+    """Decode throughput of one TP-``tp`` instance over one TP1 instance at the band's
+    reference load (:data:`SCALING_SEQS` sequences of :data:`SCALING_CTX` context)."""
+    one = load_profile(model, gpu, 1, tp_penalty=tp_penalty)
+    many = load_profile(model, gpu, tp, tp_penalty=tp_penalty)
+    n, ctx = SCALING_SEQS, SCALING_SEQS * SCALING_CTX
+    return one.step_ms(num_tokens=n, decode_ctx_tokens=ctx) / many.step_ms(
+        num_tokens=n, decode_ctx_tokens=ctx)
+
+
+def penalty_for(model: str, gpu: str, where: str | float) -> float:
+    """The ``tp_penalty`` that puts (model, GPU) at a point of the TP-efficiency band.
+
+    ``where`` is ``"low"``, ``"mid"``, ``"high"`` (:data:`TP_BAND`), ``"calibrated"``
+    (penalty 0), or a TP8/TP1 ratio (e.g. ``2.0``) from 1 up to the calibrated model's.
+    """
+    top = tp_scaling(model, gpu, 0.0)
+    if isinstance(where, str):
+        if where not in TP_POINTS:
+            raise ValueError(f"unknown TP-efficiency point {where!r}; use one of "
+                             f"{', '.join(TP_POINTS)} or a TP8/TP1 ratio")
+        target = top if where == "calibrated" else TP_BAND[where]
+    else:
+        target = float(where)
+    if not 1.0 <= target <= top + 1e-9:
+        raise ValueError(f"TP8/TP1 ratio {target:.2f} is outside what the model of "
+                         f"{model}/{gpu} can express (1.0-{top:.2f})")
+    if target >= top - 1e-9:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while tp_scaling(model, gpu, hi) > target:  # the ratio falls as the penalty grows
+        lo, hi = hi, hi * 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tp_scaling(model, gpu, mid) > target else (lo, mid)
+    return round((lo + hi) / 2, 4)
 
 
 def with_penalty(profile: LatencyProfile, tp_penalty: float) -> LatencyProfile:

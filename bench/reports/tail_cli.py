@@ -12,10 +12,15 @@ from typing import Annotated, Any
 import typer
 from rich.progress import Progress
 
+from bench.options import Gpu, Model, TpEfficiency, band_point
+
 
 def tail(
     workload: Annotated[str, typer.Option(help="swe | search | math-code | tau")] = "search",
     gpus: Annotated[int, typer.Option()] = 64,
+    model: Model = "qwen3-14b",
+    gpu: Gpu = "H100",
+    tp_efficiency: TpEfficiency = "calibrated",
     per_gpu: Annotated[int | None, typer.Option(
         help="trajectories per GPU (sets the prompts per step)")] = None,
     group_size: Annotated[int | None, typer.Option()] = None,
@@ -58,8 +63,9 @@ def tail(
     if ks[0] < 1 or ks[-1] > n:
         raise typer.BadParameter(f"--top must be between 1 and the step's {n} trajectories")
     base_runs = _load_against(against) if against else None
-    base = StepScenario(workload, layouts[0], steps=steps_, gpus=gpus, prompts=prompts,
-                        group_size=group_size)
+    base = StepScenario(workload, layouts[0], steps=steps_, gpus=gpus, model=model, gpu=gpu,
+                        prompts=prompts, group_size=group_size,
+                        tp_efficiency=band_point(tp_efficiency, model, gpu))
     with Progress(transient=False) as prog:
         task = prog.add_task(f"{workload}: subsets", total=1)
         res = run_tail(base, ks, layouts, range(1, seeds + 1), jobs,

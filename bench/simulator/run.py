@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import Result, lower_bound, summarize
-from bench.simulator.speeds import profiles, speeds
+from bench.simulator.speeds import band_profiles, max_tp_for, profiles, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, generate
 from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
@@ -25,10 +25,11 @@ class Scenario:
     prompts: int | None = None  # shrink the batch (smoke tests); None = the workload's
     group_size: int | None = None
     cap_per_gpu: int | None = None  # None: engine admission (max_num_seqs per instance)
-    tp_penalty: float | None = None
+    tp_penalty: float | None = None  # wins over tp_efficiency when set (calibration sweeps)
     weight_update_every_s: float | None = None  # bench/simulator/weights.py; None = off
     weight_update_mode: str = "wait"
     weight_update_s: float = DEFAULT_UPDATE_S
+    tp_efficiency: str | float = "calibrated"  # a point of the band (docs/tp-efficiency.md)
 
 
 class Bench:
@@ -38,8 +39,10 @@ class Bench:
         self.sc = sc
         self.specs: list[TrajectorySpec] = generate(
             sc.workload, sc.seed, prompts=sc.prompts, group_size=sc.group_size)
-        max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
-        self.profiles = profiles(sc.model, sc.gpu, sc.tp_penalty, max_tp)
+        max_tp = max_tp_for(sc.gpus)
+        self.profiles = (band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp)
+                         if sc.tp_penalty is None
+                         else profiles(sc.model, sc.gpu, sc.tp_penalty, max_tp))
         self.speeds = speeds(self.profiles)
         self.lower_bound = lower_bound(self.specs, self.profiles, sc.gpus)
         totals = {s.id: s.total_output for s in self.specs}

@@ -4,10 +4,26 @@ The simulator uses exactly what the live gateway uses (``gateway.dispatch.speeds
 fitted from the simulated engine's latency profile, the per-token time of a lone decode
 at a typical context, and the slope of the interference factor ``F(n) = step(n) /
 step(1)`` (Heddle's F(n), section 5).
+
+:func:`band_profiles` puts the profiles at a point of the TP-efficiency band
+(``docs/tp-efficiency.md``): every benchmark takes ``--tp-efficiency``.
 """
 
 from __future__ import annotations
 
+from backends.sim.profiles import LatencyProfile, penalty_for
 from gateway.dispatch.speeds import TP_DEGREES, TYPICAL_CONTEXT, fit_speed, profiles, speeds
 
-__all__ = ["TP_DEGREES", "TYPICAL_CONTEXT", "fit_speed", "profiles", "speeds"]
+__all__ = ["TP_DEGREES", "TYPICAL_CONTEXT", "band_profiles", "fit_speed", "max_tp_for",
+           "profiles", "speeds"]
+
+
+def max_tp_for(gpus: int) -> int:
+    return max(t for t in TP_DEGREES if t <= gpus)
+
+
+def band_profiles(model: str, gpu: str, where: str | float = "calibrated",
+                  max_tp: int = 8) -> dict[int, LatencyProfile]:
+    """Profiles of every TP degree up to ``max_tp`` at TP-efficiency ``where`` (``low``,
+    ``mid``, ``high``, ``calibrated`` (the default) or a TP8/TP1 ratio)."""
+    return profiles(model, gpu, penalty_for(model, gpu, where), max_tp)

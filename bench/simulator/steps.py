@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path, gpu_work
-from bench.simulator.speeds import profiles, speeds
+from bench.simulator.speeds import band_profiles, max_tp_for, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, load_workloads, prompt_group
 from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
@@ -86,6 +86,7 @@ class StepScenario:
     weight_update_every_s: float | None = None  # per step, from its start (weights.py)
     weight_update_mode: str = "wait"
     weight_update_s: float = DEFAULT_UPDATE_S
+    tp_efficiency: str | float = "calibrated"  # a point of the band (docs/tp-efficiency.md)
 
 
 @dataclass(slots=True)
@@ -101,8 +102,7 @@ class StepRun:
 
 def run_steps(sc: StepScenario) -> StepRun:
     """One seed: K steps under one policy object."""
-    max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
-    profs = profiles(sc.model, sc.gpu, None, max_tp)
+    profs = band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp_for(sc.gpus))
     cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed,
                     weight_update_every_s=sc.weight_update_every_s,
                     weight_update_mode=sc.weight_update_mode, weight_update_s=sc.weight_update_s)

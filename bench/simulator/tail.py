@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path
-from bench.simulator.speeds import profiles, speeds
+from bench.simulator.speeds import band_profiles, max_tp_for, speeds
 from bench.simulator.steps import StepScenario, generate_step
 from bench.workloads import TrajectorySpec
 from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
@@ -35,9 +35,10 @@ DEFAULT_LAYOUTS = ("verl-tp8", "verl-tp4")
 
 
 def longest(specs: Iterable[TrajectorySpec], k: int, tp: int = 8, *,
-            model: str = "qwen3-14b", gpu: str = "H100") -> list[TrajectorySpec]:
+            model: str = "qwen3-14b", gpu: str = "H100",
+            tp_efficiency: str | float = "calibrated") -> list[TrajectorySpec]:
     """The ``k`` trajectories with the longest critical path alone at ``tp``."""
-    prof = profiles(model, gpu, None, tp)[tp]
+    prof = band_profiles(model, gpu, tp_efficiency, tp)[tp]
     return sorted(specs, key=lambda s: (-critical_path(s, prof), s.id))[:k]
 
 
@@ -51,12 +52,13 @@ class TailJob:
 def tail_makespan(job: TailJob) -> float:
     """Seconds for the step's ``k`` longest trajectories alone under ``job``'s layout."""
     sc = job.scenario
-    max_tp = max(t for t in (1, 2, 4, 8) if t <= sc.gpus)
-    profs = profiles(sc.model, sc.gpu, None, max_tp)
+    max_tp = max_tp_for(sc.gpus)
+    profs = band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp)
     cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed)
     specs = generate_step(sc.workload, sc.seed, job.step, prompts=sc.prompts,
                           group_size=sc.group_size, pool_factor=sc.pool_factor)
-    subset = longest(specs, job.k, max_tp, model=sc.model, gpu=sc.gpu)
+    subset = longest(specs, job.k, max_tp, model=sc.model, gpu=sc.gpu,
+                     tp_efficiency=sc.tp_efficiency)
     truth = {s.id: s.total_output for s in subset}
     sees_truth = resolve_name(sc.policy) in ORACLE_NAMES
     oracle = (lambda tid, gen: truth[tid] - gen) if sees_truth else None

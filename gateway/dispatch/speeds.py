@@ -32,7 +32,8 @@ def fit_speed(p: LatencyProfile, ctx: int = TYPICAL_CONTEXT) -> TPSpeed:
     ctx_ms = (p.step_ms(num_tokens=lo, decode_ctx_tokens=10**6)
               - p.step_ms(num_tokens=lo)) / 10**6
     return TPSpeed(one / 1000.0, num / den, prefill_ms / 1000.0,
-                   fixed_ms / 1000.0, seq_ms / 1000.0, ctx_ms / 1000.0)
+                   fixed_ms / 1000.0, seq_ms / 1000.0, ctx_ms / 1000.0,
+                   kv_tokens=p.kv_capacity_tokens)
 
 
 def profiles(model: str, gpu: str, tp_penalty: float | None = None,

@@ -136,6 +136,7 @@ class TPSpeed:
     fixed_s: float = 0.0
     seq_s: float = 0.0
     ctx_s: float = 0.0
+    kv_tokens: int = 0  # KV cache room of one instance, tokens (0: unknown)
 
     def step_s(self, n: int) -> float:
         return self.per_token_s * (1.0 + self.slope * max(0, n - 1))

@@ -12,10 +12,12 @@ that routing on a uniform TP-N pool, whatever ``tp`` says.
 
 Names say the mechanism: ``progressive`` (progressive priority, presorted-DP placement,
 joint TP planning, gain migration), ``straggler-lane`` (a lane for the predicted
-stragglers, verl routing and context balancing for the rest), ``-oracle`` for a perfect
-length predictor. The names these had before (``ours``, ``ours-lane``, ``ours-perfect``,
-``ours-lane-perfect``) are still accepted for a while: :func:`resolve_name` maps them to
-the new ones and logs a deprecation warning once per name.
+stragglers, verl routing and context balancing for the rest), ``replay`` (the lane on a
+layout whose TP is chosen each step by replaying the last step's observed workload with the
+measured speeds), ``-oracle`` for a perfect length predictor. The names these had before
+(``ours``, ``ours-lane``, ``ours-perfect``, ``ours-lane-perfect``) are still accepted for a
+while: :func:`resolve_name` maps them to the new ones and logs a deprecation warning once
+per name.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.policies.placement import (
     StickyPlacer,
 )
 from gateway.policies.predict import OraclePredictor, StatsPredictor
+from gateway.policies.replay import ReplayPlanner
 from gateway.policies.resources import GainMigrator, JointPlanner, TailMergePlanner, UniformPlanner
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ LANE_K = 8
 
 POLICY_NAMES = ("slime", "verl", "verl-star", "round-robin", "las", "heddle",
                 "heddle-learned", "libra", "libra-search", "progressive", "straggler-lane",
-                "progressive-oracle", "straggler-lane-oracle")
+                "replay", "progressive-oracle", "straggler-lane-oracle")
 #: the only names that see hidden lengths (benchmarks only; a live gateway has none)
 ORACLE_NAMES = ("progressive-oracle", "straggler-lane-oracle")
 #: names before issue 29, accepted during the alias period (admin API, config, CLI)
@@ -139,6 +142,13 @@ def _straggler_lane(name: str, truth: Callable[[str, int], int] | None) -> Compo
                           label=f"straggler lane{' + perfect predictor' if oracle else ''}")
 
 
+def _replay(name: str) -> ComposedPolicy:
+    planner = ReplayPlanner(LANE_K)
+    placer = LanePlacer(LANE_K, planner)
+    return ComposedPolicy(name, LanePriority(planner), placer, planner, BlendPredictor(),
+                          LaneMigrator(placer), label="straggler lane on the replayed layout")
+
+
 def get_policy(name: str, *, tp: int = 1, seed: int = 0,
                oracle_truth: Callable[[str, int], int] | None = None) -> Policy:
     """A fresh policy object by name (old names accepted); ``tp`` is the uniform TP of
@@ -157,4 +167,6 @@ def get_policy(name: str, *, tp: int = 1, seed: int = 0,
         return _progressive(name, oracle_truth)
     if name in ("straggler-lane", "straggler-lane-oracle"):
         return _straggler_lane(name, oracle_truth)
+    if name == "replay":
+        return _replay(name)
     raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,69 @@
+"""``rollout-gateway bench grid``: a policy against every uniform static layout across
+models, GPUs, loads, workloads and the TP-efficiency band (bench/runners/grid.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+
+
+def grid(
+    json_out: Annotated[Path, typer.Option("--json", help="results (written as they come)")],
+    model: Annotated[list[str] | None, typer.Option(help="repeatable; default qwen3-14b")]
+    = None,
+    gpu: Annotated[list[str] | None, typer.Option(help="repeatable; default H100")] = None,
+    gpus: Annotated[list[int] | None, typer.Option(help="repeatable pool sizes; default 16")]
+    = None,
+    per_gpu: Annotated[list[int] | None, typer.Option(
+        help="repeatable trajectories per GPU; default 4 and 16")] = None,
+    workload: Annotated[list[str] | None, typer.Option(
+        help="repeatable; default swe, search, math-code, tau")] = None,
+    tp_efficiency: Annotated[list[str] | None, typer.Option(
+        "--tp-efficiency", help="repeatable band points; default low, mid, high")] = None,
+    policy: Annotated[list[str] | None, typer.Option(
+        help="repeatable; default verl-tp1..8, heddle, libra, straggler-lane, replay")] = None,
+    seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 3,
+    steps_: Annotated[int, typer.Option("--steps", help="RL steps per run (step 1 is cold)")]
+    = 2,
+    jobs: Annotated[int, typer.Option(help="processes")] = 2,
+    resume: Annotated[bool, typer.Option(help="keep the runs already in --json")] = False,
+) -> None:
+    """Every cell of the grid: each policy's paired speed-up over the best static layout."""
+    from bench.options import band_point
+    from bench.runners.grid import RIVALS, STATIC, SUBJECT, cells, fmt_ratio, run_grid, verdicts
+    from bench.workloads import load_workloads
+    from gateway.policies.registry import ALL_NAMES, resolve_names
+
+    names = resolve_names(policy or [*STATIC, *RIVALS, SUBJECT])
+    bad = [n for n in names if n not in ALL_NAMES]
+    if bad:
+        raise typer.BadParameter(f"unknown policy {bad}")
+    if not any(n in STATIC for n in names):
+        raise typer.BadParameter(f"the grid needs at least one static layout ({', '.join(STATIC)})")
+    table = load_workloads()
+    wls = workload or ["swe", "search", "math-code", "tau"]
+    unknown = [w for w in wls if w not in table]
+    if unknown:
+        raise typer.BadParameter(f"unknown workload {unknown}; available: {', '.join(table)}")
+    if steps_ < 2:
+        raise typer.BadParameter("--steps must be at least 2 (step 1 is not reported)")
+    models, kinds = model or ["qwen3-14b"], gpu or ["H100"]
+    bands = tp_efficiency or ["low", "mid", "high"]
+    for m in models:
+        for k in kinds:
+            for b in bands:
+                band_point(b, m, k)  # a bad model, GPU or band is a usage error up front
+    todo = cells(models, kinds, gpus or [16], per_gpu or [4, 16], wls, bands)
+    with Progress(transient=False) as prog:
+        task = prog.add_task(f"{len(todo)} cells x {len(names)} policies x {seeds} seeds",
+                             total=None)
+        doc = run_grid(todo, names, range(1, seeds + 1), steps_, json_out, jobs, resume,
+                       progress=lambda d, t: prog.update(task, completed=d, total=t))
+    for key, row in doc["summary"].items():
+        ratios = "  ".join(f"{p} {fmt_ratio(row.get(f'{p}_vs_best_static'))}"
+                           for p in names if p not in STATIC)
+        typer.echo(f"{key}: best static {row['best_static']}  {ratios}")
+    typer.echo(f"verdicts: {verdicts(doc['summary'])}")

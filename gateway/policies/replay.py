@@ -1,0 +1,255 @@
+"""Layout by replay: each step's TP degree chosen by replaying the last step on each layout.
+
+Which uniform TP serves a batch fastest depends on the model, the GPU, the load and the
+workload, and on the least certain constant of the cost model, how well tensor
+parallelism scales (``docs/tp-efficiency.md``): on one calibration TP8 wins nearly
+everywhere, on another TP2 or TP4 does. So no TP degree is written here. Before each
+step, :class:`ReplayPlanner` replays the trajectories it *observed* in the last step
+(their turns: new prompt tokens, generated tokens, the tool time before each call) on
+every candidate layout with the per-TP speeds the driver measured (``Snapshot.speeds``),
+and runs the step on the fastest. The straggler lane of :mod:`gateway.policies.lane`
+rides on top of that layout where the pool is large enough for it.
+
+The replay (:func:`replay_makespan`) is a fluid model of vLLM's continuous batching on
+verl's routing (sticky, new trajectories round robin): on each instance the sequences
+decoding at once share its steps, a step costs ``fixed + seq*n + ctx*C`` (the speeds'
+batch model, with ``C`` the context they hold), prefill of new prompt tokens delays the
+instance's decoding, KV room and ``max_num_seqs`` throttle an instance that holds more
+than fits, and a trajectory waits out its tool time between calls. It is an estimate for
+ranking layouts (a few tens of milliseconds for a 256-trajectory step), not the
+simulator.
+
+Nothing here reads a hidden length, ``max_tokens`` or a workload hint: the sample is what
+the gateway saw of finished trajectories. The first step has no sample and runs the
+highest TP (the lane layout).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.policies.base import (
+    GroupView,
+    Phase,
+    Prediction,
+    Relayout,
+    Snapshot,
+    TPSpeed,
+    TrajectoryView,
+)
+from gateway.policies.lane import MAX_LANE_SHARE, LanePlanner, lane_layout
+from gateway.policies.resources import uniform_layout
+
+#: the engine's ``max_num_seqs`` the replay assumes (vLLM's default for a GPU)
+MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One observed LLM call of a trajectory."""
+
+    new_tokens: int  # prompt tokens beyond the last call's context (the tool's output)
+    output_tokens: int
+    tool_s: float  # tool time between the last call and this one
+
+
+@dataclass(slots=True)
+class _Seen:
+    turns: list[Turn] = field(default_factory=list)
+    context: int = 0
+    tool_s: float = 0.0
+
+
+class StepRecorder:
+    """The turns of each trajectory of the current step, from ``observe`` alone; on
+    :meth:`close` the finished ones become the sample of the step."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, _Seen] = {}
+        self._done: list[list[Turn]] = []
+        self.sample: list[list[Turn]] = []  # the last closed step's trajectories
+
+    def observe(self, traj: TrajectoryView) -> None:
+        seen = self._live.get(traj.id)
+        if seen is None or traj.turns < len(seen.turns):  # a new trajectory (ids are reused)
+            seen = self._live[traj.id] = _Seen()
+        if traj.turns > len(seen.turns):
+            out = traj.last_output_tokens
+            prompt = max(0, traj.context_tokens - out)
+            new = prompt - seen.context if prompt >= seen.context else prompt
+            seen.turns.append(Turn(new, out, max(0.0, traj.tool_time_s - seen.tool_s)))
+            seen.context, seen.tool_s = traj.context_tokens, traj.tool_time_s
+        if traj.phase is Phase.FINISHED:
+            if seen.turns:
+                self._done.append(seen.turns)
+            del self._live[traj.id]
+
+    def close(self) -> None:
+        """End the step: its finished trajectories are the new sample (a step that
+        finished none keeps the old one)."""
+        if self._done:
+            self.sample, self._done = self._done, []
+        self._live.clear()
+
+
+def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
+    step = max(sp.fixed_s + sp.seq_s * n + sp.ctx_s * ctx, sp.per_token_s * 0.5)
+    over = max(1.0, n / MAX_NUM_SEQS, ctx / sp.kv_tokens if sp.kv_tokens else 1.0)
+    return step * over  # more than fits runs in turns: as many steps again per excess
+
+
+def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed) -> float:
+    """When the last of ``trajs`` ends, all on one instance from time 0."""
+    t = v = debt = 0.0  # real time, tokens each decoder has made, prefill still to run
+    n, cbase = 0, 0.0  # decoders; their context is cbase + n*v
+    decoding: list[tuple[float, int]] = []  # (v at which it ends its call, traj)
+    tools: list[tuple[float, int]] = []  # (time its next call starts, traj)
+    nxt = [0] * len(trajs)
+    ctx = [0.0] * len(trajs)
+    base = [0.0] * len(trajs)  # each decoder's context minus v at its start
+    end = 0.0
+    for k, turns in enumerate(trajs):
+        heapq.heappush(tools, (turns[0].tool_s, k))
+
+    def advance(dt: float, dv_end: float | None) -> None:
+        nonlocal t, v, debt
+        spend = min(debt, dt)
+        debt -= spend
+        if n and dt > spend:
+            if dv_end is not None:
+                dv = dv_end
+            else:
+                dv = (dt - spend) / _step_s(sp, n, cbase + n * v)
+                dv = (dt - spend) / _step_s(sp, n, cbase + n * (v + dv / 2))
+            v += dv
+        t += dt
+
+    while decoding or tools:
+        dec_t = None
+        if decoding:
+            dv = decoding[0][0] - v
+            dec_t = t + debt + dv * _step_s(sp, n, cbase + n * (v + dv / 2))
+        if tools and (dec_t is None or tools[0][0] <= dec_t):
+            at, k = heapq.heappop(tools)
+            advance(max(0.0, at - t), None)
+            turn = trajs[k][nxt[k]]
+            debt += turn.new_tokens * sp.prefill_s_per_token
+            ctx[k] += turn.new_tokens
+            if sp.kv_tokens and ctx[k] + turn.output_tokens > sp.kv_tokens:
+                return math.inf  # one call needs more KV than the instance has
+            base[k] = ctx[k] - v
+            cbase += base[k]
+            n += 1
+            heapq.heappush(decoding, (v + max(1, turn.output_tokens), k))
+        else:
+            assert dec_t is not None
+            ends, k = heapq.heappop(decoding)
+            advance(dec_t - t, ends - v)
+            n -= 1
+            cbase -= base[k]
+            ctx[k] += trajs[k][nxt[k]].output_tokens
+            nxt[k] += 1
+            if nxt[k] < len(trajs[k]):
+                heapq.heappush(tools, (t + trajs[k][nxt[k]].tool_s, k))
+            else:
+                end = max(end, t)
+    return end
+
+
+def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
+                    speeds: Mapping[int, TPSpeed]) -> float:
+    """Estimated makespan of ``sample`` on ``layout`` (TP degrees), verl's routing:
+    trajectories round robin over the instances in arrival order, then sticky."""
+    per: list[list[Sequence[Turn]]] = [[] for _ in layout]
+    for i, turns in enumerate(t for t in sample if t):
+        per[i % len(layout)].append(turns)
+    return max((_instance_s(ts, speeds[tp]) for ts, tp in zip(per, layout, strict=True) if ts),
+               default=0.0)
+
+
+class ReplayPlanner(LanePlanner):
+    """The straggler lane's planner with its bulk TP chosen by replay, not fixed at 8.
+
+    ``estimates`` holds the last replay per candidate TP (seconds), ``bulk_tp`` the
+    choice; a new choice needs to beat the current one by ``min_gain`` (noise between
+    samples is larger than that). The lane (one TP-``min(8, gpus)`` instance for the
+    predicted stragglers) is added where it holds at most a quarter of the pool and its
+    rule keeps it on (:class:`~gateway.policies.lane.LanePlanner`).
+
+    Between steps the choice is free in the simulator, which starts every step from
+    :meth:`initial_layout` (the trainer's step hides a restart); a live gateway never
+    calls that, so :meth:`plan` asks for the new layout as a relayout once the pool is
+    idle (no trajectory running).
+    """
+
+    def __init__(self, k: int = 8, plan_interval_s: float = 2.0, min_gain: float = 0.03,
+                 degrees: Sequence[int] = (1, 2, 4, 8)) -> None:
+        super().__init__(k, bulk_tp=max(degrees), plan_interval_s=plan_interval_s)
+        self.min_gain = min_gain
+        self.degrees = tuple(sorted(degrees))
+        self.recorder = StepRecorder()
+        self.speeds: Mapping[int, TPSpeed] = {}
+        self.estimates: dict[int, float] = {}
+        self.gpus = 0
+
+    def observe(self, traj: TrajectoryView, groups: Mapping[str, GroupView], now: float) -> None:
+        super().observe(traj, groups, now)
+        self.recorder.observe(traj)
+
+    def _has_lane(self, gpus: int) -> bool:
+        lane = lane_layout(gpus, 8)[0]
+        return self.lane_on and lane * MAX_LANE_SHARE <= gpus
+
+    def layout_for(self, gpus: int) -> tuple[int, ...]:
+        if self._has_lane(gpus):
+            return lane_layout(gpus, self.bulk_tp)
+        return uniform_layout(gpus, min(self.bulk_tp, gpus))
+
+    def _choose(self, gpus: int) -> None:
+        """Replay the last step's sample on each uniform bulk layout; keep the current
+        TP unless another is ``min_gain`` faster."""
+        sample = self.recorder.sample
+        speeds = {tp: s for tp, s in self.speeds.items() if s.fixed_s > 0 or s.seq_s > 0}
+        if not sample or not speeds:
+            return
+        bulk = gpus - lane_layout(gpus, 8)[0] if self._has_lane(gpus) else gpus
+        self.estimates = {tp: replay_makespan(sample, uniform_layout(bulk, tp), speeds)
+                          for tp in self.degrees if tp in speeds and tp <= bulk}
+        if not self.estimates:
+            return
+        best = min(self.estimates, key=lambda tp: (self.estimates[tp], -tp))
+        if math.isinf(self.estimates[best]):
+            return
+        cur = self.estimates.get(self.bulk_tp)
+        if cur is None or self.estimates[best] * (1 + self.min_gain) < cur:
+            self.bulk_tp = best
+
+    def _next_step(self) -> None:
+        super()._next_step()
+        self.recorder.close()
+        if self.gpus:
+            self._choose(self.gpus)
+
+    def initial_layout(self, gpus: int) -> tuple[int, ...]:
+        self.gpus = gpus
+        self._next_step()
+        self.choice = self.layout_for(gpus)
+        return self.choice
+
+    def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
+        self.speeds = snap.speeds
+        self.gpus = snap.total_gpus
+        super().plan(snap, preds)  # closes a finished step (and chooses) in a live gateway
+        running = [t for t in snap.trajectories.values() if t.phase is not Phase.FINISHED]
+        if running or any(i.state != "up" for i in snap.instances):
+            return None
+        want = self.layout_for(snap.total_gpus)
+        have = sorted(i.tp for i in snap.instances)
+        if sorted(want) == have or sum(want) != sum(have):
+            return None
+        self.choice = want
+        return Relayout(tuple(i.id for i in snap.instances), want,
+                        f"replay: TP{self.bulk_tp} fastest for the last step's workload")

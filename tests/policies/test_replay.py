@@ -1,0 +1,116 @@
+"""``replay``: the bulk TP chosen each step by replaying the last step on each layout."""
+
+from __future__ import annotations
+
+import math
+
+from gateway.policies.base import Phase, Relayout, TPSpeed
+from gateway.policies.compose import ComposedPolicy
+from gateway.policies.registry import get_policy
+from gateway.policies.replay import ReplayPlanner, StepRecorder, Turn, replay_makespan
+from tests.policies.fakes import inst, snapshot, traj
+
+# Two pools that differ only in how well TP scales. A step costs fixed + seq*n + ctx*C.
+# "poor": TP8 is barely faster than TP1 per instance (vLLM 0.5.4-like), so eight TP1s
+# serve a busy step far faster; "good": TP8 decodes ~8x faster, so it wins everywhere.
+POOR = {1: TPSpeed(0.010, 0.01, 1e-5, 0.010, 1e-4, 1e-8, kv_tokens=400_000),
+        8: TPSpeed(0.008, 0.01, 1e-5, 0.008, 0.8e-4, 0.8e-8, kv_tokens=4_000_000)}
+GOOD = {1: POOR[1], 8: TPSpeed(0.0013, 0.01, 1e-6, 0.0013, 1.3e-5, 1.3e-9,
+                                kv_tokens=4_000_000)}
+
+
+def _busy_step(n: int = 64) -> list[list[Turn]]:
+    """``n`` equal trajectories of three calls each, 2 s tools in between."""
+    return [[Turn(1000, 300, 0.0), Turn(200, 300, 2.0), Turn(200, 300, 2.0)]
+            for _ in range(n)]
+
+
+def test_recorder_rebuilds_each_call_from_what_the_gateway_observed() -> None:
+    rec = StepRecorder()
+    first = traj("t", turns=1, context=1100)
+    rec.observe(_with(first, last_output_tokens=100))
+    second = traj("t", turns=2, context=1500)  # 300 tool tokens, 100 more generated
+    rec.observe(_with(second, last_output_tokens=100, tool_time_s=2.5))
+    rec.observe(_with(traj("t", turns=2, context=1500), last_output_tokens=100,
+                      tool_time_s=2.5, phase=Phase.FINISHED))
+    rec.close()
+    assert rec.sample == [[Turn(1000, 100, 0.0), Turn(300, 100, 2.5)]]
+    # the RL loop reuses the id next step: a fresh trajectory, not a continuation
+    rec.observe(_with(traj("t", turns=1, context=900), last_output_tokens=50))
+    rec.observe(_with(traj("t", turns=1, context=900), last_output_tokens=50,
+                      phase=Phase.FINISHED))
+    rec.close()
+    assert rec.sample == [[Turn(850, 50, 0.0)]]
+
+
+def _with(view: object, **changes: object) -> object:
+    from dataclasses import replace
+    return replace(view, **changes)  # type: ignore[type-var]
+
+
+def test_the_replay_ranks_layouts_as_the_speeds_say() -> None:
+    busy = _busy_step(64)
+    # poor TP scaling: a busy step runs far faster on eight TP1 instances than on one TP8
+    assert replay_makespan(busy, (1,) * 8, POOR) < 0.9 * replay_makespan(busy, (8,), POOR)
+    # good TP scaling: one TP8 wins the same step
+    assert replay_makespan(busy, (8,), GOOD) < replay_makespan(busy, (1,) * 8, GOOD)
+    # one long trajectory alone: its decode speed is the makespan, so TP8 wins either way
+    lone = [[Turn(1000, 4000, 0.0)]]
+    assert replay_makespan(lone, (8,), POOR) < replay_makespan(lone, (1,) * 8, POOR)
+
+
+def test_the_replay_counts_tools_and_prefill_not_only_decoding() -> None:
+    one = [[Turn(0, 100, 0.0), Turn(0, 100, 30.0)]]  # a 30 s tool between two calls
+    assert replay_makespan(one, (1,), POOR) > 30.0
+    assert replay_makespan([[Turn(100_000, 1, 0.0)]], (1,), POOR) >= 100_000 * 1e-5
+
+
+def test_a_call_that_does_not_fit_the_kv_cache_rules_the_layout_out() -> None:
+    huge = [[Turn(500_000, 100, 0.0)]]
+    assert math.isinf(replay_makespan(huge, (1,), POOR))
+    assert not math.isinf(replay_makespan(huge, (8,), POOR))
+
+
+def _run_step(policy: ComposedPolicy, n: int, speeds: dict[int, TPSpeed]) -> None:
+    """What a driver does in one step: plan calls (they carry the speeds), then every
+    trajectory's calls observed until it finishes."""
+    snap = snapshot(0.0, [inst("a", tp=8, cap=256), inst("b", tp=8, cap=256)], [])
+    policy.plan(_speeds(snap, speeds))
+    for i in range(n):
+        ctx = 1000
+        for turn in range(1, 4):
+            ctx += 300 if turn > 1 else 0
+            view = traj(f"t{i}", turns=turn, context=ctx + 300)
+            phase = Phase.FINISHED if turn == 3 else Phase.TOOL
+            policy.observe(_with(view, last_output_tokens=300, tool_time_s=2.0 * (turn - 1),
+                                 phase=phase), {}, float(turn))  # type: ignore[arg-type]
+            ctx += 300
+
+
+def _speeds(snap: object, speeds: dict[int, TPSpeed]) -> object:
+    return _with(snap, speeds=speeds, total_gpus=16)
+
+
+def test_the_layout_follows_the_measured_speeds_from_step_to_step() -> None:
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
+    planner = policy.planner
+    assert policy.initial_layout(16) == (8, 8)  # nothing observed yet: the highest TP
+    _run_step(policy, 128, POOR)
+    assert policy.initial_layout(16) == (1,) * 16  # TP scales poorly: many small instances
+    assert planner.estimates[1] < planner.estimates[8]
+    _run_step(policy, 128, GOOD)
+    assert policy.initial_layout(16) == (8, 8)  # the engines got faster at TP8: back
+
+
+def test_a_live_pool_is_relaid_out_once_idle_and_never_mid_step() -> None:
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy)
+    _run_step(policy, 128, POOR)  # a whole step observed; the pool still runs 2 x TP8
+    busy = snapshot(0.0, [inst("a", tp=8, cap=256, running=3), inst("b", tp=8, cap=256)],
+                    [traj("x", turns=1, phase=Phase.GENERATING)])
+    assert policy.plan(_speeds(busy, POOR)) is None  # a trajectory is running: wait
+    idle = snapshot(0.0, [inst("a", tp=8, cap=256), inst("b", tp=8, cap=256)], [])
+    change = policy.plan(_speeds(idle, POOR))
+    assert change == Relayout(("a", "b"), (1,) * 16, change.reason if change else "")
+    assert change is not None and "TP1" in change.reason
