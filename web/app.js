@@ -189,6 +189,25 @@
     const relayouts = rl && rl.proposed ? ` · relayouts ${rl.applied} applied of ${rl.proposed} proposed` +
       (rl.applied ? ` (drain ${dur(rl.drain_s)}, start ${dur(rl.start_s)})` : "") : "";
     setText("pool-summary", `${s.pool.instances} instances · ${s.pool.gpus} GPUs` + relayouts);
+    renderSpeeds(s.speeds);
+  }
+
+  // per TP: the decode step the policy plans with (profile x what the engines measured)
+  function renderSpeeds(sp) {
+    if (!sp) return;
+    setText("speeds-profile", `profile ${sp.profile}`);
+    const rows = sp.by_tp.map((r) => {
+      const tr = el("tr", { "data-tp": String(r.tp) });
+      tr.append(
+        el("td", { class: "num" }, String(r.tp)),
+        el("td", { class: "num" }, `${r.step_ms_1.toFixed(1)} ms`),
+        el("td", { class: "num" }, `${r.step_ms_64.toFixed(1)} ms`),
+        el("td", { class: "num" }, r.factor.toFixed(2)),
+        el("td", { class: "source" }, r.source),
+        el("td", { class: "num" }, num(r.calls)));
+      return tr;
+    });
+    $("speeds").tBodies[0].replaceChildren(...rows);
   }
 
   function renderThroughput(h) {

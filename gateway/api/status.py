@@ -66,4 +66,5 @@ def status_body(rt: Runtime) -> dict[str, Any]:
         "restore": {"restored": rt.restorer.restored, "failures": rt.restorer.failures,
                     "existence_queries": rt.restorer.existence_queries},
         "relayouts": rt.relayouts.summary(),
+        "speeds": {"profile": rt.settings.dispatch.speed_profile, "by_tp": sched.meter.table()},
     } | live_view(rt, time.time())

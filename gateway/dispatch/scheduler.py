@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
+from gateway.dispatch.speeds import SpeedMeter
 from gateway.dispatch.step import STALE, Failure, Queued, schedule_pass
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
 from gateway.errors import (
@@ -77,7 +78,8 @@ class Scheduler:
         self.registry = registry
         self.tracker = tracker
         self.policy = policy
-        self.speeds = speeds
+        self.speeds = speeds  # the profile's (the prior)
+        self.meter = SpeedMeter(speeds, settings.time_scale)  # what the policy believes
         self.settings = settings
         self.kv_usage: KvLookup = lambda _id: None
         self.on_migrate: Callable[[TrajectoryState, Migrate], None] | None = None
@@ -311,7 +313,7 @@ class Scheduler:
         return Snapshot(
             now=self.wall(), total_gpus=sum(i.gpus for i in instances), instances=instances,
             trajectories=LiveTrajectories(self.tracker), groups=Groups(self.tracker),
-            speeds=self.speeds, restart_s=self.settings.restart_s,
+            speeds=self.meter.current(), restart_s=self.settings.restart_s,
             finished=self.tracker.finished_count)
 
     # ------------------------------------------------------------------ hooks

@@ -3,10 +3,18 @@
 A :class:`~gateway.policies.base.TPSpeed` says how fast one instance of a TP degree
 decodes alone and how much each extra sequence slows it (Heddle's interference factor
 F(n), section 5). The gateway takes them from the latency profile of the model and GPU
-it serves (``DispatchSettings.speed_profile``); the simulator uses the same function.
+it serves (``DispatchSettings.speed_profile``); the simulator uses the same function. A
+live gateway then corrects them with what its engines measure (:class:`SpeedMeter`): the
+status page shows the speeds the policy believes and where each came from.
 """
 
 from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import replace
 
 from backends.sim.profiles import LatencyProfile, load_profile
 from gateway.policies.base import TPSpeed
@@ -59,3 +67,86 @@ def speeds_for(spec: str) -> dict[int, TPSpeed]:
         raise ValueError(f"no latency profile for {spec!r} (expected MODEL/GPU, e.g. "
                          "qwen3-14b/H100)")
     return out
+
+
+#: calls of one TP degree before its measured factor replaces the profile's
+MIN_CALLS = 8
+#: calls kept per TP degree (the factor is their median: robust to a stalled call)
+WINDOW = 256
+
+
+class SpeedMeter:
+    """The per-TP speeds the policy believes: the profile's, scaled by what the engines
+    measured.
+
+    Every ok call of a known TP reports its decode time per generated token and how many
+    calls its instance ran at the time; the profile predicts that same step time
+    (:meth:`TPSpeed.batch_step_s`), and the median of measured/predicted over the last
+    :data:`WINDOW` calls is the TP's factor. A TP with fewer than :data:`MIN_CALLS` calls
+    takes the factor of the nearest measured TP (in log2: what slows TP2 down, all-reduce
+    or per-step overhead, slows TP4 more like it than TP1), and with none measured the
+    profile stands. Times are in engine
+    seconds: a simulated pool compressed ``time_scale`` times is scaled back.
+    """
+
+    def __init__(self, prior: Mapping[int, TPSpeed], time_scale: float = 1.0) -> None:
+        self.prior = dict(prior)
+        self.time_scale = time_scale
+        self._ratios: dict[int, deque[float]] = {}
+        self._current: dict[int, TPSpeed] | None = None
+
+    def observe(self, tp: int, decode_s: float, tokens: int, running: int,
+                context_tokens: int) -> None:
+        """One call's decode: ``decode_s`` seconds for ``tokens`` generated tokens on an
+        instance running ``running`` calls, this one holding ``context_tokens``."""
+        prior = self.prior.get(tp)
+        if prior is None or tokens < 2 or decode_s <= 0:
+            return
+        n = max(1, running)
+        predicted = prior.batch_step_s(n, n * context_tokens) if prior.fixed_s else \
+            prior.step_s(n)
+        if predicted <= 0:
+            return
+        measured = decode_s * self.time_scale / tokens
+        self._ratios.setdefault(tp, deque(maxlen=WINDOW)).append(measured / predicted)
+        self._current = None
+
+    def factor(self, tp: int) -> tuple[float, str, int]:
+        """(factor on the profile's times, where it comes from, calls measured)."""
+        own = self._ratios.get(tp, ())
+        if len(own) >= MIN_CALLS:
+            return statistics.median(own), "measured", len(own)
+        others = {t: statistics.median(r) for t, r in self._ratios.items()
+                  if len(r) >= MIN_CALLS}
+        if others:  # the nearest measured degree (TP4 runs more like TP2 than like TP1)
+            near = min(others, key=lambda t: (abs(math.log2(t) - math.log2(tp)), -t))
+            return others[near], f"as measured at TP{near}", len(own)
+        return 1.0, "profile", len(own)
+
+    def current(self) -> dict[int, TPSpeed]:
+        """The speeds to hand policies now (cached until the next observation)."""
+        if self._current is None:
+            self._current = {tp: _scaled(s, self.factor(tp)[0]) for tp, s in self.prior.items()}
+        return self._current
+
+    def table(self) -> list[dict[str, object]]:
+        """Per TP, for ``/status`` and the page: the believed decode step alone and at 64
+        calls (ms), the factor and its source."""
+        rows: list[dict[str, object]] = []
+        for tp, s in sorted(self.current().items()):
+            f, source, calls = self.factor(tp)
+            rows.append({"tp": tp, "step_ms_1": round(_step(s, 1) * 1000, 3),
+                         "step_ms_64": round(_step(s, 64) * 1000, 3), "factor": round(f, 3),
+                         "source": source, "calls": calls})
+        return rows
+
+
+def _step(s: TPSpeed, n: int) -> float:
+    return s.batch_step_s(n, n * TYPICAL_CONTEXT) if s.fixed_s else s.step_s(n)
+
+
+def _scaled(s: TPSpeed, f: float) -> TPSpeed:
+    if f == 1.0:
+        return s
+    return replace(s, per_token_s=s.per_token_s * f, prefill_s_per_token=s.prefill_s_per_token * f,
+                   fixed_s=s.fixed_s * f, seq_s=s.seq_s * f, ctx_s=s.ctx_s * f)

@@ -182,7 +182,10 @@ class ReplayPlanner(LanePlanner):
     Between steps the choice is free in the simulator, which starts every step from
     :meth:`initial_layout` (the trainer's step hides a restart); a live gateway never
     calls that, so :meth:`plan` asks for the new layout as a relayout once the pool is
-    idle (no trajectory running).
+    idle (no trajectory running) and a step has been observed. Until then the pool keeps
+    the layout it was started with: that is what the speeds are first measured on, so a
+    mixed start (TP1 and TP2 instances, say) lets the first choice rest on two measured
+    degrees rather than one.
     """
 
     def __init__(self, k: int = 8, plan_interval_s: float = 2.0, min_gain: float = 0.03,
@@ -244,8 +247,9 @@ class ReplayPlanner(LanePlanner):
         self.gpus = snap.total_gpus
         super().plan(snap, preds)  # closes a finished step (and chooses) in a live gateway
         running = [t for t in snap.trajectories.values() if t.phase is not Phase.FINISHED]
-        if running or any(i.state != "up" for i in snap.instances):
-            return None
+        if (not self.recorder.sample or not snap.total_gpus or running
+                or any(i.state != "up" for i in snap.instances)):
+            return None  # nothing observed yet (the start layout is what gets measured)
         want = self.layout_for(snap.total_gpus)
         have = sorted(i.tp for i in snap.instances)
         if sorted(want) == have or sum(want) != sum(have):

@@ -95,6 +95,23 @@ def _status(error: BaseException | None) -> str:
     return "error"
 
 
+def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: int) -> None:
+    """Report the call's decode speed to the scheduler's :class:`SpeedMeter`: from the
+    first byte on for a stream, else the whole call less the profile's prefill estimate."""
+    assert ctx.lease is not None
+    tp = ctx.lease.backend.tp or 1
+    prompt = len(ctx.capture.prompt_ids or ())
+    meter = rt.dispatcher.scheduler.meter
+    if ctx.stream and ctx.first_byte is not None and ctx.dispatched_at is not None:
+        decode_s = llm_s - (ctx.first_byte - ctx.dispatched_at)
+        tokens -= 1  # the first token came with the prefill
+    else:
+        prior = meter.prior.get(tp)
+        decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
+                            if prior is not None else 0.0)
+    meter.observe(tp, decode_s, tokens, running, prompt + tokens)
+
+
 def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
                 backend_ok: bool | None) -> None:
     """A dispatched call ended: release its backend, place it in its trajectory, tell the
@@ -103,6 +120,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
     assert ctx.lease is not None
     live_calls(rt).remove(ctx.id)
     status = _status(error)
+    running = ctx.lease.backend.in_flight  # this call included, before it is released
     ctx.lease.release(ok=status != "error" if backend_ok is None else backend_ok)
     now = time.monotonic()
     dispatched = ctx.dispatched_at or now
@@ -113,6 +131,8 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
         completion=cap.token_ids, ok=status == "ok", turn=_turn_facts(ctx),
     )
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
+    if status == "ok":
+        _measure(rt, ctx, now - dispatched, len(cap.token_ids), running)
     ctx.seq = rt.tracker.record_seq(ctx.state)  # in placement order, gap-free
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,

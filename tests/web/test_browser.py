@@ -123,6 +123,9 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
         "before => document.getElementById('kpi-calls-total').textContent !== before",
         arg=calls_before, timeout=20_000)
     expect(page.locator("#pool tbody tr")).to_have_count(3)
+    expect(page.locator("#speeds tbody tr")).to_have_count(4)  # TP1..8, with their source
+    expect(page.locator("#speeds-profile")).to_contain_text("profile ")
+    expect(page.locator("#speeds tr[data-tp='8'] td.source")).not_to_be_empty()
     expect(page.locator("#gantt .row").first).to_be_visible(timeout=15_000)
     page.wait_for_function("() => document.querySelectorAll('#pool .meter').length === 3",
                            timeout=15_000)  # KV use scraped from each vLLM /metrics

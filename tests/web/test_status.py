@@ -63,6 +63,13 @@ def test_status_json_has_the_page_data(scripted_gateway):
     # no managed pool: a proposal could only be refused, and the Gantt has no relayout band
     assert status["relayouts"]["applied"] == 0 and status["gantt"]["relayouts"] == []
     assert "completion_text" not in json.dumps(status)
+    # the speeds the policy plans with: the profile's until a TP has enough measured calls
+    speeds = status["speeds"]
+    assert speeds["profile"] == "qwen3-14b/H100" and [r["tp"] for r in speeds["by_tp"]] == [
+        1, 2, 4, 8]
+    tp1 = speeds["by_tp"][0]
+    assert tp1["source"] == "profile" and tp1["factor"] == 1.0 and tp1["calls"] == 4
+    assert tp1["step_ms_1"] > speeds["by_tp"][3]["step_ms_1"]  # TP8 decodes faster alone
 
 
 def test_admin_changes_show_up_as_events(scripted_gateway):

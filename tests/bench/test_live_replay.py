@@ -1,0 +1,80 @@
+"""``replay`` live: the speeds it plans with are measured from the engines, and the managed
+pool's layout follows them.
+
+Two managed sim pools start with the same mixed layout (TP1, TP1, TP2) and the same
+profile in the gateway (qwen3-14b/H100, which scales TP well). In one the engines run as
+the profile says; in the other they run TP2 far slower (``tp_penalty`` 3: per-step costs
+x4 at TP2). Each serves one batch through the real gateway and the emulated harness; once
+the pool is idle the policy relays it out for the next step. It must measure the slow
+TP2, show that on ``/status``, and choose differently: no TP above 1 where TP2 was slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.harness.batch import HarnessConfig, run_batch
+from bench.harness.hosting import free_port, serve_gateway, sim_pool_spec, wait_routable
+from bench.workloads import generate
+from gateway.config import DispatchSettings, ServerSettings, Settings, TraceSettings
+
+MODEL, SPEED, SEED = "qwen3-14b", 40.0, 1
+
+
+async def _one_step_then_layout(tmp_path: Path, engine_options: dict[str, Any]
+                                ) -> tuple[dict[str, Any], list[int]]:
+    tmp_path.mkdir()
+    spec = sim_pool_spec(tmp_path / "pool.json", [1, 1, 2], model=MODEL, gpu="H100",
+                         speed=SPEED, seed=SEED)
+    doc = json.loads(spec.read_text())
+    doc["launcher"]["options"] = engine_options
+    spec.write_text(json.dumps(doc))
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", policy="replay",
+        pool=spec, server=ServerSettings(host="127.0.0.1", port=free_port()),
+        dispatch=DispatchSettings(speed_profile=f"{MODEL}/H100", tick_s=0.05,
+                                  time_scale=SPEED),
+        traces=TraceSettings(flush_interval_s=0.05, spool_path=tmp_path / "spool"))
+    specs = generate("swe", SEED, prompts=3, group_size=4, max_context=32768)
+    async with serve_gateway(settings) as gw, httpx.AsyncClient(timeout=60) as http:
+        await wait_routable(http, gw, 3)
+        batch = await run_batch(specs, HarnessConfig(gw, MODEL, speed=SPEED, seed=SEED,
+                                                     stream=False, reward_latency=False))
+        assert batch.errors == 0
+        speeds = (await http.get(f"{gw}/status")).json()["speeds"]
+        for _ in range(300):  # the idle pool is relaid out for the next step
+            status = (await http.get(f"{gw}/status")).json()
+            rl = status["relayouts"]
+            done = [r for r in rl["recent"] if r["status"] == "succeeded"]
+            if done and all(b["routable"] for b in status["backends"]):
+                return speeds, sorted(b["tp"] for b in status["backends"])
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no relayout applied: {status['relayouts']}")
+
+
+def _row(speeds: dict[str, Any], tp: int) -> dict[str, Any]:
+    return next(r for r in speeds["by_tp"] if r["tp"] == tp)
+
+
+async def test_the_layout_follows_the_speeds_the_engines_show(tmp_path: Path) -> None:
+    honest, honest_layout = await _one_step_then_layout(tmp_path / "a", {})
+    slow, slow_layout = await _one_step_then_layout(tmp_path / "b", {"tp_penalty": 3.0})
+    # both measured TP1 and TP2 from their own calls; TP4 and TP8 only inferred
+    for sp in (honest, slow):
+        assert _row(sp, 1)["source"] == _row(sp, 2)["source"] == "measured"
+        assert _row(sp, 4)["source"] == "as measured at TP2"
+        assert sp["profile"] == f"{MODEL}/H100"
+    # measured against the profile, honest TP2 is as fast as honest TP1 (the factors agree:
+    # what is left is the gateway's own share of a call), slow TP2 is far slower than TP1
+    ratio = {name: _row(sp, 2)["factor"] / _row(sp, 1)["factor"]
+             for name, sp in (("honest", honest), ("slow", slow))}
+    assert 0.8 < ratio["honest"] < 1.25 and ratio["slow"] > 1.8, ratio
+    # so the next step's layout differs: TP above 1 where it is fast, none where it is slow
+    assert sum(honest_layout) == sum(slow_layout) == 4
+    assert max(honest_layout) > 1, honest_layout
+    assert slow_layout == [1, 1, 1, 1], slow_layout
