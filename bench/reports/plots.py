@@ -78,3 +78,33 @@ def gantt(out: Path, rows: Sequence[Mapping[str, Any]], title: str, top: int = 1
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def grid_heatmap(out: Path, summary: Mapping[str, Any], subject: str, title: str) -> Path:
+    """Cells of ``bench grid`` (rows: workload and load; columns: TP-efficiency point),
+    coloured by ``subject``'s paired speed-up over the cell's best static layout and
+    labelled with it and that layout's TP."""
+    keys = list(summary)
+    bands = list(dict.fromkeys(k.rsplit("/", 1)[1] for k in keys))
+    rows = list(dict.fromkeys(k.rsplit("/", 1)[0] for k in keys))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(bands), 0.8 + 0.42 * len(rows)), dpi=110)
+    grid = [[float("nan")] * len(bands) for _ in rows]
+    for key, row in summary.items():
+        r, b = key.rsplit("/", 1)
+        ratio = row.get(f"{subject}_vs_best_static")
+        if ratio is None:
+            continue
+        i, j = rows.index(r), bands.index(b)
+        grid[i][j] = ratio[0]
+        best = row["best_static"].rsplit("-", 1)[-1].upper()
+        ax.text(j, i, f"{ratio[0]:.2f}x\n{best}", ha="center", va="center", fontsize=7)
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.85, vmax=1.15, aspect="auto")
+    ax.set_xticks(range(len(bands)), bands)
+    ax.set_yticks(range(len(rows)), [r.split("/", 2)[-1] for r in rows], fontsize=7)
+    ax.set_xlabel("TP efficiency (docs/tp-efficiency.md)")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label=f"best static / {subject}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -3,6 +3,8 @@ models, GPUs, loads, workloads and the TP-efficiency band (bench/runners/grid.py
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -62,6 +64,14 @@ def grid(
                              total=None)
         doc = run_grid(todo, names, range(1, seeds + 1), steps_, json_out, jobs, resume,
                        progress=lambda d, t: prog.update(task, completed=d, total=t))
+    doc["command"] = " ".join(["rollout-gateway", "bench", "grid", *sys.argv[3:]])
+    json_out.write_text(json.dumps(doc, indent=1))
+    from bench.reports.plots import grid_heatmap
+
+    figure = grid_heatmap(json_out.with_suffix(".png"), doc["summary"], SUBJECT,
+                          f"{SUBJECT} vs the best static layout, {', '.join(models)} on "
+                          f"{', '.join(kinds)}, {', '.join(map(str, gpus or [16]))} GPUs")
+    typer.echo(f"heat map: {figure}")
     for key, row in doc["summary"].items():
         ratios = "  ".join(f"{p} {fmt_ratio(row.get(f'{p}_vs_best_static'))}"
                            for p in names if p not in STATIC)
