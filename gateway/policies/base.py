@@ -169,6 +169,9 @@ class Snapshot:
     speeds: Mapping[int, TPSpeed]  # by TP degree
     restart_s: float = 10.8  # cost of (re)starting an instance with a new TP (Libra)
     finished: int = 0  # trajectories finished so far in this batch
+    # engine seconds per wall second: ``speeds`` and ``restart_s`` are in engine time, the
+    # trajectories' times in wall time (1 except on a time-compressed simulated pool)
+    time_scale: float = 1.0
 
     def instance(self, instance_id: str | None) -> InstanceView | None:
         for inst in self.instances:

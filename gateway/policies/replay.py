@@ -101,7 +101,7 @@ def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
     return step * over  # more than fits runs in turns: as many steps again per excess
 
 
-def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed) -> float:
+def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float) -> float:
     """When the last of ``trajs`` ends, all on one instance from time 0."""
     t = v = debt = 0.0  # real time, tokens each decoder has made, prefill still to run
     n, cbase = 0, 0.0  # decoders; their context is cbase + n*v
@@ -112,7 +112,7 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed) -> float:
     base = [0.0] * len(trajs)  # each decoder's context minus v at its start
     end = 0.0
     for k, turns in enumerate(trajs):
-        heapq.heappush(tools, (turns[0].tool_s, k))
+        heapq.heappush(tools, (turns[0].tool_s * tool_scale, k))
 
     def advance(dt: float, dv_end: float | None) -> None:
         nonlocal t, v, debt
@@ -153,21 +153,22 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed) -> float:
             ctx[k] += trajs[k][nxt[k]].output_tokens
             nxt[k] += 1
             if nxt[k] < len(trajs[k]):
-                heapq.heappush(tools, (t + trajs[k][nxt[k]].tool_s, k))
+                heapq.heappush(tools, (t + trajs[k][nxt[k]].tool_s * tool_scale, k))
             else:
                 end = max(end, t)
     return end
 
 
 def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
-                    speeds: Mapping[int, TPSpeed]) -> float:
+                    speeds: Mapping[int, TPSpeed], tool_scale: float = 1.0) -> float:
     """Estimated makespan of ``sample`` on ``layout`` (TP degrees), verl's routing:
-    trajectories round robin over the instances in arrival order, then sticky."""
+    trajectories round robin over the instances in arrival order, then sticky. Seconds of
+    the speeds' (engine) time; ``tool_scale`` converts the sample's tool times to it."""
     per: list[list[Sequence[Turn]]] = [[] for _ in layout]
     for i, turns in enumerate(t for t in sample if t):
         per[i % len(layout)].append(turns)
-    return max((_instance_s(ts, speeds[tp]) for ts, tp in zip(per, layout, strict=True) if ts),
-               default=0.0)
+    return max((_instance_s(ts, speeds[tp], tool_scale)
+                for ts, tp in zip(per, layout, strict=True) if ts), default=0.0)
 
 
 class ReplayPlanner(LanePlanner):
@@ -197,6 +198,7 @@ class ReplayPlanner(LanePlanner):
         self.speeds: Mapping[int, TPSpeed] = {}
         self.estimates: dict[int, float] = {}
         self.gpus = 0
+        self.time_scale = 1.0  # the observed (wall) tool times, in the speeds' time
 
     def observe(self, traj: TrajectoryView, groups: Mapping[str, GroupView], now: float) -> None:
         super().observe(traj, groups, now)
@@ -219,7 +221,8 @@ class ReplayPlanner(LanePlanner):
         if not sample or not speeds:
             return
         bulk = gpus - lane_layout(gpus, 8)[0] if self._has_lane(gpus) else gpus
-        self.estimates = {tp: replay_makespan(sample, uniform_layout(bulk, tp), speeds)
+        self.estimates = {tp: replay_makespan(sample, uniform_layout(bulk, tp), speeds,
+                                              self.time_scale)
                           for tp in self.degrees if tp in speeds and tp <= bulk}
         if not self.estimates:
             return
@@ -245,6 +248,7 @@ class ReplayPlanner(LanePlanner):
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
         self.speeds = snap.speeds
         self.gpus = snap.total_gpus
+        self.time_scale = snap.time_scale
         super().plan(snap, preds)  # closes a finished step (and chooses) in a live gateway
         running = [t for t in snap.trajectories.values() if t.phase is not Phase.FINISHED]
         if (not self.recorder.sample or not snap.total_gpus or running

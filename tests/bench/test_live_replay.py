@@ -73,7 +73,7 @@ async def test_the_layout_follows_the_speeds_the_engines_show(tmp_path: Path) ->
     # what is left is the gateway's own share of a call), slow TP2 is far slower than TP1
     ratio = {name: _row(sp, 2)["factor"] / _row(sp, 1)["factor"]
              for name, sp in (("honest", honest), ("slow", slow))}
-    assert 0.8 < ratio["honest"] < 1.25 and ratio["slow"] > 1.8, ratio
+    assert 0.75 < ratio["honest"] < 1.33 and ratio["slow"] > 1.7, ratio
     # so the next step's layout differs: TP above 1 where it is fast, none where it is slow
     assert sum(honest_layout) == sum(slow_layout) == 4
     assert max(honest_layout) > 1, honest_layout
