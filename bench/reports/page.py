@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 
+from bench.reports.grid_summary import RIVALS, SUBJECT, fmt_ratio, verdicts
 from bench.simulator.steps import StepScenario, paired_ratio
 from gateway.policies.registry import DEPRECATED_NAMES
 
@@ -37,6 +38,8 @@ TAIL = {"search": ["search-64gpu.json", "search-64gpu-perfect.json"],
         "math-code": ["math-code-64gpu.json", "math-code-64gpu-perfect.json"],
         "swe": ["swe-64gpu.json"]}
 WEIGHTS = "weights/math-code-8gpu.json"
+GRID = ["grid/headline-math-code-5seeds.json", "grid/qwen3-14b-h100-16gpu.json",
+        "grid/qwen3-14b-a100-16gpu.json", "grid/qwen3-8b-32b-h100.json"]
 LIVE = ["live-16gpu/3x/static-and-lane.json", "live-16gpu/3x/heddle-libra.json"]
 #: the rival each workload is compared with in the headline (Libra's config for it)
 LIBRA = {"search": "libra-search", "math-code": "libra", "swe": "libra"}
@@ -110,7 +113,8 @@ def _scale() -> str:
 
 
 def headline(root: Path = ROOT) -> str:
-    lines = [f"{_scale()}, 64 GPUs, 5 seeds. `{LANE}` (the gateway's default) against "
+    lines = [f"{_scale()}, 64 GPUs, 5 seeds, the calibrated cost model. `{LANE}` (the "
+             "default before issue 30) against "
              "each rival: the geometric mean of the per-seed makespan ratios (rival / "
              f"`{LANE}`), paired 95% interval; above 1 means `{LANE}` is faster.", "",
              f"| workload (steps reported) | `{LANE}` makespan s | vs best static (`{BEST}`) | "
@@ -220,9 +224,46 @@ def live_table(root: Path = ROOT) -> str:
                                                    "--json", "/tmp/live.json"), "```"])
 
 
+def grid_table(root: Path = ROOT) -> str:
+    """Issue 30's grid: per cell, each policy against the best uniform static layout."""
+
+    out: list[str] = []
+    for rel in GRID:
+        doc = load(rel, root)
+        summary = doc["summary"]
+        out += [f"{len(doc['seeds'])} seeds, {doc['steps']} steps per run (steps "
+                f"2-{doc['steps']} reported). Ratios are best static / policy (paired 95% "
+                "interval): above 1 the policy is faster. `-`: the policy cannot run the "
+                "cell (a call needs more KV cache than its TP1 instances have).", "",
+                "| model, GPU, GPUs | workload | per GPU | TP efficiency | best static (s) | "
+                f"`{SUBJECT}` | " + " | ".join(f"`{p}`" for p in RIVALS)
+                + " | best static / critical path |",
+                "|---|---|---|---|---|---|" + "---|" * len(RIVALS) + "---|"]
+        for key, row in summary.items():
+            model, gpu, gpus, per_gpu, workload, band = key.split("/")
+            best = row["best_static"]
+            cells = [fmt_ratio(row.get(f"{p}_vs_best_static")) for p in (SUBJECT, *RIVALS)]
+            out.append(f"| {model}, {gpu}, {gpus.removesuffix('gpu')} | {workload} | "
+                       f"{per_gpu.removesuffix('pg')} | {band} | `{best}` "
+                       f"({row['mean_s'][best]:.1f}) | " + " | ".join(cells)
+                       + f" | {row['headroom']:.2f}x |")
+        v = verdicts(summary)
+        out += ["", f"Cells: {v['cells']}. `{SUBJECT}` at least 0.98x the best static: "
+                f"{v['at_least_0.98x_best_static']}; at least level with both `heddle` and "
+                f"`libra`: {v['at_least_heddle_and_libra']}; cells whose best static is not "
+                f"TP8: {v['best_static_not_tp8']}, of those at least 1.15x: "
+                f"{v['of_those_at_least_1.15x']}, and where the critical path leaves room "
+                f"for 1.15x at all: {v['of_those_where_1.15x_is_possible']} (point "
+                "estimates; the critical path is the longest trajectory alone at its best "
+                "TP, a bound no schedule beats).", "",
+                f"![{SUBJECT} vs the best static layout]({BENCH}/{rel.removesuffix('.json')}.png)",
+                "", "```sh", command([doc], "--json", f"{BENCH}/{rel}"), "```", ""]
+    return "\n".join(out).rstrip()
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "headline": headline, "steps": steps_table, "tail": tail_table,
-    "weights": weights_table, "live": live_table}
+    "weights": weights_table, "live": live_table, "grid": grid_table}
 
 
 def render(text: str, root: Path = ROOT) -> str:

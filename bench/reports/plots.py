@@ -100,7 +100,7 @@ def grid_heatmap(out: Path, summary: Mapping[str, Any], subject: str, title: str
         ax.text(j, i, f"{ratio[0]:.2f}x\n{best}", ha="center", va="center", fontsize=7)
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.85, vmax=1.15, aspect="auto")
     ax.set_xticks(range(len(bands)), bands)
-    ax.set_yticks(range(len(rows)), [r.split("/", 2)[-1] for r in rows], fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
     ax.set_xlabel("TP efficiency (docs/tp-efficiency.md)")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=f"best static / {subject}")

@@ -69,11 +69,12 @@ async def test_the_layout_follows_the_speeds_the_engines_show(tmp_path: Path) ->
         assert _row(sp, 1)["source"] == _row(sp, 2)["source"] == "measured"
         assert _row(sp, 4)["source"] == "as measured at TP2"
         assert sp["profile"] == f"{MODEL}/H100"
-    # measured against the profile, honest TP2 is as fast as honest TP1 (the factors agree:
-    # what is left is the gateway's own share of a call), slow TP2 is far slower than TP1
+    # against the profile, slow TP2 is measured far slower relative to TP1 than honest TP2
+    # (both factors also hold the gateway's own share of a call, which moves with the load
+    # of the machine running the test: only the comparison is asserted)
     ratio = {name: _row(sp, 2)["factor"] / _row(sp, 1)["factor"]
              for name, sp in (("honest", honest), ("slow", slow))}
-    assert 0.75 < ratio["honest"] < 1.33 and ratio["slow"] > 1.7, ratio
+    assert ratio["slow"] > 1.5 * ratio["honest"], ratio
     # so the next step's layout differs: TP above 1 where it is fast, none where it is slow
     assert sum(honest_layout) == sum(slow_layout) == 4
     assert max(honest_layout) > 1, honest_layout
