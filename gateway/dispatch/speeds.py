@@ -21,6 +21,8 @@ from gateway.policies.base import TPSpeed
 
 TYPICAL_CONTEXT = 16000
 TP_DEGREES = (1, 2, 4, 8)
+#: batch sizes at which the decode-step curve is read (TPSpeed.curve)
+CURVE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def fit_speed(p: LatencyProfile, ctx: int = TYPICAL_CONTEXT) -> TPSpeed:
@@ -39,9 +41,10 @@ def fit_speed(p: LatencyProfile, ctx: int = TYPICAL_CONTEXT) -> TPSpeed:
     fixed_ms = p.step_ms(num_tokens=lo) - seq_ms * lo
     ctx_ms = (p.step_ms(num_tokens=lo, decode_ctx_tokens=10**6)
               - p.step_ms(num_tokens=lo)) / 10**6
+    curve = tuple((n, p.step_ms(num_tokens=n) / 1000.0) for n in CURVE_POINTS)
     return TPSpeed(one / 1000.0, num / den, prefill_ms / 1000.0,
                    fixed_ms / 1000.0, seq_ms / 1000.0, ctx_ms / 1000.0,
-                   kv_tokens=p.kv_capacity_tokens)
+                   kv_tokens=p.kv_capacity_tokens, curve=curve)
 
 
 def profiles(model: str, gpu: str, tp_penalty: float | None = None,
@@ -149,4 +152,5 @@ def _scaled(s: TPSpeed, f: float) -> TPSpeed:
     if f == 1.0:
         return s
     return replace(s, per_token_s=s.per_token_s * f, prefill_s_per_token=s.prefill_s_per_token * f,
-                   fixed_s=s.fixed_s * f, seq_s=s.seq_s * f, ctx_s=s.ctx_s * f)
+                   fixed_s=s.fixed_s * f, seq_s=s.seq_s * f, ctx_s=s.ctx_s * f,
+                   curve=tuple((n, t * f) for n, t in s.curve))

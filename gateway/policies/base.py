@@ -137,12 +137,32 @@ class TPSpeed:
     seq_s: float = 0.0
     ctx_s: float = 0.0
     kv_tokens: int = 0  # KV cache room of one instance, tokens (0: unknown)
+    # decode step seconds at n sequences of no context, ((n, s), ...) by n: the measured
+    # curve (weight streaming then compute), which a straight line through 64 and 128
+    # sequences misses at a few sequences per instance; empty when not fitted
+    curve: tuple[tuple[int, float], ...] = ()
 
     def step_s(self, n: int) -> float:
         return self.per_token_s * (1.0 + self.slope * max(0, n - 1))
 
     def batch_step_s(self, n: int, ctx_tokens: int) -> float:
         """One decode step of ``n`` sequences holding ``ctx_tokens`` of context in all."""
+        return self.fixed_s + self.seq_s * n + self.ctx_s * ctx_tokens
+
+    def decode_step_s(self, n: float, ctx_tokens: float) -> float:
+        """:meth:`batch_step_s` with the step read off :attr:`curve` (linear between its
+        points, the straight line beyond them) where one was fitted."""
+        pts = self.curve
+        if not pts or n >= pts[-1][0]:
+            return self.fixed_s + self.seq_s * n + self.ctx_s * ctx_tokens
+        lo = pts[0]
+        for hi in pts:
+            if n <= hi[0]:
+                if hi[0] == lo[0]:
+                    return hi[1] + self.ctx_s * ctx_tokens
+                w = (n - lo[0]) / (hi[0] - lo[0])
+                return lo[1] + w * (hi[1] - lo[1]) + self.ctx_s * ctx_tokens
+            lo = hi
         return self.fixed_s + self.seq_s * n + self.ctx_s * ctx_tokens
 
 

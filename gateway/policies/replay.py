@@ -96,7 +96,7 @@ class StepRecorder:
 
 
 def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
-    step = max(sp.fixed_s + sp.seq_s * n + sp.ctx_s * ctx, sp.per_token_s * 0.5)
+    step = max(sp.decode_step_s(n, ctx), sp.per_token_s * 0.5)
     over = max(1.0, n / MAX_NUM_SEQS, ctx / sp.kv_tokens if sp.kv_tokens else 1.0)
     return step * over  # more than fits runs in turns: as many steps again per excess
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from gateway.policies.base import Phase, Relayout, TPSpeed
 from gateway.policies.compose import ComposedPolicy
 from gateway.policies.registry import get_policy
@@ -114,3 +116,21 @@ def test_a_live_pool_is_relaid_out_once_idle_and_never_mid_step() -> None:
     change = policy.plan(_speeds(idle, POOR))
     assert change == Relayout(("a", "b"), (1,) * 16, change.reason if change else "")
     assert change is not None and "TP1" in change.reason
+
+
+def test_the_decode_step_follows_the_fitted_curve_where_the_straight_line_misses() -> None:
+    from backends.sim.profiles import load_profile
+    from gateway.dispatch.speeds import fit_speed
+
+    p = load_profile("qwen3-14b", "A100", 2)
+    sp = fit_speed(p)
+    for n in (1, 4, 16, 64):
+        assert sp.decode_step_s(n, 0) == pytest.approx(p.step_ms(num_tokens=n) / 1000)
+    # between two points: linear; at a few sequences the line through 64 and 128 is
+    # well below the weight-streaming floor the curve keeps
+    mid = sp.decode_step_s(3, 0)
+    assert sp.decode_step_s(2, 0) <= mid <= sp.decode_step_s(4, 0)
+    assert sp.batch_step_s(4, 0) < 0.9 * sp.decode_step_s(4, 0)
+    assert sp.decode_step_s(1000, 0) == pytest.approx(sp.batch_step_s(1000, 0))
+    ctx = 10_000
+    assert sp.decode_step_s(4, ctx) - sp.decode_step_s(4, 0) == pytest.approx(sp.ctx_s * ctx)
