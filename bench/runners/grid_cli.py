@@ -64,7 +64,8 @@ def grid(
                              total=None)
         doc = run_grid(todo, names, range(1, seeds + 1), steps_, json_out, jobs, resume,
                        progress=lambda d, t: prog.update(task, completed=d, total=t))
-    doc["command"] = " ".join(["rollout-gateway", "bench", "grid", *sys.argv[3:]])
+    args = [a for a in sys.argv[3:] if a != "--resume"]  # the command that makes the file
+    doc["command"] = " ".join(["rollout-gateway", "bench", "grid", *args])
     json_out.write_text(json.dumps(doc, indent=1))
     from bench.reports.plots import grid_heatmap
 
