@@ -49,6 +49,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for raw in doc["cells"]:
         cell = Cell(**raw)
+        if any(f"{cell.key}|{p}|{s}" not in doc["runs"] for p in doc["policies"]
+               for s in doc["seeds"]):
+            continue  # not fully run (an interrupted grid): no partial comparisons
         seeds = {p: _per_seed(doc, cell, p) for p in doc["policies"]}
         means = {p: statistics.fmean(v.values()) for p, v in seeds.items() if v}
         static = {p: m for p, m in means.items() if p in STATIC}
