@@ -196,7 +196,9 @@ class ReplayPlanner(LanePlanner):
         self.degrees = tuple(sorted(degrees))
         self.recorder = StepRecorder()
         self.speeds: Mapping[int, TPSpeed] = {}
-        self.estimates: dict[int, float] = {}
+        self.estimates: dict[int, float] = {}  # uniform layouts, by TP
+        self.lane_estimates: dict[int, float] = {}  # a lane + the bulk at TP
+        self.with_lane = True  # the lane layout was chosen (until a replay says otherwise)
         self.gpus = 0
         self.time_scale = 1.0  # the observed (wall) tool times, in the speeds' time
 
@@ -204,9 +206,11 @@ class ReplayPlanner(LanePlanner):
         super().observe(traj, groups, now)
         self.recorder.observe(traj)
 
+    def _lane_fits(self, gpus: int) -> bool:
+        return lane_layout(gpus, 8)[0] * MAX_LANE_SHARE <= gpus
+
     def _has_lane(self, gpus: int) -> bool:
-        lane = lane_layout(gpus, 8)[0]
-        return self.lane_on and lane * MAX_LANE_SHARE <= gpus
+        return self.lane_on and self._lane_fits(gpus)
 
     def layout_for(self, gpus: int) -> tuple[int, ...]:
         if self._has_lane(gpus):
@@ -214,24 +218,40 @@ class ReplayPlanner(LanePlanner):
         return uniform_layout(gpus, min(self.bulk_tp, gpus))
 
     def _choose(self, gpus: int) -> None:
-        """Replay the last step's sample on each uniform bulk layout; keep the current
-        TP unless another is ``min_gain`` faster."""
+        """Replay the last step's sample on each uniform layout and, where a lane fits
+        and its rule keeps it on, on each lane layout (the sample's ``k`` longest on the
+        lane, the rest round robin over the bulk); keep the current choice unless another
+        is ``min_gain`` faster. The lane estimate assumes the predictor finds the longest:
+        the lane's own rule (it caught the last finisher) guards against one that does
+        not."""
         sample = self.recorder.sample
         speeds = {tp: s for tp, s in self.speeds.items() if s.fixed_s > 0 or s.seq_s > 0}
         if not sample or not speeds:
             return
-        bulk = gpus - lane_layout(gpus, 8)[0] if self._has_lane(gpus) else gpus
-        self.estimates = {tp: replay_makespan(sample, uniform_layout(bulk, tp), speeds,
-                                              self.time_scale)
-                          for tp in self.degrees if tp in speeds and tp <= bulk}
-        if not self.estimates:
+        ts = self.time_scale
+        self.estimates = {tp: replay_makespan(sample, uniform_layout(gpus, tp), speeds, ts)
+                          for tp in self.degrees if tp in speeds and tp <= gpus}
+        self.lane_estimates = {}
+        lane_tp = lane_layout(gpus, 8)[0]
+        if self.lane_on and self._lane_fits(gpus) and lane_tp in speeds:
+            ranked = sorted(sample, key=lambda t: -sum(x.output_tokens for x in t))
+            top, rest = ranked[:self.k], ranked[self.k:]
+            lane_s = _instance_s(top, speeds[lane_tp], ts)
+            self.lane_estimates = {
+                tp: max(lane_s, replay_makespan(rest, uniform_layout(gpus - lane_tp, tp),
+                                                speeds, ts))
+                for tp in self.estimates}
+        options = {(False, tp): v for tp, v in self.estimates.items()}
+        options.update({(True, tp): v for tp, v in self.lane_estimates.items()})
+        if not options:
             return
-        best = min(self.estimates, key=lambda tp: (self.estimates[tp], -tp))
-        if math.isinf(self.estimates[best]):
+        best = min(options, key=lambda o: (options[o], not o[0], -o[1]))
+        if math.isinf(options[best]):
             return
-        cur = self.estimates.get(self.bulk_tp)
-        if cur is None or self.estimates[best] * (1 + self.min_gain) < cur:
-            self.bulk_tp = best
+        cur = options.get((self.with_lane, self.bulk_tp))
+        if cur is None or options[best] * (1 + self.min_gain) < cur:
+            self.with_lane, self.bulk_tp = best
+        self.lane_on = self.lane_on and self.with_lane
 
     def _next_step(self) -> None:
         super()._next_step()

@@ -134,3 +134,18 @@ def test_the_decode_step_follows_the_fitted_curve_where_the_straight_line_misses
     assert sp.decode_step_s(1000, 0) == pytest.approx(sp.batch_step_s(1000, 0))
     ctx = 10_000
     assert sp.decode_step_s(4, ctx) - sp.decode_step_s(4, 0) == pytest.approx(sp.ctx_s * ctx)
+
+
+def test_a_lane_is_only_carved_out_where_the_replay_says_it_pays() -> None:
+    """64 GPUs: the straggler lane fits, but where one TP8 instance decodes a lone
+    sequence slower than TP1 (poorly scaling TP), putting the longest trajectories on it
+    slows them: the replay drops the lane and runs all-TP1."""
+    slow8 = {1: POOR[1], 8: TPSpeed(0.02, 0.01, 1e-5, 0.02, 1e-4, 1e-8, kv_tokens=4_000_000)}
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
+    planner = policy.planner
+    assert policy.initial_layout(64) == (8,) * 8 and planner.lane_on  # step 1: the lane
+    planner.joined_lane("t255", 0)  # the lane caught the last finisher: its rule keeps it
+    _run_step(policy, 256, slow8)
+    assert policy.initial_layout(64) == (1,) * 64
+    assert not planner.lane_on and planner.lane_estimates[1] > planner.estimates[1]
