@@ -45,6 +45,9 @@ from gateway.policies.resources import uniform_layout
 
 #: the engine's ``max_num_seqs`` the replay assumes (vLLM's default for a GPU)
 MAX_NUM_SEQS = 256
+#: how much faster a lane layout's replay must be than the best uniform one (its estimate
+#: puts the sample's longest on the lane from the start, which no predictor achieves)
+LANE_MARGIN = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +245,10 @@ class ReplayPlanner(LanePlanner):
                                                 speeds, ts))
                 for tp in self.estimates}
         options = {(False, tp): v for tp, v in self.estimates.items()}
-        options.update({(True, tp): v for tp, v in self.lane_estimates.items()})
+        # the lane's estimate assumes the predictor spots the longest from their first
+        # call; it does not, so the lane must win by LANE_MARGIN to be chosen
+        options.update({(True, tp): v * (1 + LANE_MARGIN)
+                        for tp, v in self.lane_estimates.items()})
         if not options:
             return
         best = min(options, key=lambda o: (options[o], not o[0], -o[1]))
