@@ -250,7 +250,9 @@ def grid_table(root: Path = ROOT) -> str:
         v = verdicts(summary)
         out += ["", f"Cells: {v['cells']}. `{SUBJECT}` at least 0.98x the best static: "
                 f"{v['at_least_0.98x_best_static']}; at least level with both `heddle` and "
-                f"`libra`: {v['at_least_heddle_and_libra']}; cells whose best static is not "
+                f"`libra`: {v['at_least_heddle_and_libra']} (not significantly behind either: "
+                f"{v['not_significantly_behind_heddle_or_libra']}; a rival that cannot run "
+                "the cell counts as beaten); cells whose best static is not "
                 f"TP8: {v['best_static_not_tp8']}, of those at least 1.15x: "
                 f"{v['of_those_at_least_1.15x']}, and where the critical path leaves room "
                 f"for 1.15x at all: {v['of_those_where_1.15x_is_possible']} (point "
