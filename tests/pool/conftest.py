@@ -39,9 +39,13 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.stop()
 
 
-def pool_settings(spec_path: Path, db_url: str, **dispatch: Any) -> Settings:
+def pool_settings(spec_path: Path, db_url: str, policy: str | None = None,
+                  **dispatch: Any) -> Settings:
+    """``policy`` is the gateway's (the default when None); the rest are DispatchSettings
+    (which ignores unknown keys: a policy passed there was silently dropped)."""
     return Settings(
         database_url=db_url, pool=spec_path, admin_token="admin-secret",
+        **({"policy": policy} if policy is not None else {}),
         upstream=UpstreamSettings(health_interval_s=0.2, first_byte_timeout_s=300),
         traces=TraceSettings(flush_interval_s=0.05),
         dispatch=DispatchSettings(**dispatch),
@@ -53,10 +57,11 @@ def pool_gateway(loop_thread: LoopThread, sqlite_url: str, tmp_path: Path) -> Po
     """``pool_gateway(spec_dict, **dispatch_settings)`` -> context manager yielding the URL."""
 
     @contextmanager
-    def start(spec: dict[str, Any], **dispatch: Any) -> Iterator[Gateway]:
+    def start(spec: dict[str, Any], policy: str | None = None,
+              **dispatch: Any) -> Iterator[Gateway]:
         path = tmp_path / "pool.json"
         path.write_text(json.dumps(spec))
-        app = create_app(pool_settings(path, sqlite_url, **dispatch))
+        app = create_app(pool_settings(path, sqlite_url, policy, **dispatch))
         with app_in_thread(loop_thread, lambda: app) as url:
             yield Gateway(url, app, loop_thread)
 
