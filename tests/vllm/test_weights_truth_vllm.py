@@ -115,6 +115,17 @@ async def _metric(engine: str, name: str) -> float:
     raise AssertionError(f"no {name}")
 
 
+async def _engine_idle(engine: str, timeout_s: float = 180) -> None:
+    """Wait until the engine runs and queues nothing: requests an earlier test left on
+    this shared engine would otherwise make the token count below move before any of
+    this test's calls generate, and the update would land before them."""
+    deadline = time.monotonic() + timeout_s
+    while (await _metric(engine, "vllm:num_requests_running")
+           + await _metric(engine, "vllm:num_requests_waiting")) > 0:
+        assert time.monotonic() < deadline, "the engine never went idle"
+        await asyncio.sleep(0.2)
+
+
 async def _mid_generation(admin: httpx.AsyncClient, engine: str,
                           calls: list[asyncio.Task[str]], tokens: float = 600) -> None:
     """Wait until the gateway has at least half of ``calls`` in flight on the engine and
@@ -247,6 +258,7 @@ async def test_every_token_version_is_true_on_real_vllm(
                 version, target = f"v{n}", checkpoints["B" if n % 2 else "A"]
                 path_of[version] = target
                 tokens = LONG if mode != "wait" else LONG // 3  # wait drains them all
+                await _engine_idle(engine)
                 calls = {tid: asyncio.create_task(_call(http, f"{mode}-{tid}", body))
                          for tid, body in _bodies(f"{mode}{n}", tokens).items()}
                 tids.update({f"{mode}-{tid}": mode for tid in calls})
