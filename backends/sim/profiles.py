@@ -173,7 +173,10 @@ SCALING_SEQS, SCALING_CTX = 256, 1024
 #: from published measurements of 7-14B models on H100/A100 (docs/tp-efficiency.md). Low:
 #: vLLM 0.5.4, CPU-bound (Llama-3.1-8B-FP8 on H100, 1.16x); high: vLLM 0.6 multi-step
 #: (Mistral-Nemo-12B on H100, 2.12x); mid: their geometric mean. ``calibrated`` is the model
-#: as shipped (``tp_penalty`` 0, fitted to Libra's table: 3.2-4.7x), above every measurement.
+#: as shipped (``tp_penalty`` 0, fitted to Libra's table: 3.2-4.7x), above every published
+#: serving measurement and within 0.86-1.16x of the GPU step times measured on an H100
+#: (``bench gpu-scan``): the published ratios are CPU-bound engines, the calibrated one a
+#: GPU-bound engine.
 TP_BAND = {"low": 1.15, "mid": 1.6, "high": 2.2}
 #: every name ``--tp-efficiency`` accepts
 TP_POINTS = ("low", "mid", "high", "calibrated")
