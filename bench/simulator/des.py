@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ from gateway.policies.base import (
     TPSpeed,
 )
 
-READY, PLAN, UP, FINISH, PAUSE, RESUME = 0, 1, 2, 3, 4, 5
+READY, PLAN, UP, FINISH, PAUSE, RESUME, CALL = 0, 1, 2, 3, 4, 5, 6
 OVERHEAD_S = 0.005  # API server + tokenization per request (profile.request_overhead_ms)
 
 
@@ -97,6 +98,9 @@ class Simulator:
         self.weights = (None if cfg.weight_update_every_s is None else WeightUpdater(
             cfg.weight_update_every_s, cfg.weight_update_mode, cfg.weight_update_s,
             start_s + cfg.weight_update_every_s))
+        # hooks of a driver that runs many batches on one clock (bench/simulator/loop.py)
+        self.on_finish: Callable[[Traj], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ setup
     def _start_instance(self, tp: int) -> Instance:
@@ -115,6 +119,13 @@ class Simulator:
     def run(self) -> float:
         """Simulate until every trajectory finished; returns the time the last one ended
         (the makespan when ``start_s`` is 0)."""
+        self.start()
+        while self.finished < len(self.trajs):
+            self._next_event()
+        return max(t.finished_at or 0.0 for t in self.trajs.values())
+
+    def start(self) -> None:
+        """Start the policy's layout and the batch's first calls (:meth:`run` goes on)."""
         layout = self.policy.initial_layout(self.cfg.gpus)
         if sum(layout) != self.cfg.gpus:
             raise ValueError(f"layout {layout} does not use {self.cfg.gpus} GPUs")
@@ -124,11 +135,12 @@ class Simulator:
             self._push(self.start_s + tr.spec.setup_s, READY, tr)
         if self.policy.plan_interval_s:
             self._push(self.start_s + self.policy.plan_interval_s, PLAN, None)
-        if self.weights is not None:
+        if self.weights is not None and math.isfinite(self.weights.next_due):
             self.push_pause(self.weights.next_due)
-        while self.finished < len(self.trajs):
-            self._next_event()
-        return max(t.finished_at or 0.0 for t in self.trajs.values())
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at simulated time ``t`` (a driver's own event: a trainer step)."""
+        self._push(t, CALL, fn)
 
     def _next_event(self) -> None:
         if self.steps and (not self.ext or self.steps[0][0] <= self.ext[0][0]):
@@ -152,6 +164,10 @@ class Simulator:
             self._revision += 1
         elif kind in (PAUSE, RESUME):
             self._weight_event(kind)
+        elif kind == CALL:
+            assert callable(payload)
+            payload()
+            self._revision += 1
         else:
             assert isinstance(payload, tuple)
             for tp in payload:
@@ -287,6 +303,8 @@ class Simulator:
         self.policy.observe(tr.view(), self.groups, self.now)
         if self.progress is not None:
             self.progress(self.finished)
+        if self.on_finish is not None:
+            self.on_finish(tr)
 
     def _migrate(self, tr: Traj, target: str) -> None:
         """Prewarm ``target`` with the trajectory's context while its tool runs."""
@@ -312,6 +330,7 @@ class Simulator:
         if self.ext:
             horizon = min(horizon, max(0.0, self.ext[0][0] - self.now))
         out = inst.engine.step(horizon)
+        self.stats.busy_gpu_s += out.duration_s * inst.tp
         inst.busy = True
         self.outputs[inst.id] = out
         heapq.heappush(self.steps, (self.now + out.duration_s, next(self._seq), inst.id))
@@ -353,6 +372,8 @@ class Simulator:
         else:
             self.weights.resume(self)
             self._revision += 1
+            if self.on_resume is not None:
+                self.on_resume()
             for inst in self.instances.values():
                 self._kick(inst)
         for inst in list(self.instances.values()):

@@ -120,6 +120,7 @@ class SimStats:
     cache_query_tokens: int = 0
     predictions: list[tuple[float, int]] = field(default_factory=list)  # (pred, true)
     early: dict[str, float] = field(default_factory=dict)  # predicted total at call 3
+    busy_gpu_s: float = 0.0  # engine step time x TP, summed (what the GPUs did)
 
 
 class LiveViews(Mapping[str, TrajectoryView]):

@@ -36,6 +36,7 @@ pause, resume and cache reset.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -163,7 +164,8 @@ class WeightUpdater:
         for h in held:
             self._continue(sim, h)
         self.next_due += self.every_s
-        sim.push_pause(max(self.next_due, sim.now))
+        if math.isfinite(self.next_due):  # inf: a driver pauses on demand (loop.py)
+            sim.push_pause(max(self.next_due, sim.now))
 
     def _continue(self, sim: Simulator, h: _Held) -> None:
         tr = sim.trajs[h.owner]

@@ -1,0 +1,131 @@
+"""``bench loop``'s runs: step modes against the best static synchronous layout.
+
+One *cell* (workload, model, GPU, pool, TP-efficiency point) is run in three phases:
+
+1. ``sync`` on every uniform static layout, with ``screen_seeds`` seeds: the best static
+   layout is the one with the shortest mean rollout per step (for ``sync`` the samples per
+   hour follow exactly from the rollout times, the train time and the push, since the pool
+   idles while the trainer works: :meth:`LoopRun.samples_per_hour`). The best layout then
+   runs the remaining seeds.
+2. The trainer's time per step is ``train_ratio`` x that layout's mean rollout per step
+   (rollout is 70-90% of an agentic RL step in the systems DESIGN.md cites: ratios 0.1-0.4).
+3. Every other step mode on the best static layout (and on any ``policies`` asked for,
+   such as ``replay``), all seeds, each trainer ratio.
+
+Every mode is compared with the best static layout's ``sync`` at the same trainer time,
+per seed (the same groups in the same order), as a paired ratio of samples per hour.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from typing import Any
+
+from bench.simulator.loop import LoopRun, LoopScenario, run_loop
+from bench.simulator.steps import interval, paired_ratio
+
+STATIC = ("verl-tp1", "verl-tp2", "verl-tp4", "verl-tp8")
+#: the step modes a cell runs besides ``sync``: name -> LoopScenario fields
+MODE_RUNS: dict[str, dict[str, Any]] = {
+    "overprovisioned": {"mode": "overprovisioned", "carry": True},
+    "overprovisioned-drop": {"mode": "overprovisioned", "carry": False},
+    "async": {"mode": "async"},
+    "tail-batching": {"mode": "tail-batching"},
+}
+SHARES = ("lag0_share", "lag1_share", "lag2_share", "lag3plus_share", "max_staleness",
+          "idle_share", "wasted_share", "length_bias", "restarts", "dropped_groups")
+
+
+def _run_all(todo: list[LoopScenario], jobs: int,
+             progress: Callable[[int], None]) -> list[LoopRun]:
+    if jobs <= 1:
+        out = []
+        for sc in todo:
+            out.append(run_loop(sc))
+            progress(1)
+        return out
+    with ProcessPoolExecutor(max_workers=jobs) as ex:
+        runs = []
+        for r in ex.map(run_loop, todo):
+            runs.append(r)
+            progress(1)
+        return runs
+
+
+def _rollout(run: LoopRun) -> float:
+    return statistics.fmean(run.rollout_s[1:] or run.rollout_s)
+
+
+def best_sync(base: LoopScenario, layouts: Sequence[str], seeds: Sequence[int],
+              screen_seeds: int, jobs: int,
+              progress: Callable[[int], None]) -> tuple[str, dict[str, list[LoopRun]]]:
+    """Phase 1: every layout's ``sync`` on the first ``screen_seeds`` seeds, then the
+    fastest on the rest."""
+    screen = list(seeds[:screen_seeds])
+    todo = [replace(base, policy=lay, mode="sync", seed=s, train_s=0.0)
+            for lay in layouts for s in screen]
+    runs: dict[str, list[LoopRun]] = {lay: [] for lay in layouts}
+    for r in _run_all(todo, jobs, progress):
+        runs[r.scenario.policy].append(r)
+    best = min(layouts, key=lambda lay: statistics.fmean(_rollout(r) for r in runs[lay]))
+    rest = [replace(base, policy=best, mode="sync", seed=s, train_s=0.0)
+            for s in seeds[screen_seeds:]]
+    runs[best] += _run_all(rest, jobs, progress)
+    return best, runs
+
+
+def _entry(runs: list[LoopRun], base_sph: dict[str, float],
+           train_s: float) -> dict[str, Any]:
+    sph = {str(r.scenario.seed): r.samples_per_hour(train_s if r.scenario.mode == "sync"
+                                                    else None) for r in runs}
+    sums = [r.summary(train_s if r.scenario.mode == "sync" else None) for r in runs]
+    mean, half = interval(list(sph.values()))
+    out: dict[str, Any] = {"samples_per_hour": mean, "ci95": half, "per_seed": sph,
+                           "seeds": len(runs)}
+    g, lo, hi = paired_ratio(sph, base_sph)  # this / best static sync, per seed
+    out["vs_best_sync"] = {"geomean": g, "ci95_low": lo, "ci95_high": hi}
+    for k in SHARES:
+        out[k] = (max if k == "max_staleness" else statistics.fmean)(s[k] for s in sums)
+    return out
+
+
+def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str],
+             policies: Sequence[str], seeds: Sequence[int], screen_seeds: int,
+             train_ratios: Sequence[float], jobs: int,
+             progress: Callable[[int], None] = lambda _: None) -> dict[str, Any]:
+    """One cell: the best static sync layout, then every mode at every trainer ratio."""
+    best, sync_runs = best_sync(base, layouts, seeds, screen_seeds, jobs, progress)
+    rollout = statistics.fmean(_rollout(r) for r in sync_runs[best])
+    cell: dict[str, Any] = {
+        "scenario": asdict(base), "best_static": best, "rollout_s": rollout,
+        "sync_rollout_s": {lay: statistics.fmean(_rollout(r) for r in rs)
+                           for lay, rs in sync_runs.items()},
+        "ratios": {}}
+    subjects = [best, *[p for p in policies if p != best]]
+    other_sync = _run_all([replace(base, policy=p, mode="sync", seed=s, train_s=0.0)
+                           for p in subjects[1:] for s in seeds], jobs, progress)
+    for ratio in train_ratios:
+        t = ratio * rollout
+        base_sph = {str(r.scenario.seed): r.samples_per_hour(t) for r in sync_runs[best]}
+        todo = [replace(base, policy=who, seed=s, train_s=t, **MODE_RUNS[m])
+                for m in modes for who in subjects for s in seeds]
+        done = _run_all(todo, jobs, progress)
+        rows: dict[str, Any] = {f"sync@{best}": _entry(sync_runs[best], base_sph, t)}
+        for j, p in enumerate(subjects[1:]):
+            rows[f"sync@{p}"] = _entry(other_sync[j * len(seeds):][:len(seeds)], base_sph, t)
+        for k, m in enumerate(modes):
+            for j, who in enumerate(subjects):
+                part = done[(k * len(subjects) + j) * len(seeds):][:len(seeds)]
+                rows[f"{m}@{who}"] = _entry(part, base_sph, t)
+        cell["ratios"][str(ratio)] = {"train_s": t, "rows": rows}
+    return cell
+
+
+def cell_count(layouts: int, modes: int, policies: int, seeds: int, screen: int,
+               ratios: int) -> int:
+    """Runs one cell takes (for a progress bar)."""
+    return layouts * screen + (seeds - screen) + policies * seeds + ratios * (
+        modes * (1 + policies) * seeds)

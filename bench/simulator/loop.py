@@ -1,0 +1,460 @@
+"""RL loops past the synchronous barrier: step modes, a trainer, samples per hour.
+
+``bench steps`` simulates rollout batches behind a barrier. Here the trainer is in the
+loop too (``train_s`` per optimizer step, then ``push_s`` with the engines paused while
+the new weights load), and the trainer chooses how a step's samples are gathered
+(docs/step-modes.md):
+
+* ``sync``: start B groups, wait for all of them, train, push, repeat. Every token is
+  on-policy; the pool idles while the trainer works and while the batch's tail finishes.
+* ``overprovisioned`` (APRIL, arXiv 2509.18521): keep ``ceil(B*(1+over))`` groups going,
+  train on the first B groups to complete; the unfinished ones are *carried* across the
+  update (paused in the engines, continued on the new weights: their older tokens are one
+  version stale) or *dropped*. The pool pauses while the trainer trains, as in APRIL.
+* ``async`` (AReaL, arXiv 2505.24298; verl's fully asynchronous trainer): rollouts never
+  stop but for the push. The trainer takes B complete groups whenever it is free; new
+  groups start while at most ``(version + max_staleness + 1) * B`` have been started
+  (AReaL's admission rule).
+* ``tail-batching`` (RollPacker, arXiv 2509.21009): short rounds start ``ceil(B*(1+over))``
+  groups and train on the first B to complete; the prompts still running are aborted and
+  deferred, and once B prompts are deferred they run together in a long round (fresh
+  samples, no abort). Every token is on-policy; long prompts are trained in rounds of
+  their own, which changes the order the model sees them in.
+
+*Staleness* of a trained token is the trainer's version when it takes the sample minus
+the version that generated the token (0: on-policy). ``max_staleness`` bounds it: at each
+push, a trajectory whose oldest token could no longer be trained within the bound is
+restarted from its first call (``on_stale="restart"``, the same task sampled again) or its
+group is dropped (``"drop"``). Tokens of aborted, dropped and restarted work are *wasted*.
+A group is complete when the client's ``/finish`` of its last member arrives.
+
+The groups come from one stream per seed (``bench.simulator.steps.generate_step`` round
+after round), so every mode meets the same prompts in the same order. Policies are the
+gateway's own objects and see only what a live gateway sees.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from bench.simulator.des import READY, SimConfig, Simulator
+from bench.simulator.speeds import band_profiles, max_tp_for, speeds
+from bench.simulator.state import Traj
+from bench.simulator.steps import generate_step
+from bench.workloads import TrajectorySpec, load_workloads, prompt_group
+from gateway.policies.base import InstanceState, Phase
+from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
+
+MODES = ("sync", "overprovisioned", "async", "tail-batching")
+ON_STALE = ("restart", "drop")
+
+
+@dataclass(frozen=True, slots=True)
+class LoopScenario:
+    workload: str
+    policy: str
+    mode: str = "sync"
+    seed: int = 1
+    steps: int = 8  # trainer steps
+    gpus: int = 64
+    model: str = "qwen3-14b"
+    gpu: str = "H100"
+    tp_efficiency: str | float = "calibrated"
+    prompts: int | None = None  # B: groups per trainer step (default: the workload's)
+    group_size: int | None = None
+    train_s: float = 120.0  # one optimizer step (the trainer's own GPUs)
+    push_s: float = 10.0  # the weight push, engines paused
+    over: float = 0.25  # extra groups started (overprovisioned, tail-batching)
+    over_members: float = 0.25  # tail-batching's short rounds: extra samples per group
+    carry: bool = True  # overprovisioned: carry unfinished groups (else drop them)
+    max_staleness: int = 1
+    on_stale: str = "restart"
+    pool_factor: int = 4
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown step mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.on_stale not in ON_STALE:
+            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}")
+        if self.steps < 2 or self.max_staleness < 0 or min(self.over, self.over_members) < 0:
+            raise ValueError("need steps >= 2, max_staleness >= 0 and over(_members) >= 0")
+        if self.train_s < 0 or self.push_s < 0:
+            raise ValueError("train_s and push_s must be >= 0")
+
+
+@dataclass(slots=True)
+class LoopRun:
+    """What one run measured. Times are simulated seconds."""
+
+    scenario: LoopScenario
+    train_ends: list[float] = field(default_factory=list)  # each step's push done
+    rollout_s: list[float] = field(default_factory=list)  # sync: each round's rollout
+    busy_at_end: list[float] = field(default_factory=list)  # GPU-seconds busy, per step
+    samples: list[int] = field(default_factory=list)  # trajectories trained per step
+    lag_tokens: Counter[int] = field(default_factory=Counter)  # trained tokens by staleness
+    wasted_tokens: int = 0
+    generated_tokens: int = 0
+    restarts: int = 0
+    dropped_groups: int = 0
+    trained_output: int = 0  # summed total output of trained trajectories
+    drawn_output: int = 0  # summed total output of every trajectory started
+    drawn_count: int = 0
+
+    def window(self) -> tuple[float, int]:
+        """(seconds, samples) of steps 2..K: the steady state (step 1 fills the pipe)."""
+        return self.train_ends[-1] - self.train_ends[0], sum(self.samples[1:])
+
+    def samples_per_hour(self, train_s: float | None = None) -> float:
+        """Trained samples per hour over steps 2..K. For ``sync`` a ``train_s`` other than
+        the run's is exact: the pool idles while the trainer works, so a round's rollout
+        does not depend on it (the round times and the push are kept, the train time
+        replaced)."""
+        sc = self.scenario
+        if train_s is not None and sc.mode == "sync":
+            per = [r + train_s + sc.push_s for r in self.rollout_s[1:]]
+            return 3600.0 * sum(self.samples[1:]) / sum(per)
+        seconds, n = self.window()
+        return 3600.0 * n / seconds
+
+    def idle_share(self, train_s: float | None = None) -> float:
+        """Share of the pool's GPU-seconds in steps 2..K with no engine step running
+        (``train_s`` as in :meth:`samples_per_hour`)."""
+        seconds, _ = self.window()
+        sc = self.scenario
+        if train_s is not None and sc.mode == "sync":
+            seconds = sum(r + train_s + sc.push_s for r in self.rollout_s[1:])
+        busy = self.busy_at_end[-1] - self.busy_at_end[0]
+        return max(0.0, 1.0 - busy / (self.scenario.gpus * seconds))
+
+    def summary(self, train_s: float | None = None) -> dict[str, float]:
+        trained = sum(self.lag_tokens.values())
+        out = {"samples_per_hour": self.samples_per_hour(train_s),
+               "idle_share": self.idle_share(train_s),
+               "wasted_share": self.wasted_tokens / max(1, self.generated_tokens),
+               "max_staleness": float(max(self.lag_tokens, default=0)),
+               "restarts": float(self.restarts), "dropped_groups": float(self.dropped_groups),
+               "length_bias": (self.trained_output / max(1, sum(self.samples)))
+               / (self.drawn_output / max(1, self.drawn_count))}
+        for lag in range(3):
+            out[f"lag{lag}_share"] = self.lag_tokens.get(lag, 0) / max(1, trained)
+        out["lag3plus_share"] = sum(n for k, n in self.lag_tokens.items() if k >= 3) / max(
+            1, trained)
+        return out
+
+
+class LoopSim(Simulator):
+    """The simulator with trajectories added and aborted while it runs."""
+
+    def __init__(self, policy: object, cfg: SimConfig) -> None:
+        super().__init__([], policy, cfg)  # type: ignore[arg-type]
+        self.dropped: set[str] = set()
+
+    def add(self, specs: list[TrajectorySpec]) -> None:
+        for s in specs:
+            tr = Traj(s, len(self.trajs))
+            self.trajs[s.id] = tr
+            self._push(self.now + s.setup_s, READY, tr)
+        self._revision += 1
+
+    def drop(self, tid: str) -> None:
+        """Abort a trajectory wherever it is: queued, generating, frozen or in a tool gap."""
+        tr = self.trajs[tid]
+        if tid in self.dropped or tr.phase is Phase.FINISHED:
+            return
+        self.dropped.add(tid)
+        key = f"{tid}#{tr.turn}"
+        self.pending.pop(key, None)
+        if self.req_owner.get(key):
+            inst = self.instances[tr.instance or ""]
+            inst.engine.abort(key)
+            self.req_owner[key] = ""  # a step already in flight may still report it
+            inst.running -= 1
+            if inst.state is InstanceState.DRAINING:
+                self._maybe_stopped(inst)
+        if self.weights is not None:
+            self.weights.held = [h for h in self.weights.held if h.owner != tid]
+        was_live = self.live.pop(tid, None) is not None
+        tr.phase = Phase.FINISHED
+        self._changed(tr)
+        if was_live:
+            self.policy.observe(tr.view(), self.groups, self.now)
+
+    def _ready(self, tr: Traj) -> None:
+        if tr.spec.id not in self.dropped:
+            super()._ready(tr)
+
+    def _finish(self, tr: Traj) -> None:
+        if tr.spec.id not in self.dropped:
+            super()._finish(tr)
+
+    def run_until(self, done: object) -> None:
+        while not done():  # type: ignore[operator]
+            if not self.ext and not self.steps:
+                raise RuntimeError("the loop stalled: no event left before the last step")
+            self._next_event()
+
+
+@dataclass(slots=True)
+class Group:
+    gid: str
+    prompt_index: int
+    members: list[str]  # current attempt of each member
+    need: int  # members that complete the group (fewer than started: tail-batching)
+    done: list[str] = field(default_factory=list)
+    completed_at: float | None = None
+
+
+def group_stream(sc: LoopScenario) -> Iterator[list[TrajectorySpec]]:
+    """Groups of the seed's RL run, round after round (``bench steps``' draws), with ids
+    made unique per round (``r3/g12``)."""
+    k = 0
+    while True:
+        specs = generate_step(sc.workload, sc.seed, k, prompts=sc.prompts,
+                              group_size=sc.group_size, pool_factor=sc.pool_factor)
+        by: dict[str, list[TrajectorySpec]] = {}
+        for s in specs:
+            by.setdefault(s.group_id, []).append(
+                replace(s, id=f"r{k}/{s.id}", group_id=f"r{k}/{s.group_id}"))
+        yield from by.values()
+        k += 1
+
+
+PAUSE_MODE = {"sync": "wait", "overprovisioned": "keep", "async": "keep",
+              "tail-batching": "wait"}
+
+
+class Loop:
+    """One run: the trainer, the step mode, and the simulator they drive."""
+
+    def __init__(self, sc: LoopScenario) -> None:
+        sc.check()
+        self.sc = sc
+        w = load_workloads()[sc.workload]
+        self.size = sc.group_size or w["group_size"]
+        self.batch = sc.prompts or w["prompts"]
+        profs = band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp_for(sc.gpus))
+        # the engines stay paused through the training itself unless rollouts overlap it
+        pause_s = sc.push_s + (0.0 if sc.mode == "async" else sc.train_s)
+        mode = "wait" if sc.mode == "overprovisioned" and not sc.carry else PAUSE_MODE[sc.mode]
+        cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed,
+                        weight_update_every_s=math.inf, weight_update_mode=mode,
+                        weight_update_s=pause_s)
+        truth: dict[str, int] = {}
+        oracle = ((lambda tid, gen: truth[tid] - gen)
+                  if resolve_name(sc.policy) in ORACLE_NAMES else None)
+        self.truth = truth
+        self.sim = LoopSim(get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle), cfg)
+        self.sim.on_finish = self._finished
+        self.sim.on_resume = self._resumed
+        self.stream = group_stream(sc)
+        self.groups: dict[str, Group] = {}
+        self.member_of: dict[str, str] = {}
+        self.buffer: deque[str] = deque()  # complete, not yet trained
+        self.deferred: deque[int] = deque()  # tail-batching: prompt indexes
+        self.started = 0  # groups started (async admission)
+        self.training = False
+        self.long_round = False
+        self.round_start = 0.0
+        self.attempts: Counter[str] = Counter()
+        self.run_ = LoopRun(sc)
+
+    # ---------------------------------------------------------------- groups
+    def _start(self, specs: list[TrajectorySpec], prompt_index: int) -> None:
+        gid = specs[0].group_id
+        if gid in self.groups:  # a deferred prompt run again: a new group id
+            gid = f"{gid}~{self.attempts[gid]}"
+            self.attempts[specs[0].group_id] += 1
+            specs = [replace(s, id=f"{gid}/{s.id.rsplit('/', 1)[-1]}", group_id=gid)
+                     for s in specs]
+        self.groups[gid] = Group(gid, prompt_index, [s.id for s in specs], self.size)
+        for s in specs:
+            self.member_of[s.id] = gid
+            self.truth[s.id] = s.total_output
+            self.run_.drawn_output += s.total_output
+            self.run_.drawn_count += 1
+        self.started += 1
+        self.sim.add(specs)
+
+    def _start_next(self, n: int) -> None:
+        """The stream's next ``n`` groups (tail-batching's short rounds: each with
+        ``over_members`` extra samples, fresh draws of the same prompt)."""
+        extra = 0
+        if self.sc.mode == "tail-batching":
+            extra = math.ceil(self.size * (1 + self.sc.over_members)) - self.size
+        for _ in range(n):
+            specs = next(self.stream)
+            p = specs[0].prompt_index
+            if extra:
+                more = self._redraw(p)[:extra]
+                specs = specs + [replace(s, id=f"{specs[0].group_id}/x{m}-{s.id}",
+                                         group_id=specs[0].group_id)
+                                 for m, s in enumerate(more)]
+            self._start(specs, p)
+
+    def _redraw(self, p: int) -> list[TrajectorySpec]:
+        """Fresh samples of prompt ``p`` (the same task: ``prompt_group``'s task draws)."""
+        sc = self.sc
+        w = load_workloads()[sc.workload]
+        tag = f"d{self.attempts[f'p{p}']}"
+        self.attempts[f"p{p}"] += 1
+        specs = prompt_group(sc.workload, w, p, size=self.size,
+                             task=random.Random(f"{sc.seed}:{sc.workload}:{p}"),
+                             samples=random.Random(f"{sc.seed}:{sc.workload}:{p}:{tag}"))
+        return [replace(s, id=f"{tag}/{s.id}", group_id=f"{tag}/{s.group_id}") for s in specs]
+
+    def _tokens(self, tid: str) -> dict[int, int]:
+        assert self.sim.weights is not None
+        return self.sim.weights.tokens.get(tid, {})
+
+    def _waste(self, tid: str) -> None:
+        self.run_.wasted_tokens += sum(self._tokens(tid).values())
+        self.sim.drop(tid)
+
+    def _drop_group(self, gid: str) -> None:
+        g = self.groups.pop(gid)
+        for tid in g.members:
+            self._waste(tid)
+        if gid in self.buffer:
+            self.buffer.remove(gid)
+        self.run_.dropped_groups += 1
+
+    def _restart(self, gid: str, tid: str) -> None:
+        """Run member ``tid`` again from its first call: a fresh sample of its prompt."""
+        g = self.groups[gid]
+        self._waste(tid)
+        spec = self.sim.trajs[tid].spec
+        member = int(spec.id.split("~")[0].rsplit("-m", 1)[1])
+        fresh = self._redraw(spec.prompt_index)[member]
+        self.attempts[tid] += 1
+        new = replace(fresh, id=f"{spec.id.split('~')[0]}~{self.attempts[tid]}", group_id=gid)
+        g.members[g.members.index(tid)] = new.id
+        if tid in g.done:
+            g.done.remove(tid)
+        g.completed_at = None
+        if gid in self.buffer:
+            self.buffer.remove(gid)
+        self.member_of[new.id] = gid
+        self.truth[new.id] = new.total_output
+        self.run_.restarts += 1
+        self.sim.add([new])
+
+    # ---------------------------------------------------------------- events
+    def _finished(self, tr: Traj) -> None:
+        gid = self.member_of.get(tr.spec.id)
+        g = self.groups.get(gid or "")
+        if g is None or tr.spec.id not in g.members:
+            return
+        g.done.append(tr.spec.id)
+        if len(g.done) == g.need:  # the extra samples still running are cut
+            for tid in g.members:
+                if tid not in g.done:
+                    self._waste(tid)
+            g.completed_at = self.sim.now
+            self.buffer.append(g.gid)
+            self._maybe_train()
+
+    def _maybe_train(self) -> None:
+        if (self.training or len(self.buffer) < self.batch
+                or len(self.run_.samples) >= self.sc.steps):
+            return
+        barrier = self.sc.mode == "sync" or self.long_round
+        if barrier and any(g.completed_at is None for g in self.groups.values()):
+            return  # behind the barrier: every group of the round
+        take = [self.buffer.popleft() for _ in range(self.batch)]
+        self._train(take)
+
+    def _train(self, take: list[str]) -> None:
+        """The trainer takes ``take``: stamp staleness, then the mode's cut of the round."""
+        assert self.sim.weights is not None
+        version = self.sim.weights.version
+        run = self.run_
+        for gid in take:
+            g = self.groups.pop(gid)
+            for tid in g.done:
+                for v, n in self._tokens(tid).items():
+                    run.lag_tokens[version - v] += n
+                run.trained_output += self.sim.trajs[tid].spec.total_output
+        run.samples.append(len(take) * self.size)
+        self.training = True
+        mode = self.sc.mode
+        if mode == "sync" or self.long_round:
+            run.rollout_s.append(self.sim.now - self.round_start)
+        if mode == "tail-batching" and not self.long_round:
+            for gid in list(self.groups):  # the round's tail, deferred to a long round
+                self.deferred.append(self.groups[gid].prompt_index)
+                self._drop_group(gid)
+                self.run_.dropped_groups -= 1  # deferred, not lost
+        if mode == "overprovisioned" and not self.sc.carry:
+            for gid in list(self.groups):  # what the step did not take: on-policy or nothing
+                self._drop_group(gid)
+        if mode == "async":  # rollouts go on while the trainer trains
+            self.sim.at(self.sim.now + self.sc.train_s, self._push)
+        else:
+            self._push()
+
+    def _push(self) -> None:
+        assert self.sim.weights is not None
+        self.sim.weights.pause(self.sim)
+
+    def _resumed(self) -> None:
+        """The new weights are in: enforce the staleness bound, start what the mode starts."""
+        assert self.sim.weights is not None
+        self.training = False
+        self.run_.train_ends.append(self.sim.now)
+        self.run_.busy_at_end.append(self.sim.stats.busy_gpu_s)
+        if self.sc.mode in ("overprovisioned", "async"):
+            self._enforce_staleness(self.sim.weights.version)
+        if len(self.run_.train_ends) < self.sc.steps:
+            self._next_round()
+        self._maybe_train()
+
+    def _enforce_staleness(self, version: int) -> None:
+        bound = self.sc.max_staleness
+        for gid, g in list(self.groups.items()):
+            oldest = [min(self._tokens(t), default=version) for t in g.members]
+            if version - min(oldest, default=version) <= bound:
+                continue
+            if self.sc.on_stale == "drop":
+                self._drop_group(gid)
+                continue
+            for tid, v in zip(list(g.members), oldest, strict=True):
+                if version - v > bound:
+                    self._restart(gid, tid)
+
+    def _next_round(self) -> None:
+        mode, b = self.sc.mode, self.batch
+        self.round_start = self.sim.now
+        extra = math.ceil(b * (1 + self.sc.over))
+        if mode == "sync":
+            self._start_next(b)
+        elif mode == "overprovisioned":
+            self._start_next(max(0, extra - len(self.groups)))
+        elif mode == "async":
+            room = (self.sim.weights.version + self.sc.max_staleness + 1) * b  # type: ignore[union-attr]
+            self._start_next(max(0, room - self.started))
+        else:
+            self.long_round = len(self.deferred) >= b
+            if self.long_round:
+                for _ in range(b):
+                    p = self.deferred.popleft()
+                    self._start(self._redraw(p), p)
+            else:
+                self._start_next(extra)
+
+    def run(self) -> LoopRun:
+        self.sim.start()
+        self._next_round()
+        self.sim.run_until(lambda: len(self.run_.train_ends) >= self.sc.steps)
+        assert self.sim.weights is not None
+        self.run_.generated_tokens = sum(
+            sum(v.values()) for v in self.sim.weights.tokens.values())
+        return self.run_
+
+
+def run_loop(sc: LoopScenario) -> LoopRun:
+    """One seed of one mode (a module-level function: process pools pickle it)."""
+    return Loop(sc).run()
