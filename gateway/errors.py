@@ -11,7 +11,9 @@
     |   +-- ModelNotFound             (404 model_not_found)
     +-- Conflict                      (409: the request clashes with the current state)
     |   +-- TrajectoryFinished        (409: a queued call's trajectory attempt finished
-    |                                  before the call was placed)
+    |   |                              before the call was placed)
+    |   +-- TrajectoryAborted         (409: the trainer aborted this attempt, or it went
+    |                                  past the staleness bound; it is restarted on purpose)
     +-- SchedulingFailed              (500 server_error: placing the call raised; the pool
     |                                  goes on)
     +-- PayloadTooLarge               (413)
@@ -91,6 +93,14 @@ class TrajectoryFinished(Conflict):
     """A queued call whose trajectory attempt was finished before it could be placed."""
 
     code = "trajectory_finished"
+
+
+class TrajectoryAborted(Conflict):
+    """A call on a trajectory attempt the trainer aborted (``POST
+    /trajectories/{id}/abort``, or the gateway's staleness bound): refused until the
+    trainer restarts the id (``POST /trajectories/{id}/restart``)."""
+
+    code = "trajectory_aborted"
 
 
 class SchedulingFailed(GatewayError):

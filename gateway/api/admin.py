@@ -21,6 +21,7 @@ from gateway.dispatch.layout import InstanceRequest, LayoutError
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.proxy.aborts import BOUND, enforce_staleness
 from gateway.proxy.weights import (
     pause_engines,
     relabel,
@@ -240,6 +241,29 @@ async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> d
     if was_paused:
         rt.events.emit("resume", f"resumed after {held:.1f} s", paused_s=round(held, 3))
     return {"paused": False, "paused_s": round(held, 3), "weight_version": rt.weight_version}
+
+
+class Staleness(BaseModel):
+    max_staleness: int | None = Field(
+        None, ge=0, description="abort a live trajectory once its first generated token "
+        "is more weight versions behind than this (null: no bound); integer versions only")
+
+
+@router.get("/staleness")
+async def get_staleness(rt: Runtime = Depends(get_rt)) -> Staleness:
+    """The staleness bound (docs/step-modes.md)."""
+    bound = rt.extras.get(BOUND)
+    return Staleness(max_staleness=bound if isinstance(bound, int) else None)
+
+
+@router.put("/staleness")
+async def set_staleness(body: Staleness, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Set (or lift, with null) the staleness bound; trajectories already past it are
+    aborted now, the others when a weight version change takes them past it."""
+    rt.extras[BOUND] = body.max_staleness
+    rt.events.emit("staleness", f"staleness bound {body.max_staleness}",
+                   max_staleness=body.max_staleness)
+    return {"max_staleness": body.max_staleness, "aborted": await enforce_staleness(rt)}
 
 
 @router.post("/weight-update", status_code=202)

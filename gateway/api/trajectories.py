@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
 from gateway.errors import Conflict, Forbidden, NotFound
+from gateway.proxy.aborts import abort_trajectory
 from gateway.runtime import Runtime
 from gateway.schema.samples import Sample, SampleList
 from gateway.schema.trajectories import (
@@ -66,6 +67,10 @@ class FinishRequest(BaseModel):
     def _finite(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         finite_json(value)
         return value
+
+
+class AbortRequest(BaseModel):
+    reason: str = Field("aborted by the trainer", min_length=1, max_length=500)
 
 
 class KeyRequest(BaseModel):
@@ -177,6 +182,9 @@ async def finish(
     if body.group_id is not None:
         validate_id(body.group_id, what="group_id")
     live = rt.tracker.get(trajectory_id) or await rt.restorer.restore(trajectory_id)
+    if live is not None and live.aborted is not None:
+        raise Conflict(f"trajectory {trajectory_id!r} attempt {live.attempt} was aborted "
+                       f"({live.aborted}); it takes no reward", param="trajectory_id")
     group = body.group_id or (live.group_id if live else None)
     now = time.time()
     async with rt.sessionmaker() as session, session.begin():
@@ -188,6 +196,28 @@ async def finish(
         rt.dispatcher.scheduler.trajectory_finished(live)
     return FinishedTrajectory(id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
                               reward=traj.reward, finished_at=traj.finished_at)
+
+
+@router.post("/{trajectory_id}/abort", summary="Abort the trajectory's live attempt: its "
+             "generating calls end (finish_reason abort), later calls are 409 until restart")
+async def abort(trajectory_id: str, body: AbortRequest | None = None,
+                rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """For step modes that stop what the trainer will not train on (docs/step-modes.md)."""
+    validate_id(trajectory_id)
+    return await abort_trajectory(rt, trajectory_id, (body or AbortRequest()).reason)
+
+
+@router.post("/{trajectory_id}/restart", summary="Lift an abort: the id's next call opens "
+             "its next attempt")
+async def restart(trajectory_id: str, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    validate_id(trajectory_id)
+    state = rt.tracker.get(trajectory_id)
+    if state is None:
+        raise NotFound(f"no live record of trajectory {trajectory_id!r}")
+    nxt = rt.tracker.restart(trajectory_id)
+    if nxt is None:
+        raise Conflict(f"trajectory {trajectory_id!r} is not aborted", param="trajectory_id")
+    return {"id": trajectory_id, "next_attempt": nxt}
 
 
 @router.post("/{trajectory_id}/key", summary="Mint a harness key for this trajectory only "

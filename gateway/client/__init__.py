@@ -38,6 +38,7 @@ from gateway.client.errors import (
     UpstreamError,
     WaitTimeout,
 )
+from gateway.client.steps import StepBatch, StepMode, StepRunner
 from gateway.client.sync import RolloutClient
 from gateway.client.types import JobInfo, SampleBatch, TrajectoryInfo, sample_from_json
 from gateway.schema.samples import CallSpan, Mismatch, Sample
@@ -60,6 +61,9 @@ __all__ = [
     "RolloutClient",
     "Sample",
     "SampleBatch",
+    "StepBatch",
+    "StepMode",
+    "StepRunner",
     "TrajectoryInfo",
     "UpstreamError",
     "WaitTimeout",

@@ -204,6 +204,21 @@ class Endpoints:
         return Request("PUT", "/admin/pool", _job_id, json=body)
 
     @staticmethod
+    def abort(trajectory_id: str, reason: str | None) -> Request[dict[str, Any]]:
+        body = {"reason": reason} if reason else None
+        return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/abort", _dict,
+                       json=body)
+
+    @staticmethod
+    def restart(trajectory_id: str) -> Request[int]:
+        return Request("POST", f"/trajectories/{_path_id(trajectory_id)}/restart",
+                       lambda b: int(_dict(b)["next_attempt"]))
+
+    @staticmethod
+    def set_max_staleness(bound: int | None) -> Request[dict[str, Any]]:
+        return Request("PUT", "/admin/staleness", _dict, json={"max_staleness": bound})
+
+    @staticmethod
     def policy() -> Request[dict[str, Any]]:
         return Request("GET", "/admin/policy", _dict)
 

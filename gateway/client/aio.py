@@ -245,6 +245,15 @@ class AsyncRolloutClient:
         job_id = await self._send(Endpoints.change_pool(gpus=gpus, layout=layout, tp=tp))
         return await self.wait_job(job_id, timeout_s=timeout_s) if wait else await self.job(job_id)
 
+    async def abort(self, trajectory_id: str, reason: str | None = None) -> dict[str, Any]:
+        return await self._send(Endpoints.abort(trajectory_id, reason))
+
+    async def restart(self, trajectory_id: str) -> int:
+        return await self._send(Endpoints.restart(trajectory_id))
+
+    async def set_max_staleness(self, bound: int | None) -> dict[str, Any]:
+        return await self._send(Endpoints.set_max_staleness(bound))
+
     async def policy(self) -> dict[str, Any]:
         return await self._send(Endpoints.policy())
 

@@ -261,6 +261,21 @@ class RolloutClient:
         job_id = self._send(Endpoints.change_pool(gpus=gpus, layout=layout, tp=tp))
         return self.wait_job(job_id, timeout_s=timeout_s) if wait else self.job(job_id)
 
+    def abort(self, trajectory_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Abort the trajectory's live attempt (docs/step-modes.md): calls generating on
+        an engine end with ``finish_reason: "abort"``, later calls are refused (409
+        ``trajectory_aborted``) until :meth:`restart`; it is left out of group fetches."""
+        return self._send(Endpoints.abort(trajectory_id, reason))
+
+    def restart(self, trajectory_id: str) -> int:
+        """Lift an abort; returns the attempt the id's next call opens."""
+        return self._send(Endpoints.restart(trajectory_id))
+
+    def set_max_staleness(self, bound: int | None) -> dict[str, Any]:
+        """Abort live trajectories whose first token is more than ``bound`` weight
+        versions behind (checked at each version change; None lifts it)."""
+        return self._send(Endpoints.set_max_staleness(bound))
+
     def policy(self) -> dict[str, Any]:
         """``GET /admin/policy``: the active scheduling policy and the ones available."""
         return self._send(Endpoints.policy())

@@ -35,8 +35,10 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> 
 def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
     """The scheduler gave ``ctx`` to ``lease``'s backend."""
     ctx.bind(lease, rt.weight_version)
+    if ctx.state.first_version is None:  # the staleness bound counts from here
+        ctx.state.first_version = ctx.weight_version
     live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
-                       ctx.mark_version if ctx.stream else None)
+                       ctx.mark_version if ctx.stream else None, ctx.state.id)
     rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
 
 

@@ -75,6 +75,7 @@ class LiveCall:
     answered: bool = False
     #: time.monotonic() of the last token event relayed (streams)
     last_token: float = 0.0
+    trajectory_id: str = ""
 
     @property
     def frozen(self) -> bool:
@@ -91,9 +92,18 @@ class LiveCalls:
         self.paused: dict[str, str] = {}
 
     def add(self, call_id: str, backend_id: str, body: dict[str, Any],
-            on_version: Callable[[str], None] | None = None) -> None:
+            on_version: Callable[[str], None] | None = None, trajectory_id: str = "") -> None:
         self._calls[call_id] = LiveCall(backend_id, continuable(body),
-                                        body.get("stream") is True, on_version)
+                                        body.get("stream") is True, on_version,
+                                        trajectory_id=trajectory_id)
+
+    def of(self, trajectory_id: str) -> dict[str, list[str]]:
+        """The open calls of ``trajectory_id``, by backend id."""
+        out: dict[str, list[str]] = {}
+        for cid, c in self._calls.items():
+            if c.trajectory_id == trajectory_id:
+                out.setdefault(c.backend_id, []).append(cid)
+        return out
 
     def on(self, backend_id: str) -> dict[str, LiveCall]:
         """The calls open on ``backend_id``."""

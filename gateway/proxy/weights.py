@@ -40,6 +40,7 @@ from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights, check_checkpoint
 from gateway.dispatch.gate import EngineMode, PauseMode
 from gateway.dispatch.jobs import Job, JobStatus
+from gateway.proxy.aborts import enforce_staleness
 from gateway.proxy.live import LiveCall, LiveCalls, engine_ids, live_calls
 from gateway.runtime import Runtime
 
@@ -194,6 +195,7 @@ async def _resume(rt: Runtime, version: str | None, timeout_s: float,
                        previous=previous, version=version)
     if weights is not None and rt.pool is not None:
         await rt.pool.commit(weights, {b.id: b.weight_version for b in targets})
+    await enforce_staleness(rt)  # before the gate opens: no stale call starts again
     gate = rt.dispatcher.gate
     was_paused = gate.paused
     held = gate.resume()
@@ -269,6 +271,7 @@ async def _check(rt: Runtime, job: Job, new: Weights, method: UpdateMethod,
                 rt.weight_version = new.version
                 rt.events.emit("weight_version", f"weight version -> {new.version} "
                                "(no engine running)", version=new.version)
+                await enforce_staleness(rt)
                 return False
             problems.append("no engine to update" + (
                 ": pushed weights need a running engine to receive them"
@@ -378,4 +381,5 @@ async def relabel(rt: Runtime, version: str, timeout_s: float = 30.0) -> dict[st
     if previous != version:
         rt.events.emit("weight_version", f"weight version {previous} -> {version} (set)",
                        previous=previous, version=version)
+        await enforce_staleness(rt)
     return {"previous": previous, "version": version}

@@ -145,10 +145,13 @@ async def finish_trajectory(
 async def finished_trajectory_ids(
     session: AsyncSession, *, group_id: str | None = None, limit: int | None = None
 ) -> list[str]:
-    stmt = select(Trajectory.id).where(Trajectory.finished_at.is_not(None))
+    """Ids whose latest attempt finished, oldest first; an attempt the trainer aborted
+    (``metadata.aborted``, gateway/proxy/aborts.py) is not a finished trajectory here."""
+    stmt = select(Trajectory.id, Trajectory.meta).where(Trajectory.finished_at.is_not(None))
     if group_id is not None:
         stmt = stmt.where(Trajectory.group_id == group_id)
     stmt = stmt.order_by(Trajectory.finished_at, Trajectory.id)
     if limit is not None:
         stmt = stmt.limit(limit)
-    return list((await session.scalars(stmt)).all())
+    rows = (await session.execute(stmt)).all()
+    return [tid for tid, meta in rows if not (isinstance(meta, dict) and "aborted" in meta)]

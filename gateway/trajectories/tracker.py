@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gateway.errors import TrajectoryAborted
 from gateway.trajectories.branches import Placement, Tree
 from gateway.trajectories.tools import ToolOutcome
 
@@ -67,6 +68,8 @@ class TrajectoryState:
     auto: bool = False  # untagged call: a one-call trajectory, never continued
     view: object | None = None  # the policies' cached TrajectoryView (None when stale)
     final_context: int = 0  # context length at finish (the sequence itself is released)
+    aborted: str | None = None  # why the trainer aborted this attempt (calls are refused)
+    first_version: str | None = None  # weights its first dispatched call started on
 
     @property
     def phase(self) -> Phase:
@@ -156,6 +159,11 @@ class Tracker:
         the finished attempt keep their own state object and are recorded under it.
         """
         state = self._states.get(trajectory_id)
+        if state is not None and state.aborted is not None:
+            raise TrajectoryAborted(
+                f"trajectory {trajectory_id!r} attempt {state.attempt} was aborted "
+                f"({state.aborted}); the trainer runs it again after POST "
+                f"/trajectories/{trajectory_id}/restart", param="trajectory_id")
         if state is None or state.finished_at is not None:
             attempt = 0 if state is None else state.attempt + 1
             group = group_id or (state.group_id if state is not None else None)
@@ -306,19 +314,32 @@ class Tracker:
             state.mismatches += 1
         return placed
 
-    def finish(self, trajectory_id: str, reward: float | None, now: float) -> None:
+    def finish(self, trajectory_id: str, reward: float | None, now: float, *,
+               aborted: str | None = None) -> None:
+        """End the live attempt (with ``aborted``: the trainer cut it short, why; its
+        calls are refused until :meth:`restart`, and its length teaches no policy)."""
         state = self._states.get(trajectory_id)
         if state is None or state.finished_at is not None:
             return
         state.finished_at = now
         state.reward = reward
+        state.aborted = aborted
         state.final_context = len(state.sequence)
         state.tree = Tree()  # the store has it; the policies keep the length
         state.view = None
         self._retire(state)
         self.finished_count += 1
         group = self.groups.get(state.group_id) if state.group_id else None
-        if group is not None:
+        if group is not None and aborted is None:
             group.finished_lengths.append(state.completion_tokens)
             group.finished_turns.append(state.calls_done)
             group.view = None
+
+    def restart(self, trajectory_id: str) -> int | None:
+        """Lift an abort: the id's next call opens its next attempt. Returns that attempt's
+        number, or None if the id is not aborted."""
+        state = self._states.get(trajectory_id)
+        if state is None or state.aborted is None:
+            return None
+        state.aborted = None
+        return state.attempt + 1

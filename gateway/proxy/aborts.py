@@ -1,0 +1,112 @@
+"""The trainer cuts a trajectory short: abort its attempt, and the staleness bound.
+
+Step modes past the synchronous barrier (docs/step-modes.md) stop trajectories the trainer
+will not train on: the groups an over-provisioned step did not need, a short round's tail
+in tail batching, a trajectory whose oldest token would be trained more weight versions
+behind than the bound allows. :func:`abort_trajectory` does it in one step:
+
+* the attempt is finished in the store with no reward and ``metadata.aborted`` (its calls
+  stay recorded; group fetches leave it out), and in the tracker, which refuses its later
+  calls with 409 ``trajectory_aborted`` (the harness stops there) until the trainer lifts
+  the abort (``POST /trajectories/{id}/restart``: the next call opens a new attempt);
+* its calls queued in the gateway fail with 409 ``trajectory_finished``;
+* its calls generating on an engine are aborted there (``/abort_requests``), so the KV
+  they hold is freed now: the client gets ``finish_reason: "abort"`` with the tokens made
+  so far. An engine without that route lets them run to their end.
+
+The staleness bound (``PUT /admin/staleness``): whenever the weight version changes, every
+live trajectory whose first call started on weights more than ``max_staleness`` versions
+behind the new ones is aborted, because no trainer step from now on could train it within
+the bound. Versions must be integers for the bound to apply (``"3"``, not ``"step-3"``).
+A trajectory that finished in time but waits to be trained is the trainer's to check
+(:class:`gateway.client.StepRunner` does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.dispatch import engines
+from gateway.errors import Conflict, NotFound
+from gateway.proxy.live import engine_ids, live_calls
+from gateway.runtime import Runtime
+from gateway.store import queries
+from gateway.trajectories.tracker import TrajectoryState
+
+#: ``Runtime.extras`` key of the bound (None: no bound)
+BOUND = "max_staleness"
+
+
+async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
+                           *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Abort the live attempt of ``trajectory_id`` (idempotent); what was done."""
+    state = rt.tracker.get(trajectory_id) or await rt.restorer.restore(trajectory_id)
+    if state is None:
+        raise NotFound(f"no trajectory {trajectory_id!r}")
+    if state.aborted is not None:
+        return _answer(state, 0, [])
+    if state.finished_at is not None:
+        raise Conflict(f"trajectory {trajectory_id!r} attempt {state.attempt} is already "
+                       "finished", param="trajectory_id")
+    now = time.time()
+    async with rt.sessionmaker() as session, session.begin():
+        await queries.finish_trajectory(
+            session, trajectory_id=trajectory_id, group_id=state.group_id, reward=None,
+            metadata={"aborted": reason}, now=now, attempt=state.attempt)
+    rt.tracker.finish(trajectory_id, None, now, aborted=reason)
+    rt.dispatcher.scheduler.trajectory_finished(state)
+    calls = live_calls(rt).of(trajectory_id)
+    errors = []
+    for backend_id, ids in calls.items():
+        backend = rt.registry.get(backend_id)
+        if backend is None:
+            continue
+        err = await engines.abort_requests(rt.session, backend.url,
+                                           [e for cid in ids for e in engine_ids(cid)],
+                                           timeout_s)
+        if err:
+            errors.append(f"{backend_id}: {err}")
+    rt.events.emit("trajectory", f"{trajectory_id} attempt {state.attempt} aborted: {reason}",
+                   trajectory=trajectory_id, reason=reason)
+    return _answer(state, sum(len(v) for v in calls.values()), errors)
+
+
+def _answer(state: TrajectoryState, calls: int, errors: list[str]) -> dict[str, Any]:
+    return {"id": state.id, "attempt": state.attempt, "reason": state.aborted,
+            "aborted_calls": calls, "engine_errors": errors}
+
+
+def _version(text: str | None) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def stale(rt: Runtime) -> list[TrajectoryState]:
+    """Live trajectories the bound no longer lets a trainer step take."""
+    bound = rt.extras.get(BOUND)
+    current = _version(rt.weight_version)
+    if not isinstance(bound, int) or current is None:
+        return []
+    out = []
+    for state in list(rt.tracker.live.values()):
+        first = _version(state.first_version)
+        if first is not None and current - first > bound and state.aborted is None:
+            out.append(state)
+    return out
+
+
+async def enforce_staleness(rt: Runtime) -> list[str]:
+    """Abort every trajectory past the bound (after a weight version change)."""
+    done = []
+    for state in stale(rt):
+        reason = (f"staleness: its first call started on weights {state.first_version}, "
+                  f"the engines now serve {rt.weight_version}, bound {rt.extras[BOUND]}")
+        try:
+            await abort_trajectory(rt, state.id, reason)
+        except Conflict:  # finished meanwhile: nothing to cut
+            continue
+        done.append(state.id)
+    return done
