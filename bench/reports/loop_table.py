@@ -1,0 +1,44 @@
+"""BENCHMARKS.md's ``bench loop`` block: step modes in samples per hour against the best
+static synchronous layout, with the staleness and the cost of every speed-up beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-search.json",
+        "loop/qwen3-14b-h100-64gpu-swe.json"]
+BENCH = "docs/benchmarks"
+
+
+def _row(workload: str, band: str, name: str, row: dict[str, Any]) -> str:
+    v = row["vs_best_sync"]
+    lag = (f"{row['lag0_share']:.0%} / {row['lag1_share']:.0%} / "
+           f"{row['lag2_share'] + row['lag3plus_share']:.0%}")
+    return (f"| {workload} | {band} | `{name}` | {row['samples_per_hour']:.0f} | "
+            f"{v['geomean']:.2f}x ({v['ci95_low']:.2f}-{v['ci95_high']:.2f}) | {lag} | "
+            f"{row['wasted_share']:.0%} | {row['idle_share']:.0%} | {row['length_bias']:.2f} |")
+
+
+def loop_table(root: Path) -> str:
+    out = ["| workload | TP efficiency | mode @ layout | samples/h | x best static sync "
+           "(paired 95% CI) | trained tokens 0 / 1 / 2+ versions stale | wasted tokens | "
+           "pool idle | length bias |", "|---|---|---|---|---|---|---|---|---|"]
+    commands, notes = [], []
+    for rel in LOOP:
+        path = root / BENCH / rel
+        if not path.exists():
+            continue
+        doc = json.loads(path.read_text())
+        commands.append(doc["command"])
+        for key, cell in doc["cells"].items():
+            workload, band = key.split("/")
+            sync = ", ".join(f"`{k}` {s:.0f} s" for k, s in cell["sync_rollout_s"].items())
+            notes.append(f"- {workload}, {band}: sync rollout per step {sync}; best static "
+                         f"`{cell['best_static']}`")
+            for ratio, part in cell["ratios"].items():
+                for name, row in part["rows"].items():
+                    out.append(_row(workload, f"{band}, trainer {float(ratio):g}x "
+                                    f"({part['train_s']:.0f} s)", name, row))
+    return "\n".join([*out, "", *notes, "", "```sh", *commands, "```"])
