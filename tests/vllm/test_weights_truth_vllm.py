@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,8 @@ from gateway.app import create_app
 from gateway.config import Settings, TraceSettings, UpstreamSettings
 from tests.gateway.conftest import make_settings
 from tests.servers import LoopThread, app_in_thread
-from tests.vllm.conftest import REPO_ROOT, SERVED_NAME
+from tests.vllm.conftest import SERVED_NAME
+from tests.vllm.truth import recompute, reload_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 ADMIN = {"authorization": "Bearer tok"}
@@ -43,37 +43,11 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "sea
 LONG = 1400  # the tiny model's context is 2048
 TIE = 0.05  # logprobs closer than this under A and B do not tell which made the token
 
-# Re-draw every matrix of a checkpoint (norms kept), five times wider than the tiny
-# model's (whose nearly uniform outputs would often give a token about the same logprob
-# under both): same shapes and tokenizer, other weights. Runs in the vLLM environment.
-_REDRAW = """
-import shutil, sys, torch
-from safetensors.torch import load_file, save_file
-src, dst, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-shutil.copytree(src, dst)
-weights = load_file(f"{src}/model.safetensors")
-g = torch.Generator().manual_seed(seed)
-out = {k: (torch.randn(v.shape, generator=g) * 0.1).to(v.dtype) if v.dim() > 1 else v
-       for k, v in weights.items()}
-save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
-"""
-
-
 @pytest.fixture(scope="module")
 def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
     yield lt
     lt.stop()
-
-
-@pytest.fixture(scope="session")
-def checkpoints(vllm_python: str, tiny_model_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """{"A": the tiny model, "B": the same with other weights}."""
-    b = tmp_path_factory.mktemp("ckpt") / "B"
-    subprocess.run([vllm_python, "-c", _REDRAW, str(tiny_model_dir), str(b), "7"],
-                   check=True, capture_output=True, timeout=120, cwd=REPO_ROOT)
-    return {"A": str(tiny_model_dir), "B": str(b)}
 
 
 def _bodies(tag: str, tokens: int) -> dict[str, dict[str, Any]]:
@@ -164,24 +138,6 @@ async def _job(admin: httpx.AsyncClient, body: dict[str, Any], timeout_s: float 
     raise AssertionError(f"job not done in {timeout_s} s")
 
 
-async def _recompute(engine: str, ids: list[int]) -> list[float]:
-    """The logprob of each of ``ids[1:]`` under the engine's current weights."""
-    async with httpx.AsyncClient(timeout=300) as http:
-        r = await http.post(f"{engine}/v1/completions", json={
-            "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
-        assert r.status_code == 200, r.text
-        entries = r.json()["choices"][0]["prompt_logprobs"][1:]
-    return [float(e[str(t)]["logprob"]) for e, t in zip(entries, ids[1:], strict=True)]
-
-
-async def _reload(engine: str, path: str) -> None:
-    async with httpx.AsyncClient(timeout=300) as http:
-        for route, body in (("/collective_rpc", {"method": "reload_weights",
-                                                 "kwargs": {"weights_path": path}}),
-                            ("/reset_prefix_cache", None)):
-            assert (await http.post(engine + route, json=body)).status_code == 200
-
-
 async def _samples(admin: httpx.AsyncClient, tids: dict[str, str]
                    ) -> dict[str, dict[str, Any]]:
     """Each trajectory's sample and call, with the mode it ran under."""
@@ -212,9 +168,9 @@ async def _judge(engine: str, samples: dict[str, dict[str, Any]], path_of: dict[
     ids = {tid: s["token_ids"] for tid, s in samples.items()}
     recomputed: dict[str, dict[str, list[float]]] = {name: {} for name in checkpoints}
     for name, path in checkpoints.items():
-        await _reload(engine, path)
+        await reload_weights(engine, path)
         for tid, seq in ids.items():
-            recomputed[name][tid] = await _recompute(engine, seq)
+            recomputed[name][tid] = await recompute(engine, seq)
     out: dict[str, tuple[int, int, int, int]] = {}
     for tid, s in samples.items():
         n = len(s["call"]["completion_ids"])
@@ -252,7 +208,7 @@ async def test_every_token_version_is_true_on_real_vllm(
     with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
         async with httpx.AsyncClient(base_url=url, timeout=600, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=600, headers=HARNESS) as http:
-            await _reload(engine, checkpoints["A"])
+            await reload_weights(engine, checkpoints["A"])
             await admin.put("/admin/weight-version", json={"version": "v0"})
             for n, mode in enumerate(("keep", "abort-and-continue", "wait"), start=1):
                 version, target = f"v{n}", checkpoints["B" if n % 2 else "A"]
