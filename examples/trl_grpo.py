@@ -58,8 +58,9 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"]}}}
 FORCE_ADD: Any = {"type": "function", "function": {"name": "add"}}
 TASK = "What is {a} + {b}? Call add, then answer with the number only."
-#: room for the forced call: the random model's call ends on its own well within it (a
-#: call cut at max_tokens comes back as text, and echoing it opens a branch)
+#: room for the forced call: the random model's call usually ends on its own within it (a
+#: call cut at max_tokens comes back as text, and echoing it would open a branch, which
+#: TRL cannot train: the agent ends the episode on it instead)
 TOOL_CALL_TOKENS = 512
 PROBE = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -88,6 +89,8 @@ def make_agent(model: str, max_tokens: int) -> Any:
                 model=model, messages=messages, tools=[ADD], tool_choice=FORCE_ADD,
                 max_tokens=TOOL_CALL_TOKENS, temperature=1.0)).choices[0].message
             calls = [c for c in first.tool_calls or () if c.type == "function"]
+            if not calls:  # the forced call was cut at max_tokens: the episode ends here
+                return score(r.prompt, first.content or "")  # (echoing it would branch)
             messages.append({"role": "assistant", "content": first.content, **({
                 "tool_calls": [{"id": c.id, "type": "function", "function": {
                     "name": c.function.name, "arguments": c.function.arguments}}

@@ -100,29 +100,47 @@ async def _engine_idle(engine: str, timeout_s: float = 180) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _mid_generation(admin: httpx.AsyncClient, engine: str,
-                          calls: list[asyncio.Task[str]], tokens: float = 600) -> None:
-    """Wait until the gateway has at least half of ``calls`` in flight on the engine and
-    the engine has generated ``tokens`` more since: the update then lands inside those
-    calls, however fast or loaded the machine. (Counting the engine's tokens alone could
-    end before the calls were dispatched, when an earlier test's requests were still
-    generating.) Returns early once every call is done: never waits on tokens that
-    cannot come; the spans check then says the update missed them."""
+async def _ctl(engine: str, path: str) -> None:
+    """A control call straight to vLLM, behind the gateway's back."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await http.post(engine + path)).status_code == 200
+
+
+async def _dispatched(admin: httpx.AsyncClient, count: int,
+                      calls: list[asyncio.Task[str]]) -> None:
+    """Wait until the gateway has sent ``count`` calls to its engine (its own counter, not
+    the status page's periodic snapshot), and a second more for them to reach its queue;
+    at once if every call is over (how it ended is for the caller to see)."""
     deadline = time.monotonic() + 300
-
-    async def in_flight() -> int:
-        return sum(b["in_flight"] for b in (await admin.get("/status")).json()["backends"])
-
-    while await in_flight() < (len(calls) + 1) // 2:
+    while (await admin.get("/admin/backends")).json()["data"][0]["in_flight"] < count:
         if all(c.done() for c in calls):
             return
-        assert time.monotonic() < deadline, f"the gateway never dispatched {len(calls)} calls"
-        await asyncio.sleep(0.02)
-    before = await _metric(engine, "vllm:generation_tokens_total")
-    while await _metric(engine, "vllm:generation_tokens_total") < before + tokens:
-        if all(c.done() for c in calls):
-            return
+        if time.monotonic() > deadline:
+            status = (await admin.get("/status")).json()
+            raise AssertionError(f"the gateway never dispatched {count} calls: "
+                                 f"{(await admin.get('/admin/backends')).json()} "
+                                 f"queued {status.get('queue')} paused {status.get('paused')}")
         await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
+
+
+async def _mid_generation(admin: httpx.AsyncClient, engine: str,
+                          calls: list[asyncio.Task[str]]) -> None:
+    """Hold ``calls`` mid-generation: the engine was paused (keep) before they were sent,
+    so they wait in its queue; it then runs in short slices between keep pauses until it
+    made tokens, and stays paused for the update to find them there. (Waiting on the
+    status page and token counters instead raced the calls: the tiny model makes 1400
+    tokens in a few seconds, less than the status page's lag on two busy cores, and the
+    update then came after every call had ended: 0 calls spanned two weights.)"""
+    count = len(calls)
+    await _dispatched(admin, count, calls)
+    made = await _metric(engine, "vllm:generation_tokens_total")
+    for _ in range(200):  # slices as short as two control calls
+        await _ctl(engine, "/resume")
+        await _ctl(engine, "/pause?mode=keep")
+        if await _metric(engine, "vllm:generation_tokens_total") > made:
+            return
+    raise AssertionError("the engine made no tokens in 200 slices")
 
 
 async def _job(admin: httpx.AsyncClient, body: dict[str, Any], timeout_s: float = 300
@@ -215,10 +233,15 @@ async def test_every_token_version_is_true_on_real_vllm(
                 path_of[version] = target
                 tokens = LONG if mode != "wait" else LONG // 3  # wait drains them all
                 await _engine_idle(engine)
+                if mode != "wait":  # (a paused engine would never drain for wait)
+                    await _ctl(engine, "/pause?mode=keep")
                 calls = {tid: asyncio.create_task(_call(http, f"{mode}-{tid}", body))
                          for tid, body in _bodies(f"{mode}{n}", tokens).items()}
                 tids.update({f"{mode}-{tid}": mode for tid in calls})
-                await _mid_generation(admin, engine, list(calls.values()))
+                if mode != "wait":
+                    await _mid_generation(admin, engine, list(calls.values()))
+                else:  # the update drains them: mid-generation or not, nothing spans
+                    await _dispatched(admin, 1, list(calls.values()))
                 t0 = time.monotonic()
                 job = await _job(admin, {"version": version, "mode": mode,
                                          "method": "reload", "weights_path": target})
