@@ -42,7 +42,7 @@ def serve(
     pool: Annotated[Path | None, typer.Option(help="pool spec file (managed pool)")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy async URL")] = None,
     policy: Annotated[str | None, typer.Option(
-        help="scheduling policy (default straggler-lane; docs/policies.md)")] = None,
+        help="scheduling policy (default replay; docs/policies.md)")] = None,
     wait_ready: Annotated[bool | None, typer.Option(
         "--wait-ready/--no-wait-ready",
         help="open the port only once the pool's initial engines are up (exit 3 if none "

@@ -190,7 +190,7 @@ class Settings(BaseSettings):
         "trainer token, else random per process (keys then die with it)")
     backends: Annotated[list[str], NoDecode] = []
     pool: Path | None = None
-    policy: str = Field("straggler-lane",
+    policy: str = Field("replay",
                         description="scheduling/placement policy (see docs/policies.md)")
     weight_version: str = "0"
     auto_migrate: bool = Field(True, description="run Alembic migrations at start-up")

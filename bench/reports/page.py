@@ -115,7 +115,7 @@ def _scale() -> str:
 
 def headline(root: Path = ROOT) -> str:
     lines = [f"{_scale()}, 64 GPUs, 5 seeds, the calibrated cost model. `{LANE}` (the "
-             "gateway's default) against "
+             "default before issue 30) against "
              "each rival: the geometric mean of the per-seed makespan ratios (rival / "
              f"`{LANE}`), paired 95% interval; above 1 means `{LANE}` is faster.", "",
              f"| workload (steps reported) | `{LANE}` makespan s | vs best static (`{BEST}`) | "

@@ -117,7 +117,7 @@ def test_live_gateway_dispatches_by_policy_and_switches_policy(sim_pool, gateway
         queued = [httpx.get(f"{gw}/trajectories/traj-{i}", headers=hdr).json()["calls"][0][
             "queued_ms"] for i in range(8)]
         assert sum(q > 50 for q in queued) >= 4  # cap 1 x 2 backends: most had to wait
-        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "straggler-lane"
+        assert httpx.get(f"{gw}/admin/policy", headers=hdr).json()["policy"] == "replay"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "libra"}, headers=hdr)
         assert r.status_code == 200 and r.json()["policy"] == "libra"
         r = httpx.put(f"{gw}/admin/policy", json={"policy": "ours"}, headers=hdr)  # old name

@@ -56,7 +56,7 @@ def test_status_json_has_the_page_data(scripted_gateway):
     assert kinds.count("llm") == 3 and kinds.count("tool") == 3  # the last one still open
     assert kinds[-1] == "tool" and rows["traj-a"]["segments"][-1][2] == status["gantt"]["now"]
     assert rows["traj-b"]["phase"] == "finished"
-    assert status["policy"] == "straggler-lane"  # the default policy
+    assert status["policy"] == "replay"  # the default policy
     # what the page offers to switch to: what PUT /admin/policy accepts, no hidden-length one
     assert "progressive" in status["policies"] and "straggler-lane" in status["policies"]
     assert "progressive-oracle" not in status["policies"]
