@@ -266,6 +266,15 @@ async def set_staleness(body: Staleness, rt: Runtime = Depends(get_rt)) -> dict[
     return {"max_staleness": body.max_staleness, "aborted": await enforce_staleness(rt)}
 
 
+@router.post("/flush")
+async def flush(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    """Write what the trace writer holds to the store now (a sharded gateway's front
+    flushes every shard before it reads samples from the store)."""
+    drained = await rt.writer.drain(30.0)
+    return {"drained": drained, "written": rt.writer.written,
+            "queue_depth": rt.writer.queue_depth}
+
+
 @router.post("/weight-update", status_code=202)
 async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> JobRef:
     """Run pause -> update -> set version -> resume on every engine, as a job."""

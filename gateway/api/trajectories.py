@@ -198,6 +198,17 @@ async def finish(
                               reward=traj.reward, finished_at=traj.finished_at)
 
 
+@router.get("/{trajectory_id}/live", summary="The gateway's live view of the trajectory "
+            "(404 when this gateway does not track it)")
+async def live(trajectory_id: str, rt: Runtime = Depends(get_rt)) -> LiveView:
+    """Cheap (memory only): a sharded gateway's front asks each shard who holds an id."""
+    validate_id(trajectory_id)
+    view = _live(rt, trajectory_id)
+    if view is None:
+        raise NotFound(f"this gateway does not track trajectory {trajectory_id!r}")
+    return view
+
+
 @router.post("/{trajectory_id}/abort", summary="Abort the trajectory's live attempt: its "
              "generating calls end (finish_reason abort), later calls are 409 until restart")
 async def abort(trajectory_id: str, body: AbortRequest | None = None,
