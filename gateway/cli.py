@@ -49,6 +49,13 @@ def serve(
         "comes up); default: open it at once, GET /ready answers 503 until then "
         "(ROLLOUT_GATEWAY_SERVER__WAIT_READY)")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
+    shards: Annotated[int, typer.Option(
+        help="run N gateway processes behind HAProxy, each with its part of the pool "
+        "(needs Postgres and haproxy; docs/deployment.md, 'Shards')")] = 1,
+    haproxy: Annotated[str, typer.Option(help="the haproxy binary (--shards)")] = "haproxy",
+    state_dir: Annotated[Path, typer.Option(
+        help="where --shards writes the shards' pool specs and haproxy.cfg")]
+    = Path(".rollout-gateway/shards"),
 ) -> None:
     """Run the gateway. With a pool, a log line says when its engines are up."""
     from gateway.app import create_app
@@ -64,6 +71,9 @@ def serve(
         **({"database_url": database_url} if database_url else {}),
         **({"policy": resolve_name(policy)} if policy else {}),
     })
+    if shards > 1:
+        _serve_shards(settings, shards, haproxy, state_dir, log_level, backend, pool)
+        return
     try:
         if settings.policy not in LIVE_NAMES:
             raise ValueError(f"unknown policy {settings.policy!r} (--policy or "
@@ -82,6 +92,26 @@ def serve(
     fastapi_app = create_app(settings)
     config = uvicorn_config(fastapi_app, settings, log_level=log_level)
     _server(config, fastapi_app, settings.server.shutdown_delay_s).run()
+
+
+def _serve_shards(settings: Settings, shards: int, haproxy: str, state_dir: Path,
+                  log_level: str, backend: list[str] | None, pool: Path | None) -> None:
+    """``serve --shards N`` (gateway/shards/launch.py)."""
+    from gateway.shards.launch import ShardPlan, check, run
+
+    plan = ShardPlan(shards, settings.server.host, settings.server.port,
+                     backends=list(backend or settings.backends),
+                     pool=pool or settings.pool, database_url=settings.database_url,
+                     policy=settings.policy, haproxy=haproxy, state_dir=state_dir,
+                     log_level=log_level)
+    try:
+        check(plan)
+        settings.check_safe_to_serve()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    raise typer.Exit(asyncio.run(run(plan)))
 
 
 #: The serving process's young-generation GC threshold (CPython's default: 700).
@@ -185,3 +215,41 @@ def sim_backend(
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
                      count=count, seed=seed, scheduling_policy=scheduling_policy)
+
+
+@app.command("front")
+def front(
+    shard: Annotated[list[str], typer.Option(
+        help="a shard's base URL, in shard order (repeatable)")],
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="bind port")] = 8100,
+    log_level: Annotated[str, typer.Option()] = "info",
+) -> None:
+    """The front of a sharded gateway: one admin, trajectory and status API over the
+    shards (gateway/shards/front.py; `serve --shards N` starts one itself)."""
+    import uvicorn
+
+    from gateway.shards.front import create_front_app
+
+    settings = Settings()
+    uvicorn.run(create_front_app(shard, settings.admin_token), host=host, port=port,
+                log_level=log_level)
+
+
+@app.command("haproxy-config")
+def haproxy_config_cmd(
+    shard: Annotated[list[str], typer.Option(help="a shard's host:port, in order (repeatable)")],
+    front: Annotated[str, typer.Option(help="the front's host:port")],
+    bind: Annotated[str, typer.Option(help="where HAProxy listens")] = "0.0.0.0:8000",
+    out: Annotated[Path | None, typer.Option(help="write here (default: print)")] = None,
+) -> None:
+    """HAProxy's configuration for shards on other machines (docs/deployment.md, "Shards")."""
+    from gateway.shards.haproxy import ProxyPlan, haproxy_config
+
+    text = haproxy_config(ProxyPlan(bind, [s.removeprefix("http://") for s in shard],
+                                    front.removeprefix("http://")))
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}")

@@ -15,7 +15,7 @@ from gateway.cli import app as gateway_app
 from rollout_gateway.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ["serve", "migrate", "export", "sim-backend", "demo", "bench"]
+TOP = ["serve", "migrate", "export", "sim-backend", "front", "haproxy-config", "demo", "bench"]
 BENCH = ["sim", "steps", "soak", "overhead", "store", "headroom", "live", "vllm-cpu",
          "record", "tail", "page", "grid", "gpu-scan", "loop"]
 
@@ -32,7 +32,7 @@ def test_root_registers_every_command_in_order() -> None:
 
 def test_gateway_cli_alone_knows_nothing_of_the_benchmarks() -> None:
     names = _names(get_command(gateway_app))
-    assert names == ["serve", "migrate", "export", "sim-backend"]
+    assert names == ["serve", "migrate", "export", "sim-backend", "front", "haproxy-config"]
 
 
 @pytest.mark.parametrize("args", [[], *([c] for c in TOP), *(["bench", c] for c in BENCH)],

@@ -35,3 +35,18 @@ def test_compose_file_is_valid():
     assert out.returncode == 0, out.stderr
     assert "migrate" in out.stdout and "gateway" in out.stdout
     assert "service_completed_successfully" in out.stdout
+
+
+def test_compose_sharded_profile_is_valid():
+    cmd = _compose()
+    if cmd is None:
+        if os.environ.get("CI"):
+            pytest.fail("docker compose (or docker-compose) is needed; .ci/run installs it")
+        pytest.skip("no docker compose on this machine")
+    env = {**os.environ, "ROLLOUT_GATEWAY_ADMIN_TOKEN": "test-token"}
+    out = subprocess.run([*cmd, "-f", str(ROOT / "docker-compose.yml"), "--profile", "sharded",
+                          "config"], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    for service in ("shard0:", "shard1:", "front:", "haproxy-config:", "haproxy:"):
+        assert service in out.stdout, service
+    assert "http://shard0:8000" in out.stdout and "haproxy:2.6" in out.stdout

@@ -1,0 +1,143 @@
+"""``rollout-gateway serve --shards N`` as users start it: HAProxy in front of N gateway
+processes and the front, simulated vLLM servers behind, one Postgres store.
+
+The same seeded batch gives the same training samples through one process, two shards
+and three; a group's trajectories stay on one shard; the admin API reaches every shard
+and is undone where it applied when one shard fails; a shard killed mid-batch fails its
+own calls with an error, not a hang, and no other shard's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.shards.conftest import (
+    agent,
+    batch_ids,
+    gateway,
+    haproxy_or_fail,
+    run_batch,
+    samples,
+)
+
+pytestmark = pytest.mark.postgres
+
+
+def test_one_two_and_three_shards_give_the_same_samples(sim_servers: list[str],
+                                                        tmp_path: Path) -> None:
+    haproxy_or_fail()
+    ids = batch_ids()
+    got = {}
+    for shards in (1, 2, 3):
+        with gateway(sim_servers, shards, tmp_path) as (url, _):
+            asyncio.run(run_batch(url, ids))
+            got[shards] = samples(url, ids)
+            status = httpx.get(f"{url}/status", timeout=30).json()
+            if shards > 1:
+                assert [s["ok"] for s in status["shards"]] == [True] * shards
+                served = [sum(b["served"] for b in status["backends"] if b["shard"] == i)
+                          for i in range(shards)]
+                assert all(n > 0 for n in served), served  # every shard took a share
+                assert status["totals"]["calls"] == 3 * sum(len(t) for t in ids.values())
+                for gid, tids in ids.items():  # a group lives on one shard
+                    owners = {_owner(url, shards, t) for t in tids}
+                    assert len(owners) == 1, (gid, owners)
+    assert len(got[1]) == 18
+    for tid, one in got[1].items():
+        assert one["mismatches"] == [] and sum(one["loss_mask"]) > 0
+        assert got[2][tid] == one and got[3][tid] == one, tid
+
+
+def _owner(url: str, shards: int, tid: str) -> int:
+    status = httpx.get(f"{url}/status", timeout=30).json()
+    shard_urls = [s["url"] for s in status["shards"]]
+    held = [i for i, u in enumerate(shard_urls)
+            if httpx.get(f"{u}/trajectories/{tid}/live", timeout=10).status_code == 200]
+    assert len(held) == 1, (tid, held)
+    return held[0]
+
+
+def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
+        sim_servers: list[str], tmp_path: Path) -> None:
+    with gateway(sim_servers, 2, tmp_path) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/admin/pause")
+        assert r.status_code == 200 and [s["body"]["paused"] for s in r.json()["shards"]] \
+            == [True, True]
+        assert http.get("/status").json()["paused"] is True
+        r = http.post("/admin/resume", json={"weight_version": "7"})
+        assert r.status_code == 200
+        status = http.get("/status").json()
+        assert status["weight_version"] == "7" and status["paused"] is False
+        assert http.put("/admin/policy", json={"policy": "nope"}).status_code == 400
+        r = http.put("/admin/policy", json={"policy": "libra"})
+        assert r.status_code == 200 and http.get("/status").json()["policy"] == "libra"
+        # shard 1 is gone when the next version change comes: shard 0's is undone
+        os.kill(_pid_on(status["shards"][1]["url"]), signal.SIGKILL)
+        t0 = time.monotonic()
+        r = http.put("/admin/weight-version", json={"version": "8"})
+        assert r.status_code == 502, r.text
+        report = r.json()
+        assert report["rolled_back"] == [0]
+        assert report["shards"][0]["status"] == 200
+        assert http.get("/status").json()["weight_version"] == "7"  # as before
+        print(f"one shard killed: the version change failed in "
+              f"{time.monotonic() - t0:.1f} s and was undone on shard 0")
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+
+
+def _pid_on(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True,
+                         text=True, check=True).stdout
+    return int(out.split("pid=")[1].split(",")[0])
+
+
+def test_a_killed_shard_fails_its_own_calls_and_no_others(sim_servers: list[str],
+                                                         tmp_path: Path) -> None:
+    ids = batch_ids(groups=8, size=2)
+    with gateway(sim_servers, 2, tmp_path) as (url, _):
+        status = httpx.get(f"{url}/status", timeout=30).json()
+        victim = status["shards"][1]["url"]
+
+        async def go() -> dict[str, object]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                async def one(gid: str, tid: str) -> object:
+                    try:
+                        return await agent(http, gid, tid, turns=8, tokens=400)
+                    except httpx.HTTPError as exc:
+                        return exc
+                tasks = {t: asyncio.create_task(one(g, t)) for g, ts in ids.items()
+                         for t in ts}
+                async with httpx.AsyncClient(timeout=10) as probe:
+                    while not (await probe.get(f"{victim}/status")).json()["pool"]["running"]:
+                        await asyncio.sleep(0.05)  # kill it with calls in flight
+                os.kill(_pid_on(victim), signal.SIGKILL)
+                return {t: await task for t, task in tasks.items()}
+
+        t0 = time.monotonic()
+        results = asyncio.run(go())
+        wall = time.monotonic() - t0
+        failed = {t for t, r in results.items() if isinstance(r, Exception)}
+        ok = set(results) - failed
+        assert failed, "the killed shard's trajectories should have failed"
+        assert ok, "the other shard's trajectories should have finished"
+        for exc in (results[t] for t in failed):
+            assert isinstance(exc, httpx.HTTPStatusError), exc  # an answer, not a hang
+            assert exc.response.status_code >= 500
+        survivors = samples(url, {"ok": sorted(ok)})
+        for tid, s in survivors.items():
+            assert s["mismatches"] == [] and sum(s["loss_mask"]) > 0, tid
+        groups = {t.rsplit("-", 1)[0] for t in failed}
+        assert not groups & {t.rsplit("-", 1)[0] for t in ok}  # whole groups failed
+        print(f"killed shard: {len(failed)} trajectories failed with 5xx, {len(ok)} "
+              f"finished exactly, in {wall:.1f} s")
