@@ -186,8 +186,10 @@ async def run(plan: ShardPlan) -> int:
 
     await asyncio.to_thread(upgrade, plan.database_url)
     env = shard_env(plan)
-    procs = [await asyncio.create_subprocess_exec(*cmd, env=env)
-             for cmd in shard_commands(plan)]
+    cmds = shard_commands(plan)
+    for i, cmd in enumerate(cmds):  # how to restart one by hand
+        log.info("shard %d: %s", i, " ".join(cmd))
+    procs = [await asyncio.create_subprocess_exec(*cmd, env=env) for cmd in cmds]
     urls = [f"http://127.0.0.1:{plan.shard_port(i)}" for i in range(plan.shards)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
