@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.client import RolloutClient
 from tests.shards.conftest import (
     agent,
     batch_ids,
@@ -78,6 +79,16 @@ def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
         assert http.put("/admin/policy", json={"policy": "nope"}).status_code == 400
         r = http.put("/admin/policy", json={"policy": "libra"})
         assert r.status_code == 200 and http.get("/status").json()["policy"] == "libra"
+        # a weight update through the front: one job per shard under one id, the
+        # trainer's push between every shard's pause and resume
+        pushed = []
+        with RolloutClient(url) as gw:
+            job = gw.update_weights("9", push=lambda: pushed.append(time.monotonic()),
+                                    mode="abort-and-continue", timeout_s=120)
+        assert job.status == "succeeded" and len(pushed) == 1, job
+        assert job.id.startswith("f") and len(job.raw["shards"]) == 2
+        status = http.get("/status").json()
+        assert [s["weight_version"] for s in status["shards"]] == ["9", "9"]
         # shard 1 is gone when the next version change comes: shard 0's is undone
         os.kill(_pid_on(status["shards"][1]["url"]), signal.SIGKILL)
         t0 = time.monotonic()
@@ -86,7 +97,7 @@ def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
         report = r.json()
         assert report["rolled_back"] == [0]
         assert report["shards"][0]["status"] == 200
-        assert http.get("/status").json()["weight_version"] == "7"  # as before
+        assert http.get("/status").json()["weight_version"] == "9"  # as before
         print(f"one shard killed: the version change failed in "
               f"{time.monotonic() - t0:.1f} s and was undone on shard 0")
         health = http.get("/health")
