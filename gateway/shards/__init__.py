@@ -9,6 +9,8 @@ and one ``/metrics`` over all shards. All shards write one Postgres store.
 
 * :mod:`gateway.shards.haproxy`: the proxy's configuration (generated, never hand-written);
 * :mod:`gateway.shards.merge`: one status and one metrics view from the shards' own;
-* :mod:`gateway.shards.front`: the front's app;
+* :mod:`gateway.shards.front`: the front's app (status, metrics, page, trajectory API);
+* :mod:`gateway.shards.fanout`: its admin API (fan-out, undo, jobs, moving a backend);
+* :mod:`gateway.shards.shardset`: the shards as the front sees them;
 * :mod:`gateway.shards.launch`: ``rollout-gateway serve --shards N`` on one machine.
 """

@@ -1,0 +1,263 @@
+"""The front's admin API: writes fanned out to every shard, all or nothing; reads merged;
+one job id over the shards' jobs; moving a backend between shards
+(see :mod:`gateway.shards.front` for the whole picture)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.shards.shardset import (
+    POLL_S,
+    Answer,
+    Front,
+    FrontJob,
+    as_response,
+    forwarded_headers,
+    front_of,
+)
+
+
+async def _before(front: Front, path: str, headers: dict[str, str]) -> list[Any]:
+    """What each shard holds now that a write to ``path`` would change (to put it back)."""
+    if path == "/admin/weight-version":
+        return [a.body.get("weight_version") if a.ok else None
+                for a in await front.every("GET", "/status", headers=headers)]
+    if path in ("/admin/policy", "/admin/staleness"):
+        return [a.body if a.ok else None
+                for a in await front.every("GET", path, headers=headers)]
+    return []
+
+
+async def _put_back(front: Front, path: str, headers: dict[str, str], done: list[int],
+                    before: list[Any]) -> list[int]:
+    """Undo a write on the shards in ``done``; the shards it was undone on."""
+    undo: list[tuple[int, str, str, bytes | None]] = []
+    for i in done:
+        if path == "/admin/pause":
+            undo.append((i, "POST", "/admin/resume", None))
+        elif path == "/admin/weight-version" and before and before[i]:
+            undo.append((i, "PUT", path, orjson.dumps({"version": before[i]})))
+        elif path == "/admin/policy" and before and before[i]:
+            undo.append((i, "PUT", path, orjson.dumps({"policy": before[i]["policy"]})))
+        elif path == "/admin/staleness" and before and before[i] is not None:
+            undo.append((i, "PUT", path, orjson.dumps(before[i])))
+    hdrs = {**headers, "content-type": "application/json"}
+    answers = await asyncio.gather(*(front.one(i, m, p, headers=hdrs, body=b)
+                                     for i, m, p, b in undo))
+    return [a.shard for a in answers if a.ok]
+
+
+def _job_view(front: Front, job: FrontJob, parts: list[Answer]) -> dict[str, Any]:
+    """One job over the shards' jobs: failed if one failed, done when all are, and its
+    phases those every shard's job has reached (a trainer pushing weights waits on the
+    ``update`` phase: it must have been reached everywhere)."""
+    views = [a.body if a.ok and isinstance(a.body, dict) else {} for a in parts]
+    states = [v.get("status", "failed") for v in views]
+    status = ("failed" if "failed" in states or "cancelled" in states
+              else "succeeded" if all(s == "succeeded" for s in states)
+              else "pending" if all(s == "pending" for s in states) else "running")
+    names = [[p.get("name") for p in v.get("phases") or []] for v in views]
+    common = [n for n in (names[0] if names else []) if all(n in ns for ns in names)]
+    finished = [float(v["finished"]) for v in views if v.get("finished") is not None]
+    return {"id": job.id, "kind": job.kind, "status": status, "request": {},
+            "created": job.created, "started": job.created,
+            "finished": max(finished) if status in ("succeeded", "failed")
+            and len(finished) == len(views) else None,
+            "duration_s": None, "plan": {"shards": [v.get("plan") for v in views]},
+            "phases": [{"name": n} for n in common],
+            "errors": [f"shard {a.shard}: {e}" for a, v in zip(parts, views, strict=True)
+                       for e in v.get("errors") or ([] if a.ok else [str(a.body)])],
+            "shards": [{"shard": s, "job": jid} for s, jid in job.parts]}
+
+
+async def _job_parts(front: Front, job: FrontJob, headers: dict[str, str]) -> list[Answer]:
+    return list(await asyncio.gather(*(front.one(s, "GET", f"/admin/jobs/{jid}",
+                                                  headers=headers) for s, jid in job.parts)))
+
+
+def _split_pool(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """A pool change per shard: a GPU count split evenly, a layout entry by entry."""
+    if isinstance(body.get("gpus"), int):
+        k = body["gpus"]
+        return [{**body, "gpus": k // n + (1 if i < k % n else 0)} for i in range(n)]
+    if isinstance(body.get("layout"), list):
+        return [{**body, "layout": body["layout"][i::n]} for i in range(n)]
+    return [body] * n
+
+
+def admin_routes(app: FastAPI) -> None:
+    @app.get("/admin/jobs/{job_id}")
+    async def job(request: Request, job_id: str) -> Response:
+        front = front_of(request)
+        found = front.jobs.get(job_id)
+        if found is None:
+            return JSONResponse({"detail": f"no job {job_id!r}"}, status_code=404)
+        if found.own is not None:
+            return JSONResponse(found.own)
+        parts = await _job_parts(front, found, forwarded_headers(request))
+        if any(a.status in (401, 403) for a in parts):
+            return as_response(next(a for a in parts if a.status in (401, 403)))
+        return JSONResponse(_job_view(front, found, parts))
+
+    @app.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def admin(request: Request, path: str) -> Response:
+        front, headers = front_of(request), forwarded_headers(request)
+        full, body = f"/admin/{path}", await request.body()
+        if request.method == "GET":
+            return _merged_read(full, await front.every(
+                "GET", full, headers=headers, params=request.query_params))
+        if path.startswith("backends/s") and path.endswith("/move"):
+            shard, backend = path[len("backends/s"):-len("/move")].split("/", 1)
+            target = orjson.loads(body or b"{}").get("to")
+            return await _start_move(front, int(shard), backend, target, headers)
+        if path.startswith("backends/s") and "/" in path[len("backends/"):]:
+            shard, backend = path[len("backends/s"):].split("/", 1)
+            return as_response(await front.one(int(shard), request.method,
+                                         f"/admin/backends/{backend}", headers=headers))
+        if path.startswith("weight-update/") and path.endswith("/done"):
+            found = front.jobs.get(path.split("/")[1])
+            if found is None:
+                return JSONResponse({"detail": "no such job"}, status_code=404)
+            answers = await asyncio.gather(*(front.one(
+                s, "POST", f"/admin/weight-update/{jid}/done", headers=headers)
+                for s, jid in found.parts))
+            return _all_or_report(list(answers), "weight push done")
+        return await _fan_out_write(front, request.method, full, headers, body,
+                                    request.query_params)
+
+
+def _merged_read(path: str, answers: list[Answer]) -> Response:
+    bad = next((a for a in answers if not a.ok), None)
+    if bad is not None:
+        return as_response(bad, shards=[a.report() for a in answers])
+    if path == "/admin/backends":
+        rows = [{**b, "id": f"s{a.shard}/{b['id']}", "shard": a.shard}
+                for a in answers for b in a.body.get("data", [])]
+        return JSONResponse({"data": rows})
+    first = answers[0].body
+    merged = dict(first) if isinstance(first, dict) else {"data": first}
+    return JSONResponse({**merged, "shards": [a.report() for a in answers]})
+
+
+def _all_or_report(answers: list[Answer], what: str,
+                   rolled_back: list[int] | None = None) -> Response:
+    if all(a.ok for a in answers):
+        first = answers[0].body if isinstance(answers[0].body, dict) else {}
+        return JSONResponse({**first, "shards": [a.report() for a in answers]},
+                            status_code=answers[0].status)
+    failed = [a.shard for a in answers if not a.ok]
+    statuses = {a.status for a in answers}
+    if len(statuses) == 1 and 400 <= answers[0].status < 500:  # the caller's: pass it on
+        return as_response(answers[0], shards=[a.report() for a in answers])
+    return JSONResponse({"detail": f"{what} failed on shard(s) {failed}; "
+                         + (f"undone on {rolled_back}" if rolled_back is not None
+                            else "the others applied it"),
+                         "shards": [a.report() for a in answers],
+                         "rolled_back": rolled_back}, status_code=502)
+
+
+async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str, str],
+                         body: bytes, params: Any) -> Response:
+    before = await _before(front, path, headers)
+    if path == "/admin/pool" and body:
+        parts = _split_pool(orjson.loads(body), len(front.shards))
+        answers = list(await asyncio.gather(*(front.one(
+            i, method, path, headers=headers, params=params, body=orjson.dumps(b))
+            for i, b in enumerate(parts))))
+    elif path == "/admin/backends":  # one new instance: on the shard with the fewest
+        counts = [len(a.body.get("data", [])) if a.ok else 1 << 30
+                  for a in await front.every("GET", "/admin/backends", headers=headers)]
+        return as_response(await front.one(counts.index(min(counts)), method, path,
+                                     headers=headers, body=body))
+    else:
+        answers = await front.every(method, path, headers=headers, params=params, body=body)
+    if all(a.ok for a in answers) and any(
+            isinstance(a.body, dict) and "job" in a.body for a in answers):
+        job = FrontJob(f"f{next(front._ids)}", path.rsplit("/", 1)[-1],
+                       [(a.shard, str(a.body["job"])) for a in answers])
+        front.jobs[job.id] = job
+        return JSONResponse({"job": job.id, "status": "running",
+                             "url": f"/admin/jobs/{job.id}", "planned": [],
+                             "shards": [a.report() for a in answers]}, status_code=202)
+    if all(a.ok for a in answers):
+        return _all_or_report(answers, path)
+    done = [a.shard for a in answers if a.ok]
+    rolled = await _put_back(front, path, headers, done, before) if done else []
+    return _all_or_report(answers, f"{method} {path}", rolled)
+
+
+async def _start_move(front: Front, shard: int, backend: str, to: Any,
+                      headers: dict[str, str]) -> Response:
+    """Move one external backend to another shard: drained off its shard (that shard's
+    own remove job), then registered on the other. Trajectories never move: those on the
+    backend finish their calls there, their next calls go to their shard's other
+    backends. An instance of a managed pool cannot move (its GPUs belong to its shard's
+    block): resize the shards instead."""
+    if not isinstance(to, int) or not 0 <= to < len(front.shards) or to == shard:
+        return JSONResponse({"detail": f"'to' must be another shard, 0-{len(front.shards) - 1}"},
+                            status_code=422)
+    listed = await front.one(shard, "GET", "/admin/backends", headers=headers)
+    if not listed.ok:
+        return as_response(listed)
+    row = next((b for b in listed.body.get("data", []) if b["id"] == backend), None)
+    if row is None:
+        return JSONResponse({"detail": f"shard {shard} has no backend {backend!r}"},
+                            status_code=404)
+    if row.get("source") != "static":
+        return JSONResponse({"detail": f"s{shard}/{backend} is an instance of shard {shard}'s "
+                             "managed pool: its GPUs belong to that shard; resize the shards "
+                             "instead"}, status_code=409)
+    job = FrontJob(f"f{next(front._ids)}", "move", [])
+    job.own = {"id": job.id, "kind": "move", "status": "running", "request": {
+        "backend": f"s{shard}/{backend}", "to": to}, "created": job.created,
+        "started": job.created, "finished": None, "duration_s": None, "plan": {},
+        "phases": [], "errors": []}
+    front.jobs[job.id] = job
+    front.tasks.add(asyncio.create_task(_move(front, job, shard, row, to, headers)))
+    return JSONResponse({"job": job.id, "status": "running", "url": f"/admin/jobs/{job.id}"},
+                        status_code=202)
+
+
+async def _wait_shard_job(front: Front, shard: int, job_id: str, headers: dict[str, str],
+                          timeout_s: float = 900.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        a = await front.one(shard, "GET", f"/admin/jobs/{job_id}", headers=headers)
+        if a.ok and a.body.get("status") not in ("pending", "running"):
+            return dict(a.body)
+        await asyncio.sleep(POLL_S)
+    return {"status": "failed", "errors": [f"shard {shard}'s job {job_id} took too long"]}
+
+
+async def _move(front: Front, job: FrontJob, shard: int, row: dict[str, Any], to: int,
+                headers: dict[str, str]) -> None:
+    view = job.own
+    assert view is not None
+    t0 = time.time()
+    try:
+        removed = await front.one(shard, "DELETE", f"/admin/backends/{row['id']}",
+                                  headers=headers)
+        done = (await _wait_shard_job(front, shard, str(removed.body.get("job")), headers)
+                if removed.ok else {"status": "failed", "errors": [str(removed.body)]})
+        view["phases"].append({"name": "drain", "shard": shard, "status": done["status"],
+                               "duration_s": round(time.time() - t0, 3)})
+        if done["status"] != "succeeded":
+            view["errors"] += done.get("errors") or []
+            return
+        added = await front.one(to, "POST", "/admin/backends", headers={
+            **headers, "content-type": "application/json"}, body=orjson.dumps(
+                {"url": row["url"], "tp": row.get("tp") or 1}))
+        view["phases"].append({"name": "register", "shard": to, "status": added.status,
+                               "backend": added.body})
+        if not added.ok:
+            view["errors"].append(f"shard {to} refused it: {added.body}")
+    finally:
+        view["finished"] = time.time()
+        view["duration_s"] = round(view["finished"] - t0, 3)
+        view["status"] = "failed" if view["errors"] else "succeeded"
