@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -133,6 +133,18 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
+def freeze_startup_heap() -> None:
+    """Move everything alive once the app has started (imported modules, the app, its
+    settings and engines: some 300,000 objects) out of the collector's reach.
+
+    A full collection otherwise walks all of them, 70-240 ms on one core with the event
+    loop stopped (measured at 500 req/s, bench overhead's load, with gc.callbacks timing
+    each collection): the gateway's p99 tail. They live until the process ends anyway.
+    Called once, in the serving process only (tests build many apps in one process)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _server(config: uvicorn.Config, fastapi_app: FastAPI, delay_s: float) -> uvicorn.Server:
     import uvicorn
 
@@ -153,6 +165,10 @@ def _server(config: uvicorn.Config, fastapi_app: FastAPI, delay_s: float) -> uvi
                 self.exit_at = time.monotonic() + delay_s
                 return
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[Any] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            freeze_startup_heap()
 
         async def on_tick(self, counter: int) -> bool:
             if self.exit_at is not None and time.monotonic() >= self.exit_at:

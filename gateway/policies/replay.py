@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -66,13 +67,19 @@ class _Seen:
     tool_s: float = 0.0
 
 
+#: finished trajectories a step's sample keeps: a gateway whose rollouts never pause (an
+#: asynchronous step mode, a steady stream of calls) never closes a step, and its sample
+#: is then the latest this many
+MAX_SAMPLE = 4096
+
+
 class StepRecorder:
     """The turns of each trajectory of the current step, from ``observe`` alone; on
     :meth:`close` the finished ones become the sample of the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_sample: int = MAX_SAMPLE) -> None:
         self._live: dict[str, _Seen] = {}
-        self._done: list[list[Turn]] = []
+        self._done: deque[list[Turn]] = deque(maxlen=max_sample)
         self.sample: list[list[Turn]] = []  # the last closed step's trajectories
 
     def observe(self, traj: TrajectoryView) -> None:
@@ -94,7 +101,8 @@ class StepRecorder:
         """End the step: its finished trajectories are the new sample (a step that
         finished none keeps the old one)."""
         if self._done:
-            self.sample, self._done = self._done, []
+            self.sample = list(self._done)
+            self._done.clear()
         self._live.clear()
 
 

@@ -296,8 +296,18 @@ class Tracker:
         state.add_segment(0, now - llm_s - state.last_queue_s, now - llm_s)
         state.add_segment(1, now - llm_s, now)
         state.view = None
-        if state.auto and not state.in_flight and not state.queued:
+        done = state.auto and not state.in_flight and not state.queued
+        if done:
             self._retire(state)
+        placed = self._place(state, prompt, completion, ok=ok, turn=turn)
+        if done:  # one call, never continued: its tree is not needed again
+            state.final_context = len(state.sequence)
+            state.tree = Tree()
+        return placed
+
+    def _place(self, state: TrajectoryState, prompt: Sequence[int] | None,
+               completion: Sequence[int], *, ok: bool, turn: TurnFacts | None
+               ) -> Placement | None:
         if not ok:
             state.calls_failed += 1
             return None

@@ -112,6 +112,23 @@ def test_tracker_keeps_only_recent_retired_trajectories():
     assert tracker.groups["g"].members == ["t7", "t8", "t9"]
 
 
+def test_a_one_call_trajectory_lets_go_of_its_tree_once_recorded():
+    """An untagged call's trajectory is never continued: once its call is placed (the
+    record keeps its tokens) the tracker keeps its counters, not its token tree."""
+    from gateway.trajectories.tracker import Tracker
+
+    tracker = Tracker()
+    st = tracker.touch("auto-1", None, 0.0)
+    st.auto = True
+    tracker.call_arrived(st, [], 0.0)
+    tracker.call_dispatched(st, "b0", 0.0)
+    placed = tracker.call_finished(st, now=0.5, llm_s=0.5, prompt=[1, 2, 3], completion=[4, 5],
+                                   ok=True)
+    assert placed is not None and placed.offset == 0 and placed.delta == [1, 2, 3]
+    assert st.final_context == 5 and len(st.sequence) == 0
+    assert st.completion_tokens == 2 and not tracker.live
+
+
 @pytest.mark.parametrize(("method", "path", "expected"), [
     ("POST", "/v1/chat/completions", ("chat", None, None)),
     ("POST", "/v1/completions", ("completions", None, None)),

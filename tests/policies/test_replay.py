@@ -45,6 +45,18 @@ def test_recorder_rebuilds_each_call_from_what_the_gateway_observed() -> None:
     assert rec.sample == [[Turn(850, 50, 0.0)]]
 
 
+def test_a_step_that_never_closes_keeps_its_latest_trajectories() -> None:
+    """Rollouts that never pause (an asynchronous step mode) never close a step: the
+    recorder keeps the latest finished trajectories, not all of them."""
+    rec = StepRecorder(max_sample=3)
+    for k in range(10):
+        rec.observe(_with(traj(f"t{k}", turns=1, context=100 + k), last_output_tokens=10))
+        rec.observe(_with(traj(f"t{k}", turns=1, context=100 + k), last_output_tokens=10,
+                          phase=Phase.FINISHED))
+    rec.close()
+    assert [t[0].new_tokens for t in rec.sample] == [97, 98, 99]
+
+
 def _with(view: object, **changes: object) -> object:
     from dataclasses import replace
     return replace(view, **changes)  # type: ignore[type-var]
