@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-search.json",
-        "loop/qwen3-14b-h100-64gpu-swe.json"]
+        "loop/qwen3-14b-h100-64gpu-swe.json",
+        # the trainer's time swept, and the modes under the replay policy
+        "loop/qwen3-14b-h100-64gpu-math-code-trainer-sweep.json",
+        "loop/qwen3-14b-h100-64gpu-math-code-replay.json"]
 BENCH = "docs/benchmarks"
 
 

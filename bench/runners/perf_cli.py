@@ -223,3 +223,34 @@ def headroom(
                  lambda _d, _out: {}, record_to, HEADROOM_INTRO)
     console.print(md)
     console.print(f"report: {out}/headroom.md")
+
+
+def split(
+    workload: Annotated[list[str] | None, typer.Option(
+        help="repeatable; default swe, search, math-code, tau")] = None,
+    seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
+    gpus: Annotated[int, typer.Option(help="GPUs per shard")] = 32,
+    shards: Annotated[int, typer.Option()] = 2,
+    per_gpu: Annotated[int, typer.Option(help="trajectories per GPU")] = 8,
+    policy: Annotated[str, typer.Option(help="the policy each scheduler runs")] = "replay",
+    jobs: Annotated[int, typer.Option(help="processes")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """What scheduling in shards costs: one scheduler vs the batch split by group hash."""
+    from bench.runners.headroom import HeadroomOptions
+    from bench.runners.split import run_split
+
+    if shards < 2 or seeds < 1:
+        raise typer.BadParameter("need --shards >= 2 and --seeds >= 1")
+    opts = HeadroomOptions(gpus=gpus, policy=policy, shards=shards)
+    wls = workload or ["swe", "search", "math-code", "tau"]
+    res = run_split(wls, range(1, seeds + 1), opts, per_gpu, jobs)
+    for w, r in res.items():
+        lo, hi = r["ci95"]
+        typer.echo(f"{w}: {shards} shards of {gpus} GPUs / one scheduler over "
+                   f"{shards * gpus}: {r['ratio_geomean']:.3f}x (95% CI {lo:.3f}-{hi:.3f}, "
+                   f"{r['seeds']} seeds)")
+    if json_out is not None:
+        json_out.write_text(json.dumps({"command": " ".join(["rollout-gateway", "bench",
+                                                             "split", *sys.argv[3:]]),
+                                        "results": res}, indent=1))
