@@ -46,9 +46,13 @@ async def test_actors_come_up_and_resize_drains_without_failures(
             tasks = [asyncio.create_task(trajectory(
                 c, f"r{i}", MODEL, stop, tally, max_tokens=400,
                 extra={"ignore_eos": True})) for i in range(10)]
-            await asyncio.sleep(1.5)
-            on_tp4 = next(b["in_flight"] for b in (await c.get(
-                "/admin/backends", headers=ADMIN)).json()["data"] if b["tp"] == 4)
+            on_tp4 = 0
+            for _ in range(300):  # resize while calls run on the TP4 instance
+                on_tp4 = next(b["in_flight"] for b in (await c.get(
+                    "/admin/backends", headers=ADMIN)).json()["data"] if b["tp"] == 4)
+                if on_tp4:
+                    break
+                await asyncio.sleep(0.05)
             r = await c.put("/admin/pool", json={"gpus": 4}, headers=ADMIN)
             resize = await wait_job(c, r.json()["job"], 120)
             stop.set()
