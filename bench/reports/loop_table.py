@@ -4,6 +4,7 @@ static synchronous layout, with the staleness and the cost of every speed-up bes
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,11 @@ LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-s
         "loop/qwen3-14b-h100-64gpu-math-code-trainer-sweep.json",
         "loop/qwen3-14b-h100-64gpu-math-code-replay.json"]
 BENCH = "docs/benchmarks"
+
+
+def _option(command: str, name: str, default: str) -> str:
+    toks = shlex.split(command)
+    return toks[toks.index(name) + 1] if name in toks else default
 
 
 def _row(workload: str, band: str, name: str, row: dict[str, Any]) -> str:
@@ -35,8 +41,11 @@ def loop_table(root: Path) -> str:
             continue
         doc = json.loads(path.read_text())
         commands.append(doc["command"])
+        per_gpu = _option(doc["command"], "--per-gpu", "8")
         for key, cell in doc["cells"].items():
             workload, band = key.split("/")
+            if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not
+                band = f"{band}, {per_gpu}/GPU"
             sync = ", ".join(f"`{k}` {s:.0f} s" for k, s in cell["sync_rollout_s"].items())
             notes.append(f"- {workload}, {band}: sync rollout per step {sync}; best static "
                          f"`{cell['best_static']}`")
@@ -45,3 +54,24 @@ def loop_table(root: Path) -> str:
                     out.append(_row(workload, f"{band}, trainer {float(ratio):g}x "
                                     f"({part['train_s']:.0f} s)", name, row))
     return "\n".join([*out, "", *notes, "", "```sh", *commands, "```"])
+
+
+SPLIT = "shards/split.json"
+
+
+def split_table(root: Path) -> str:
+    """What scheduling in shards costs in makespan (``bench split``), per workload."""
+    path = root / BENCH / SPLIT
+    if not path.exists():
+        return "(not run)"
+    doc = json.loads(path.read_text())
+    shards, gpus = _option(doc["command"], "--shards", "2"), _option(doc["command"], "--gpus", "32")
+    total = int(shards) * int(gpus)
+    out = [f"| workload | one scheduler over {total} GPUs, s | {shards} shards of {gpus} GPUs, s "
+           "| sharded / one (paired 95% CI) | seeds |", "|---|---|---|---|---|"]
+    for workload, r in doc["results"].items():
+        one, split = r["one_scheduler_s"], r["sharded_s"]
+        out.append(f"| {workload} | {sum(one) / len(one):.0f} | {sum(split) / len(split):.0f} | "
+                   f"{r['ratio_geomean']:.3f}x ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}) | "
+                   f"{r['seeds']} |")
+    return "\n".join([*out, "", "```sh", doc["command"], "```"])

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from bench.reports.grid_summary import RIVALS, SUBJECT, fmt_ratio, verdicts
-from bench.reports.loop_table import loop_table
+from bench.reports.loop_table import loop_table, split_table
 from bench.simulator.steps import StepScenario, paired_ratio
 from gateway.policies.registry import DEPRECATED_NAMES
 
@@ -266,7 +266,8 @@ def grid_table(root: Path = ROOT) -> str:
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "headline": headline, "steps": steps_table, "tail": tail_table,
-    "weights": weights_table, "live": live_table, "grid": grid_table, "loop": loop_table}
+    "weights": weights_table, "live": live_table, "grid": grid_table, "loop": loop_table,
+    "split": split_table}
 
 
 def render(text: str, root: Path = ROOT) -> str:

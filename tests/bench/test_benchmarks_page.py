@@ -95,3 +95,27 @@ def test_runs_merge_into_one_command_only_when_they_differ_in_policies_alone() -
     runs[1]["command"] = runs[1]["command"].replace("--gpus 8", "--gpus 16")
     with pytest.raises(ValueError, match="differ"):
         merged_command(runs)
+
+
+def test_the_split_and_loop_tables_follow_their_json(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from bench.reports.loop_table import loop_table, split_table
+
+    bench = tmp_path / "docs" / "benchmarks"
+    shutil.copytree(ROOT / "docs" / "benchmarks", bench)
+    split = bench / "shards" / "split.json"
+    doc = json.loads(split.read_text())
+    doc["results"]["tau"]["ratio_geomean"] = 1.5
+    split.write_text(json.dumps(doc))
+    assert "| tau |" in split_table(tmp_path) and "1.500x" in split_table(tmp_path)
+    split.unlink()
+    assert split_table(tmp_path) == "(not run)"
+
+    loop = bench / "loop" / "qwen3-14b-h100-64gpu-math-code.json"
+    doc = json.loads(loop.read_text())
+    assert "4/GPU" not in loop_table(tmp_path).split("search")[0]
+    doc["command"] = doc["command"].replace("--per-gpu 8", "--per-gpu 4")
+    loop.write_text(json.dumps(doc))
+    assert "| math-code | low, 4/GPU, trainer" in loop_table(tmp_path)
