@@ -113,13 +113,21 @@ def admin_routes(app: FastAPI) -> None:
             return _merged_read(full, await front.every(
                 "GET", full, headers=headers, params=request.query_params))
         if path.startswith("backends/s") and path.endswith("/move"):
-            shard, backend = path[len("backends/s"):-len("/move")].split("/", 1)
-            target = orjson.loads(body or b"{}").get("to")
-            return await _start_move(front, int(shard), backend, target, headers)
+            shard, backend = path[len("backends/s"):-len("/move")].partition("/")[::2]
+            if (n := _shard_no(front, shard)) is None:
+                return _no_shard(front, shard)
+            try:
+                target = orjson.loads(body or b"{}")
+            except orjson.JSONDecodeError:
+                return JSONResponse({"detail": "the body is not JSON"}, status_code=422)
+            to = target.get("to") if isinstance(target, dict) else None
+            return await _start_move(front, n, backend, to, headers)
         if path.startswith("backends/s") and "/" in path[len("backends/"):]:
             shard, backend = path[len("backends/s"):].split("/", 1)
-            return as_response(await front.one(int(shard), request.method,
-                                         f"/admin/backends/{backend}", headers=headers))
+            if (n := _shard_no(front, shard)) is None:
+                return _no_shard(front, shard)
+            return as_response(await front.one(n, request.method,
+                                               f"/admin/backends/{backend}", headers=headers))
         if path.startswith("weight-update/") and path.endswith("/done"):
             found = front.jobs.get(path.split("/")[1])
             if found is None:
@@ -130,6 +138,16 @@ def admin_routes(app: FastAPI) -> None:
             return _all_or_report(list(answers), "weight push done")
         return await _fan_out_write(front, request.method, full, headers, body,
                                     request.query_params)
+
+
+def _shard_no(front: Front, text: str) -> int | None:
+    """``text`` (what follows ``s`` in ``s<shard>/<backend>``) as a shard number, if one."""
+    return int(text) if text.isdigit() and int(text) < len(front.shards) else None
+
+
+def _no_shard(front: Front, text: str) -> Response:
+    return JSONResponse({"detail": f"no shard {text!r}: backends are s<shard>/<id>, shards "
+                         f"0-{len(front.shards) - 1}"}, status_code=404)
 
 
 def _merged_read(path: str, answers: list[Answer]) -> Response:

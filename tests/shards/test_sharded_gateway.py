@@ -152,3 +152,46 @@ def test_a_killed_shard_fails_its_own_calls_and_no_others(sim_servers: list[str]
         assert not groups & {t.rsplit("-", 1)[0] for t in ok}  # whole groups failed
         print(f"killed shard: {len(failed)} trajectories failed with 5xx, {len(ok)} "
               f"finished exactly, in {wall:.1f} s")
+
+
+def test_a_backend_moves_between_shards_and_calls_follow(sim_servers: list[str],
+                                                         tmp_path: Path) -> None:
+    """Rebalancing moves an instance (drained off one shard, registered on the other),
+    never a trajectory; bad move requests get a 4xx saying why."""
+    with gateway(sim_servers, 2, tmp_path) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        rows = http.get("/admin/backends").json()["data"]
+        assert sorted(r["shard"] for r in rows) == [0, 0, 0, 1, 1, 1]
+        mover = next(r for r in rows if r["shard"] == 0)
+        shard, bid = mover["id"].split("/")
+        assert shard == "s0"
+        for bad, code in [({"to": 0}, 422), ({"to": 2}, 422), ({"to": "1"}, 422),
+                          ({}, 422)]:
+            r = http.post(f"/admin/backends/s0/{bid}/move", json=bad)
+            assert r.status_code == code and "'to' must be another shard" in r.text, bad
+        r = http.post(f"/admin/backends/s0/{bid}/move", content=b"{nope",
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "not JSON" in r.text
+        assert http.post("/admin/backends/s0/b999/move", json={"to": 1}).status_code == 404
+        r = http.post(f"/admin/backends/s7/{bid}/move", json={"to": 1})
+        assert r.status_code == 404 and "no shard '7'" in r.text
+        assert http.delete("/admin/backends/sx/b1").status_code == 404
+
+        r = http.post(f"/admin/backends/s0/{bid}/move", json={"to": 1})
+        assert r.status_code == 202, r.text
+        job_url = r.json()["url"]
+        deadline = time.monotonic() + 60
+        while (job := http.get(job_url).json())["status"] == "running":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        assert job["status"] == "succeeded", job
+        assert [p["name"] for p in job["phases"]] == ["drain", "register"]
+        after = http.get("/admin/backends").json()["data"]
+        owners = {r["url"]: r["shard"] for r in after}
+        assert owners[mover["url"]] == 1 and len(after) == 6
+        assert sorted(owners.values()) == [0, 0, 1, 1, 1, 1]
+
+        ids = batch_ids(groups=4, size=2)
+        asyncio.run(run_batch(url, ids))
+        for tid, s in samples(url, ids).items():
+            assert s["mismatches"] == [] and sum(s["loss_mask"]) > 0, tid
