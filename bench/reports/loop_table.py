@@ -34,7 +34,7 @@ def loop_table(root: Path) -> str:
     out = ["| workload | TP efficiency | mode @ layout | samples/h | x best static sync "
            "(paired 95% CI) | trained tokens 0 / 1 / 2+ versions stale | wasted tokens | "
            "pool idle | length bias |", "|---|---|---|---|---|---|---|---|---|"]
-    commands, notes = [], []
+    commands, notes, seen = [], [], set[str]()
     for rel in LOOP:
         path = root / BENCH / rel
         if not path.exists():
@@ -47,12 +47,17 @@ def loop_table(root: Path) -> str:
             if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not
                 band = f"{band}, {per_gpu}/GPU"
             sync = ", ".join(f"`{k}` {s:.0f} s" for k, s in cell["sync_rollout_s"].items())
-            notes.append(f"- {workload}, {band}: sync rollout per step {sync}; best static "
-                         f"`{cell['best_static']}`")
+            note = (f"- {workload}, {band}: sync rollout per step {sync}; best static "
+                    f"`{cell['best_static']}`")
+            if note not in notes:
+                notes.append(note)
             for ratio, part in cell["ratios"].items():
                 for name, row in part["rows"].items():
-                    out.append(_row(workload, f"{band}, trainer {float(ratio):g}x "
-                                    f"({part['train_s']:.0f} s)", name, row))
+                    line = _row(workload, f"{band}, trainer {float(ratio):g}x "
+                                f"({part['train_s']:.0f} s)", name, row)
+                    if line not in seen:  # a later file that reruns a row gives the same one
+                        seen.add(line)
+                        out.append(line)
     return "\n".join([*out, "", *notes, "", "```sh", *commands, "```"])
 
 
