@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
@@ -23,6 +25,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that are free, for servers that take
+    a run of ports (``sim-backend --count``, ``serve --shards``).
+
+    Chosen below the kernel's ephemeral range: outgoing connections take their local
+    ports from that range, so a port there that is free now can be taken by a client
+    socket before the server binds it (a shard once failed to start with EADDRINUSE)."""
+    rng = random.Random()
+    top = _ephemeral_low() - n
+    for _ in range(500):
+        port = rng.randrange(10000, top)
+        if all(_can_bind(port + k) for k in range(n)):
+            return port
+    raise RuntimeError(f"no {n} consecutive free ports below {top + n}")
 
 
 class LoopThread:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import PG_ADMIN_DSN, _pg_admin
-from tests.servers import free_port
+from tests.servers import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "qwen3-14b"
@@ -40,9 +40,7 @@ def haproxy_or_fail() -> str:
 @pytest.fixture(scope="module")
 def sim_servers() -> Iterator[list[str]]:
     """Six simulated vLLM servers (50x time), one process."""
-    port = free_port()
-    while any(_busy(port + k) for k in range(6)):
-        port = free_port()
+    port = free_port_block(6)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "sim-backend", "--port", str(port), "--count", "6",
          "--speed", "50"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -53,13 +51,6 @@ def sim_servers() -> Iterator[list[str]]:
     finally:
         proc.terminate()
         proc.wait(20)
-
-
-def _busy(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_http(urls: list[str], timeout_s: float) -> None:
@@ -98,9 +89,7 @@ def database() -> Iterator[str]:
 def gateway(backends: list[str], shards: int, tmp: Path,
             env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``serve`` (``shards`` 1) or ``serve --shards N`` on a fresh database; its URL."""
-    port = free_port()
-    while any(_busy(port + k) for k in range(shards + 2)):
-        port = free_port()
+    port = free_port_block(shards + 2)
     with database() as db:
         cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
                "--database-url", db, "--log-level", "warning",
