@@ -16,7 +16,8 @@ LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-s
 BENCH = "docs/benchmarks"
 
 
-def _option(command: str, name: str, default: str) -> str:
+def option(command: str, name: str, default: str) -> str:
+    """The value a recorded ``command`` gave option ``name``, else ``default``."""
     toks = shlex.split(command)
     return toks[toks.index(name) + 1] if name in toks else default
 
@@ -41,7 +42,7 @@ def loop_table(root: Path) -> str:
             continue
         doc = json.loads(path.read_text())
         commands.append(doc["command"])
-        per_gpu = _option(doc["command"], "--per-gpu", "8")
+        per_gpu = option(doc["command"], "--per-gpu", "8")
         for key, cell in doc["cells"].items():
             workload, band = key.split("/")
             if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not
@@ -70,7 +71,7 @@ def split_table(root: Path) -> str:
     if not path.exists():
         return "(not run)"
     doc = json.loads(path.read_text())
-    shards, gpus = _option(doc["command"], "--shards", "2"), _option(doc["command"], "--gpus", "32")
+    shards, gpus = option(doc["command"], "--shards", "2"), option(doc["command"], "--gpus", "32")
     total = int(shards) * int(gpus)
     out = [f"| workload | one scheduler over {total} GPUs, s | {shards} shards of {gpus} GPUs, s "
            "| sharded / one (paired 95% CI) | seeds |", "|---|---|---|---|---|"]

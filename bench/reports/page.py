@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from bench.reports.grid_summary import RIVALS, SUBJECT, fmt_ratio, verdicts
-from bench.reports.loop_table import loop_table, split_table
+from bench.reports.loop_table import loop_table, option, split_table
 from bench.simulator.steps import StepScenario, paired_ratio
 from gateway.policies.registry import DEPRECATED_NAMES
 
@@ -97,10 +97,7 @@ def _steps_runs(workload: str, root: Path) -> tuple[list[Doc], dict[str, Doc]]:
 
 
 def _reported(doc: Doc) -> str:
-    toks = shlex.split(doc["command"])
-    steps = (int(toks[toks.index("--steps") + 1]) if "--steps" in toks
-             else StepScenario("", "").steps)
-    return f"2-{steps}"
+    return f"2-{option(doc['command'], '--steps', str(StepScenario('', '').steps))}"
 
 
 def _ratio(base: Doc, other: Doc) -> str:

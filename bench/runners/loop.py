@@ -24,7 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
-from bench.simulator.loop import LoopRun, LoopScenario, run_loop
+from bench.simulator.loop import run_loop
+from bench.simulator.loop_run import LoopRun, LoopScenario
 from bench.simulator.steps import interval, paired_ratio
 
 STATIC = ("verl-tp1", "verl-tp2", "verl-tp4", "verl-tp8")

@@ -59,7 +59,7 @@ def loop(
 ) -> None:
     """Samples per hour of each step mode vs the best static synchronous layout."""
     from bench.runners.loop import MODE_RUNS, STATIC, cell_count, run_cell
-    from bench.simulator.loop import LoopScenario
+    from bench.simulator.loop_run import LoopScenario
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES, resolve_names
 

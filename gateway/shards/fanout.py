@@ -112,22 +112,19 @@ def admin_routes(app: FastAPI) -> None:
         if request.method == "GET":
             return _merged_read(full, await front.every(
                 "GET", full, headers=headers, params=request.query_params))
-        if path.startswith("backends/s") and path.endswith("/move"):
-            shard, backend = path[len("backends/s"):-len("/move")].partition("/")[::2]
+        if path.startswith("backends/s") and "/" in path[len("backends/"):]:
+            shard, backend = path[len("backends/s"):].split("/", 1)
             if (n := _shard_no(front, shard)) is None:
                 return _no_shard(front, shard)
+            if not backend.endswith("/move"):
+                return as_response(await front.one(n, request.method,
+                                                   f"/admin/backends/{backend}", headers=headers))
             try:
                 target = orjson.loads(body or b"{}")
             except orjson.JSONDecodeError:
                 return JSONResponse({"detail": "the body is not JSON"}, status_code=422)
             to = target.get("to") if isinstance(target, dict) else None
-            return await _start_move(front, n, backend, to, headers)
-        if path.startswith("backends/s") and "/" in path[len("backends/"):]:
-            shard, backend = path[len("backends/s"):].split("/", 1)
-            if (n := _shard_no(front, shard)) is None:
-                return _no_shard(front, shard)
-            return as_response(await front.one(n, request.method,
-                                               f"/admin/backends/{backend}", headers=headers))
+            return await _start_move(front, n, backend.removesuffix("/move"), to, headers)
         if path.startswith("weight-update/") and path.endswith("/done"):
             found = front.jobs.get(path.split("/")[1])
             if found is None:

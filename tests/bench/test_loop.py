@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench.simulator.loop import Loop, LoopScenario, run_loop
+from bench.simulator.loop import Loop, run_loop
+from bench.simulator.loop_run import LoopScenario
 
 # math-code on 8 GPUs, 4 groups of 16 per trainer step: a few seconds per run
 BASE = LoopScenario("math-code", "verl-tp4", gpus=8, prompts=4, steps=5, train_s=20.0,
