@@ -165,6 +165,11 @@ class CaptureSettings(BaseModel):
     tokenize_timeout_s: float = Field(
         10.0, gt=0, description="limit on the engine's /tokenize call that both need; past "
         "it the call goes on as the harness sent it")
+    fast_relay: bool = Field(
+        True, description="capture and strip runs of plain streamed token events in one "
+        "typed decode and encode (gateway/proxy/token_runs.py) instead of event by event; "
+        "off: every event takes the general path (to compare, or if an engine's stream "
+        "should confuse it)")
 
 
 class Settings(BaseSettings):

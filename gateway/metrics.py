@@ -39,6 +39,11 @@ class GatewayMetrics:
                              "status", ["endpoint", "status"], registry=r)
         self.tokens = Counter("rollout_gateway_tokens", "Tokens seen in answered calls",
                               ["kind"], registry=r)
+        self.relayed_events = Counter(
+            "rollout_gateway_relayed_events", "Upstream events of answered calls, by the "
+            "relay path that captured them: fast (runs of plain token events, "
+            "gateway/proxy/token_runs.py) or general; a fast share that drops after an "
+            "engine upgrade means its stream changed shape", ["path"], registry=r)
         self.retries = Counter("rollout_gateway_upstream_retries", "Calls retried on another "
                                "backend before their first byte", registry=r)
         self.queue_time = Histogram("rollout_gateway_queue_seconds", "Time a call waited in "

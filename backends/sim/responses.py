@@ -157,8 +157,7 @@ class ResponseShape:
         c.sent = b
         text = c.text_between(a, b)
         finish = c.finish_reason if delta.finish is not None else None
-        body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c, a, b),
-                                "finish_reason": finish}
+        body: dict[str, Any] = {"index": c.index}  # in vLLM's key order
         if self.chat:
             body["delta"] = {"content": text} if text else {}
             if finish == "tool_calls":
@@ -166,6 +165,8 @@ class ResponseShape:
                 body["delta"]["tool_calls"] = calls
         else:
             body["text"] = text
+        body["logprobs"] = self._logprobs(c, a, b)
+        body["finish_reason"] = finish
         if finish is not None:
             body["stop_reason"] = None if c.aborted else c.comp.stop_reason
         if self.return_token_ids:

@@ -18,6 +18,7 @@ Run it in its own process: ``python -m bench.harness.fast_upstream --port P``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -124,9 +125,10 @@ def _piece_id(w: str) -> int:
 class FastUpstream:
     """The ASGI app."""
 
-    def __init__(self, default_tokens: int = 16) -> None:
+    def __init__(self, default_tokens: int = 16, interval_s: float = 0.0) -> None:
         self.tok = Tokenizer()
         self.default_tokens = default_tokens
+        self.interval_s = interval_s  # between streamed events (0: all at once)
         self.served = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -147,7 +149,7 @@ class FastUpstream:
         chat = path == "/v1/chat/completions"
         answer = Answer(req, self._prompt(req, chat), chat, self.served, self.default_tokens)
         if req.get("stream") is True:
-            await answer.stream(send)
+            await answer.stream(send, self.interval_s)
         else:
             await _respond(send, 200, orjson.dumps(answer.whole()))
 
@@ -186,7 +188,8 @@ class Answer:
         table = words()
         toks = [table[i] if i < VOCAB else "<|im_end|>" for i in self.ids[lo:hi]]
         if self.chat:
-            return {"content": [{"token": t, "logprob": lp, "top_logprobs": []}
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                 "top_logprobs": []}
                                 for t, lp in zip(toks, self.lps[lo:hi], strict=True)]}
         return {"tokens": toks, "token_logprobs": self.lps[lo:hi],
                 "top_logprobs": [{t: lp} for t, lp in zip(toks, self.lps[lo:hi], strict=True)]}
@@ -222,27 +225,33 @@ class Answer:
         for k, tid in enumerate(self.ids):
             last = k == len(self.ids) - 1
             piece = "" if last else ("" if k == 0 else " ") + table[tid]
-            ch: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(k, k + 1),
-                                  "finish_reason": "stop" if last else None,
-                                  "token_ids": [tid] if self.want_ids else None}
+            ch: dict[str, Any] = {"index": 0}  # in vLLM's key order
             if self.chat:
                 ch["delta"] = {"content": piece}
             else:
                 ch["text"] = piece
-                if k == 0:
-                    ch["prompt_token_ids"] = self.prompt if self.want_ids else None
+            ch["logprobs"] = self._logprobs(k, k + 1)
+            ch["finish_reason"] = "stop" if last else None
+            if last:
+                ch["stop_reason"] = None
+            if self.want_ids:
+                ch["token_ids"] = [tid]
+                if not self.chat and k == 0:
+                    ch["prompt_token_ids"] = self.prompt
             out.append({**head, "choices": [ch]})
         if self.usage_in_stream:
             out.append({**head, "choices": [], "usage": self.usage()})
         return out
 
-    async def stream(self, send: Send) -> None:
+    async def stream(self, send: Send, interval_s: float = 0.0) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"),
                                 (b"cache-control", b"no-cache")]})
         for chunk in self.chunks():
             await send({"type": "http.response.body",
                         "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
+            if interval_s:  # an engine's decode steps: one event per step
+                await asyncio.sleep(interval_s)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 
@@ -281,9 +290,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--interval-ms", type=float, default=0.0,
+                    help="between a streamed call's events, as an engine's decode steps")
     args = ap.parse_args()
-    uvicorn.run(FastUpstream(), host=args.host, port=args.port, log_level="warning",
-                access_log=False, loop="uvloop", http="httptools", lifespan="on")
+    uvicorn.run(FastUpstream(interval_s=args.interval_ms / 1000), host=args.host,
+                port=args.port, log_level="warning", access_log=False, loop="uvloop",
+                http="httptools", lifespan="on")
 
 
 if __name__ == "__main__":

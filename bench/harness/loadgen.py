@@ -6,7 +6,8 @@ coordinated omission); latency runs from the actual send to the last byte of the
 (the whole SSE stream for streamed calls), and ``lag_p99_ms`` says how late sends left
 against their schedule (the generator's own health). Closed loop (``--concurrency``):
 that many workers back to back, for a saturation throughput. Even requests are
-non-streamed, odd ones streamed. Prints one JSON object on stdout.
+non-streamed, odd ones streamed (``--streamed all`` or ``none``: every one). Prints one
+JSON object on stdout.
 
 ``python -m bench.harness.loadgen --url URL --rate 500 --duration 10``
 """
@@ -51,9 +52,11 @@ class Samples:
 
 
 class Client:
-    def __init__(self, url: str, max_tokens: int, headers: dict[str, str]) -> None:
+    def __init__(self, url: str, max_tokens: int, headers: dict[str, str],
+                 streamed: str = "alternate") -> None:
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.max_tokens = max_tokens
+        self.streamed = streamed
         self.headers = {"content-type": "application/json", **headers}
         # below uvicorn's 5 s keep-alive (the direct target): no request races its close
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4)
@@ -61,7 +64,7 @@ class Client:
                                              timeout=aiohttp.ClientTimeout(total=30))
 
     async def call(self, i: int, out: Samples, record: bool, lag: float = 0.0) -> None:
-        stream = i % 2 == 1
+        stream = i % 2 == 1 if self.streamed == "alternate" else self.streamed == "all"
         headers = {**self.headers, "x-trajectory-id": f"ov-{i // 8}"}
         t = time.perf_counter()
         try:
@@ -144,7 +147,8 @@ def summarize(s: Samples, duration: float, offered: float | None) -> dict[str, A
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = dict(h.split(":", 1) for h in args.header)
-    client = Client(args.url, args.max_tokens, {k.strip(): v.strip() for k, v in headers.items()})
+    client = Client(args.url, args.max_tokens, {k.strip(): v.strip() for k, v in headers.items()},
+                    args.streamed)
     try:
         if args.rate:
             s = await open_loop(client, args.rate, args.duration, args.warmup)
@@ -164,6 +168,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--header", action="append", default=[], help="NAME: VALUE")
+    ap.add_argument("--streamed", choices=["alternate", "all", "none"], default="alternate")
     args = ap.parse_args()
     import uvloop
 

@@ -79,19 +79,26 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15) -> None:
 
 
 @contextlib.contextmanager
-def fast_upstream(cpus: str | None, log: Path | None = None) -> Iterator[str]:
+def fast_upstream(cpus: str | None, log: Path | None = None,
+                  interval_ms: float = 0.0) -> Iterator[str]:
     """``bench.harness.fast_upstream`` in its own process; yields its base URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process([PY, "-m", "bench.harness.fast_upstream", "--port", str(port)],
+    with process([PY, "-m", "bench.harness.fast_upstream", "--port", str(port),
+                  "--interval-ms", str(interval_ms)],
                  ready_url=f"{url}/health", cpus=cpus, log=log):
         yield url
 
 
 @contextlib.contextmanager
 def gateway(upstream: str, database_url: str, cpus: str | None, *,
-            env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
-    """``python -m gateway serve`` (uvloop + httptools) against ``upstream``; yields URL."""
+            env: dict[str, str] | None = None, log: Path | None = None,
+            source: Path | None = None) -> Iterator[str]:
+    """``python -m gateway serve`` (uvloop + httptools) against ``upstream``; yields URL.
+    ``source``: another checkout of the repository to run the gateway from (its
+    packages come first on ``PYTHONPATH``)."""
+    if source is not None:
+        env = {**(env or {}), "PYTHONPATH": str(source)}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [PY, "-m", "gateway", "serve", "--port", str(port), "--backend", upstream,

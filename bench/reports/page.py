@@ -22,6 +22,7 @@ import typer
 
 from bench.reports.grid_summary import RIVALS, SUBJECT, fmt_ratio, verdicts
 from bench.reports.loop_table import loop_table, option, split_table
+from bench.reports.relay_table import relay_markdown
 from bench.simulator.steps import StepScenario, paired_ratio
 from gateway.policies.registry import DEPRECATED_NAMES
 
@@ -261,10 +262,14 @@ def grid_table(root: Path = ROOT) -> str:
     return "\n".join(out).rstrip()
 
 
+def relay_table(root: Path = ROOT) -> str:
+    return relay_markdown(load("relay/relay.json", root))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "headline": headline, "steps": steps_table, "tail": tail_table,
     "weights": weights_table, "live": live_table, "grid": grid_table, "loop": loop_table,
-    "split": split_table}
+    "split": split_table, "relay": relay_table}
 
 
 def render(text: str, root: Path = ROOT) -> str:

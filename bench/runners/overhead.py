@@ -48,6 +48,7 @@ class OverheadOptions:
     side_cpus: str | None = "1"
     pg_admin: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     max_tokens: int = 16
+    streamed: str = "alternate"  # or "all", "none" (bench.harness.loadgen --streamed)
     litellm_venv: Path = litellm_env.DEFAULT_VENV
     out: Path = Path("artifacts/bench/overhead")
 
@@ -58,7 +59,8 @@ Progress = Callable[[str], None]
 def loadgen(url: str, opts: OverheadOptions, headers: list[str], *, rate: float = 0,
             concurrency: int = 32, duration: float, warmup: float = 1.0) -> dict[str, Any]:
     cmd = [procs.PY, "-m", "bench.harness.loadgen", "--url", url, "--duration", str(duration),
-           "--warmup", str(warmup), "--max-tokens", str(opts.max_tokens)]
+           "--warmup", str(warmup), "--max-tokens", str(opts.max_tokens),
+           "--streamed", opts.streamed]
     cmd += ["--rate", str(rate)] if rate else ["--concurrency", str(concurrency)]
     for h in headers:
         cmd += ["--header", h]

@@ -1,4 +1,5 @@
-"""``rollout-gateway bench overhead`` and ``bench store`` (registered by ``bench.cli``)."""
+"""``rollout-gateway bench overhead``, ``store``, ``headroom``, ``split`` and ``relay``
+(registered by ``bench.cli``)."""
 
 from __future__ import annotations
 
@@ -254,3 +255,34 @@ def split(
         json_out.write_text(json.dumps({"command": " ".join(["rollout-gateway", "bench",
                                                              "split", *sys.argv[3:]]),
                                         "results": res}, indent=1))
+
+
+def relay(
+    rounds: Annotated[int, typer.Option(help="end-to-end rounds (0: in process only)")] = 3,
+    step_s: Annotated[float, typer.Option(help="seconds per saturation step")] = 6.0,
+    repeats: Annotated[int, typer.Option(
+        help="in-process repeats, best of (0: end to end only)")] = 7,
+    interval_ms: Annotated[float, typer.Option(
+        help="between the upstream's events (0: each call's at once)")] = 0.0,
+    baseline: Annotated[str | None, typer.Option(
+        help="also run the gateway of this git ref (a worktree), e.g. HEAD~1")] = None,
+    server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the gateways")] = "0",
+    side_cpus: Annotated[str, typer.Option(help="CPUs of upstream + load generator")] = "1",
+    json_out: Annotated[Path, typer.Option("--json", help="write the results here")] = Path(
+        "artifacts/bench/relay.json"),
+) -> None:
+    """CPU per streamed token: the relay's fast path against its general path."""
+    from bench.reports.relay_table import relay_markdown
+    from bench.runners.relay import RelayOptions, run_relay
+
+    opts = RelayOptions(rounds=rounds, step_s=step_s, repeats=repeats,
+                        interval_ms=interval_ms, baseline=baseline,
+                        server_cpus=server_cpus or None, side_cpus=side_cpus or None)
+    console = Console()
+    prog, say = _progress(console)
+    with prog:
+        doc = run_relay(opts, say, _command("relay"), e2e=rounds > 0)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(doc, indent=1))
+    console.print(relay_markdown(doc))
+    console.print(f"results: {json_out}")

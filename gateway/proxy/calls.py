@@ -242,3 +242,8 @@ def _observe(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
         m.tokens.labels("completion").inc(len(rec.completion_ids))
     if ctx.retries:
         m.retries.inc(ctx.retries)
+    cap = ctx.capture
+    if cap.fast:
+        m.relayed_events.labels("fast").inc(cap.fast)
+    if cap.chunks > cap.fast:
+        m.relayed_events.labels("general").inc(cap.chunks - cap.fast)

@@ -66,6 +66,7 @@ class Capture:
     choices: dict[int, ChoiceCapture] = field(default_factory=dict)
     usage: dict[str, Any] | None = None
     chunks: int = 0
+    fast: int = 0  # of ``chunks``, those captured by the fast path (gateway.proxy.token_runs)
 
     def choice(self, index: int) -> ChoiceCapture:
         cap = self.choices.get(index)

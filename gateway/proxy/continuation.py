@@ -182,11 +182,21 @@ class HoldingDecoder(SSEDecoder):
     chunk, ``[DONE]``) from the client while a continuation may follow."""
 
     def __init__(self, rt: Runtime, ctx: CallContext) -> None:
-        super().__init__(ctx.capture)
+        super().__init__(ctx.capture, fast=rt.settings.capture.fast_relay)
         self._rt, self._ctx = rt, ctx
         self._live = live_calls(rt)
         self.held = False
         self.head: dict[str, Any] | None = None
+
+    def _run(self, buf: bytes, start: int, end: int) -> tuple[bytes, int]:
+        if self.held:
+            return b"", end
+        out, stop = super()._run(buf, start, end)  # plain tokens: no end, nothing to hold
+        if out:
+            self._live.got_tokens(self._ctx.id)
+            if self.head is None:
+                self.head = stream_head(self._ctx, orjson.loads(out[6:out.index(b"\n\n")]))
+        return out, stop
 
     def _event(self, event: bytes) -> bytes:
         if self.held:

@@ -32,12 +32,6 @@ class UpstreamResponse:
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "")
 
-    def _limit(self) -> float:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise UpstreamTimeout("upstream exceeded the total time limit")
-        return min(self._settings.idle_timeout_s, remaining)
-
     async def read(self) -> bytes:
         try:
             async with asyncio.timeout(self._deadline - time.monotonic()):
@@ -50,17 +44,32 @@ class UpstreamResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive, with the idle and total limits applied."""
         content = self._resp.content
-        while True:
-            try:
-                async with asyncio.timeout(self._limit()):
+        watch = _Watch(self._settings.idle_timeout_s, self._deadline)
+        loop = watch.loop
+        try:
+            while True:
+                watch.started = now = loop.time()
+                if now >= watch.deadline or watch.expired:
+                    raise UpstreamTimeout("upstream exceeded the total time limit")
+                if watch.handle is None:
+                    watch.arm(now + watch.idle)
+                watch.reading = True
+                try:
                     chunk = await content.readany()
-            except TimeoutError as exc:
-                raise UpstreamTimeout("upstream went idle mid-response") from exc
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(f"upstream connection broke mid-response: {exc}") from exc
-            if not chunk:
-                return
-            yield chunk
+                except asyncio.CancelledError:
+                    if watch.expired and watch.task.uncancel() == 0:
+                        raise UpstreamTimeout(watch.expired) from None
+                    raise
+                except aiohttp.ClientError as exc:
+                    raise UpstreamError(f"upstream connection broke mid-response: {exc}"
+                                        ) from exc
+                finally:
+                    watch.reading = False
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            watch.stop()
 
     def close(self) -> None:
         """Close the connection (not back to the pool unless fully read): frees the KV."""
@@ -69,6 +78,62 @@ class UpstreamResponse:
                 self._resp.release()
             else:
                 self._resp.close()
+
+
+class _Watch:
+    """The idle and total limits of one streamed body, with one timer per response
+    rather than a timeout context per chunk (which cost more than relaying the chunk).
+
+    Each read notes when it started; the timer, when it fires, cuts the read that has
+    waited ``idle`` seconds (or ran into the deadline) by cancelling the reading task,
+    else sets itself for the earliest moment the current read could; between reads it
+    lapses and the next read sets it again."""
+
+    __slots__ = (
+        "deadline",
+        "expired",
+        "handle",
+        "idle",
+        "loop",
+        "reading",
+        "started",
+        "task",
+    )
+
+    def __init__(self, idle: float, deadline: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.idle = idle
+        # the deadline on the loop's clock (uvloop's is not time.monotonic())
+        self.deadline = self.loop.time() + (deadline - time.monotonic())
+        self.started = 0.0
+        self.reading = False
+        self.expired: str | None = None
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self, at: float) -> None:
+        self.handle = self.loop.call_at(min(at, self.deadline), self._fire)
+
+    def _fire(self) -> None:
+        self.handle = None
+        if not self.reading:
+            return
+        now = self.loop.time()
+        if now >= self.deadline:
+            self.expired = "upstream exceeded the total time limit"
+        elif now >= self.started + self.idle:
+            self.expired = "upstream went idle mid-response"
+        else:
+            self.arm(self.started + self.idle)
+            return
+        self.task.cancel()
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 
 
 async def open_upstream(

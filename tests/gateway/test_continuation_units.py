@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.config import CaptureSettings
 from gateway.proxy.calls import weight_segments
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.continuation import HoldingDecoder
@@ -97,7 +98,7 @@ _USAGE = (b'data: {"id":"x","object":"text_completion","created":1,"model":"tiny
 _DONE = b"data: [DONE]\n\n"
 
 
-def _decoder(chat: bool, aborted: bool) -> tuple[HoldingDecoder, Capture]:
+def _decoder(chat: bool, aborted: bool, fast: bool = True) -> tuple[HoldingDecoder, Capture]:
     body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 10}
     capture = Capture(chat=chat, asked=inject(body, chat=chat))
     ctx = SimpleNamespace(capture=capture, body=body, lease=object(), id="c1",
@@ -106,7 +107,8 @@ def _decoder(chat: bool, aborted: bool) -> tuple[HoldingDecoder, Capture]:
     live.add("c1", "b1", body)
     if aborted:  # its engine was told to abort for abort-and-continue
         live.mark_aborted(["c1"])
-    rt = SimpleNamespace(extras={"live_calls": live})
+    rt = SimpleNamespace(extras={"live_calls": live},
+                         settings=SimpleNamespace(capture=CaptureSettings(fast_relay=fast)))
     return HoldingDecoder(rt, ctx), capture  # type: ignore[arg-type]
 
 

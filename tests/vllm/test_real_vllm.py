@@ -111,3 +111,29 @@ async def test_tp2_starts_serves_and_stops_cleanly(
     assert not await launcher.alive(instance)
     assert group_members(pid) == []
     print(f"TP2 ready in {ready_s:.1f} s")
+
+
+async def test_the_relays_fast_path_takes_this_vllms_token_events(
+        tp1_server: LaunchedInstance) -> None:
+    """The installed vLLM's stream, as the gateway asks for it, takes the relay's fast path
+    (gateway/proxy/token_runs.py) and gives the same capture and relayed JSON as the
+    general path, whatever the client asked for."""
+    from gateway.proxy.capture import Capture, inject
+    from tests.gateway.test_token_runs import cut, run
+
+    for asked_lp in (False, True):
+        body = {"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 24,
+                "ignore_eos": True, "stream": True, "logprobs": asked_lp}
+        asked = inject(body, chat=True)
+        async with (
+            httpx.AsyncClient(base_url=tp1_server.url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            resp.raise_for_status()
+            data = await resp.aread()
+        for sizes in ([], [211], [1]):
+            fast, fast_out = run(cut(data, sizes), asked, fast=True)
+            slow, slow_out = run(cut(data, sizes), asked, fast=False)
+            assert fast_out == slow_out and fast.choices == slow.choices
+            assert isinstance(fast, Capture) and len(fast.completion(0).token_ids) == 24
+            assert fast.fast >= 20, (fast.fast, data[:600])
