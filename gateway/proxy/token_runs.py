@@ -34,7 +34,6 @@ from msgspec import UNSET, UnsetType
 
 from gateway.proxy.capture import Capture
 
-
 E = TypeVar("E")
 
 
