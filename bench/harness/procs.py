@@ -51,11 +51,13 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float,
 @contextlib.contextmanager
 def process(cmd: Sequence[str], *, ready_url: str, cpus: str | None = None,
             env: dict[str, str] | None = None, log: Path | None = None,
-            timeout_s: float = 60) -> Iterator[subprocess.Popen[bytes]]:
+            timeout_s: float = 60, cwd: Path | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
     """Start ``cmd`` (pinned to ``cpus``), wait for ``ready_url`` to answer 200, yield."""
     out = log.open("wb") if log else subprocess.DEVNULL
     proc = subprocess.Popen(pinned(cmd, cpus), env={**os.environ, **(env or {})},
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=cwd)
     try:
         wait_http(ready_url, proc, timeout_s, log)
         yield proc
@@ -95,15 +97,14 @@ def gateway(upstream: str, database_url: str, cpus: str | None, *,
             env: dict[str, str] | None = None, log: Path | None = None,
             source: Path | None = None) -> Iterator[str]:
     """``python -m gateway serve`` (uvloop + httptools) against ``upstream``; yields URL.
-    ``source``: another checkout of the repository to run the gateway from (its
-    packages come first on ``PYTHONPATH``)."""
-    if source is not None:
-        env = {**(env or {}), "PYTHONPATH": str(source)}
+    ``source``: another checkout of the repository to run the gateway from (the
+    process starts there, so its packages come first on ``sys.path``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [PY, "-m", "gateway", "serve", "--port", str(port), "--backend", upstream,
            "--database-url", database_url, "--log-level", "warning"]
-    with process(cmd, ready_url=f"{url}/health", cpus=cpus, env=env, log=log, timeout_s=90):
+    with process(cmd, ready_url=f"{url}/health", cpus=cpus, env=env, log=log, timeout_s=90,
+                 cwd=source):
         yield url
 
 

@@ -263,7 +263,8 @@ def grid_table(root: Path = ROOT) -> str:
 
 
 def relay_table(root: Path = ROOT) -> str:
-    return relay_markdown(load("relay/relay.json", root))
+    return "\n\n".join(relay_markdown(load(f"relay/{name}.json", root))
+                       for name in ("relay", "relay-paced"))
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

@@ -43,6 +43,13 @@ def relay_markdown(doc: dict[str, Any]) -> str:
                                               "min": e2e["ratio_min"], "max": e2e["ratio_max"]}
             lines += ["", f"Per-token CPU, fast path / {names[s]}: mean {agg['mean']:.2f}x "
                       f"(rounds {agg['min']:.2f}x-{agg['max']:.2f}x)."]
+        taken = e2e.get("relayed_events")
+        if taken:
+            lines += ["", "Events by the relay path that took them "
+                      "(`rollout_gateway_relayed_events_total`, read after the run): "
+                      + "; ".join(f"{names[s]}: " + (", ".join(
+                          f"{n:.0f} {p}" for p, n in sorted(taken[s].items()))
+                          or "no counter (it predates it)") for s in sides) + "."]
     return "\n".join([*lines, "", "```sh", doc["command"], "```"]).lstrip("\n")
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,13 +155,24 @@ def end_to_end(opts: RelayOptions, say: Progress) -> dict[str, Any]:
                     row[f"fast_vs_{side}"] = (row["fast"]["us_per_token"]
                                               / row[side]["us_per_token"])
             rounds.append(row)
-    out: dict[str, Any] = {"rounds": rounds, "sides": list(sides)}
+        # which relay path each side's events took (the baseline's gateway may predate
+        # the counter): proof of what ran
+        paths = {side: _relayed_events(t.url) for side, t in targets.items()}
+    out: dict[str, Any] = {"rounds": rounds, "sides": list(sides), "relayed_events": paths}
     for side in sides:
         if side != "fast":
             ratios = [r[f"fast_vs_{side}"] for r in rounds]
             out[f"fast_vs_{side}"] = {"mean": statistics.fmean(ratios), "min": min(ratios),
                                       "max": max(ratios)}
     return out
+
+
+def _relayed_events(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(r'^rollout_gateway_relayed_events_total\{path="(\w+)"\} (\S+)$', text,
+                       re.M)
+    return {path: float(n) for path, n in found}
 
 
 @contextlib.contextmanager
