@@ -23,7 +23,8 @@ def relay_markdown(doc: dict[str, Any]) -> str:
         short, long = doc["options"]["lengths"]
         sides = e2e.get("sides", ["fast", "general"])
         names = {"fast": "fast path", "general": "general path",
-                 "baseline": f"`{doc['options'].get('baseline')}`"}
+                 "baseline": f"`{doc['options'].get('baseline')}`",
+                 "plain": "plain proxy"}
         pace = doc["options"].get("interval_ms") or 0
         lines += ["", "End to end: one gateway process per side, traces on into Postgres, "
                   f"{doc['options']['concurrency']} streamed calls in flight, "
@@ -49,7 +50,8 @@ def relay_markdown(doc: dict[str, Any]) -> str:
                       "(`rollout_gateway_relayed_events_total`, read after the run): "
                       + "; ".join(f"{names[s]}: " + (", ".join(
                           f"{n:.0f} {p}" for p, n in sorted(taken[s].items()))
-                          or "no counter (it predates it)") for s in sides) + "."]
+                          or "no counter (it predates it)") for s in sides if s in taken)
+                      + "."]
     return "\n".join([*lines, "", "```sh", doc["command"], "```"]).lstrip("\n")
 
 

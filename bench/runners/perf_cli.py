@@ -264,6 +264,8 @@ def relay(
         help="in-process repeats, best of (0: end to end only)")] = 7,
     interval_ms: Annotated[float, typer.Option(
         help="between the upstream's events (0: each call's at once)")] = 0.0,
+    plain: Annotated[bool, typer.Option(
+        help="also the plain reverse proxy: what any Python hop pays")] = False,
     short: Annotated[int, typer.Option(help="output tokens per call, short")] = 100,
     long: Annotated[int, typer.Option(help="output tokens per call, long")] = 1500,
     baseline: Annotated[str | None, typer.Option(
@@ -279,6 +281,7 @@ def relay(
 
     opts = RelayOptions(rounds=rounds, step_s=step_s, repeats=repeats,
                         interval_ms=interval_ms, baseline=baseline, lengths=(short, long),
+                        plain=plain,
                         server_cpus=server_cpus or None, side_cpus=side_cpus or None)
     console = Console()
     prog, say = _progress(console)

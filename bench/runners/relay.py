@@ -13,7 +13,9 @@ fast path (``gateway/proxy/token_runs.py``) against the general path, side by si
    rest of the relay included. ``interval_ms`` paces the upstream's events as an engine's
    decode steps do (the gateway then reads about one event at a time); at 0 each call's
    events come at once and a read holds many. ``rounds`` rounds, alternating which side
-   runs first; the ratios are per round, then their mean and range.
+   runs first; the ratios are per round, then their mean and range. With ``plain``, the
+   plain reverse proxy of ``bench overhead`` runs as one more side: what any Python hop
+   pays per token, parsing nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class RelayOptions:
     step_s: float = 6.0
     interval_ms: float = 0.0  # between the upstream's events (0: each call's at once)
     baseline: str | None = None  # a git ref whose gateway runs as a third side
+    plain: bool = False  # also the plain reverse proxy (bench/harness/plain_proxy.py)
     concurrency: int = 64
     server_cpus: str | None = "0"
     side_cpus: str | None = "1"
@@ -132,6 +135,11 @@ def end_to_end(opts: RelayOptions, say: Progress) -> dict[str, Any]:
                                                     source=source))
             targets[side] = Target(side, url, ["authorization: Bearer sk-bench-relay"],
                                    server_pid(url))
+        if opts.plain:  # the floor: a Python hop that relays bytes and parses nothing
+            url = stack.enter_context(procs.plain_proxy(upstream, opts.server_cpus,
+                                                        tmp / "plain.log"))
+            targets["plain"] = Target("plain", url, [], server_pid(url))
+            sides["plain"] = ("", None)
         for r in range(opts.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             row: dict[str, Any] = {}
@@ -157,7 +165,8 @@ def end_to_end(opts: RelayOptions, say: Progress) -> dict[str, Any]:
             rounds.append(row)
         # which relay path each side's events took (the baseline's gateway may predate
         # the counter): proof of what ran
-        paths = {side: _relayed_events(t.url) for side, t in targets.items()}
+        paths = {side: _relayed_events(t.url) for side, t in targets.items()
+                 if side != "plain"}
     out: dict[str, Any] = {"rounds": rounds, "sides": list(sides), "relayed_events": paths}
     for side in sides:
         if side != "fast":
@@ -197,7 +206,7 @@ def run_relay(opts: RelayOptions, say: Progress, command: str,
                                        "repeats": opts.repeats, "lengths": list(opts.lengths),
                                        "rounds": opts.rounds, "step_s": opts.step_s,
                                        "interval_ms": opts.interval_ms,
-                                       "baseline": opts.baseline,
+                                       "baseline": opts.baseline, "plain": opts.plain,
                                        "concurrency": opts.concurrency},
                            "in_process": in_process(opts, say) if opts.repeats else None}
     if e2e:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from backends.sim.engine import EngineCore
 from backends.sim.profiles import LatencyProfile
 from backends.sim.request import SimRequest, StepOutput
+from bench.simulator.reconfig import PAUSE, PLAN, RESUME, UP, Reconfiguring
 from bench.simulator.state import Instance, LiveViews, SimStats, Traj
 from bench.simulator.weights import DEFAULT_UPDATE_S, WeightUpdater
 from bench.workloads import TrajectorySpec
@@ -49,7 +50,7 @@ from gateway.policies.base import (
     TPSpeed,
 )
 
-READY, PLAN, UP, FINISH, PAUSE, RESUME, CALL = 0, 1, 2, 3, 4, 5, 6
+READY, FINISH, CALL = 0, 3, 6  # event kinds (the others: bench.simulator.reconfig)
 OVERHEAD_S = 0.005  # API server + tokenization per request (profile.request_overhead_ms)
 
 
@@ -70,8 +71,10 @@ class SimConfig:
     weight_update_s: float = DEFAULT_UPDATE_S  # the update itself, engines paused
 
 
-class Simulator:
+class Simulator(Reconfiguring):
     """Run one batch of ``specs`` under ``policy``; see :meth:`run`."""
+
+    cfg: SimConfig
 
     def __init__(self, specs: list[TrajectorySpec], policy: Policy, cfg: SimConfig,
                  progress: Callable[[int], None] | None = None, start_s: float = 0.0) -> None:
@@ -115,6 +118,9 @@ class Simulator:
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self.ext, (t, next(self._seq), kind, payload))
+
+    def _next_id(self) -> int:
+        return next(self._ids)
 
     def run(self) -> float:
         """Simulate until every trajectory finished; returns the time the last one ended
@@ -168,7 +174,8 @@ class Simulator:
             assert callable(payload)
             payload()
             self._revision += 1
-        else:
+        else:  # UP: a relayout's new instances
+            assert kind == UP
             assert isinstance(payload, tuple)
             for tp in payload:
                 self._start_instance(tp)
@@ -357,64 +364,3 @@ class Simulator:
             self._kick(inst)
         if self.weights is not None:
             self.weights.check_idle(self)
-
-    # ------------------------------------------------------------------ weight updates
-    def push_pause(self, t: float) -> None:
-        self._push(t, PAUSE, None)
-
-    def push_resume(self, t: float) -> None:
-        self._push(t, RESUME, None)
-
-    def _weight_event(self, kind: int) -> None:
-        assert self.weights is not None
-        if kind == PAUSE:
-            self.weights.pause(self)
-        else:
-            self.weights.resume(self)
-            self._revision += 1
-            if self.on_resume is not None:
-                self.on_resume()
-            for inst in self.instances.values():
-                self._kick(inst)
-        for inst in list(self.instances.values()):
-            if inst.state is InstanceState.DRAINING:
-                self._maybe_stopped(inst)
-
-    # ------------------------------------------------------------------ layout
-    def _plan(self) -> None:
-        interval = self.policy.plan_interval_s
-        if interval:
-            self._push(self.now + interval, PLAN, None)
-        change = self.policy.plan(self.snapshot())
-        if change is None or not self._valid(change):
-            return
-        rid = next(self._ids)
-        self.relayouts[rid] = (change, set(change.retire))
-        self.stats.reconfigurations += 1
-        for iid in change.retire:
-            inst = self.instances[iid]
-            inst.state = InstanceState.DRAINING
-            inst.relayout = rid
-            self._maybe_stopped(inst)
-
-    def _valid(self, change: Relayout) -> bool:
-        insts = [self.instances.get(i) for i in change.retire]
-        if any(i is None or i.state is not InstanceState.UP for i in insts):
-            return False
-        gpus = sum(i.tp for i in insts if i is not None)
-        return gpus == sum(change.launch) and all(tp in self.cfg.profiles for tp in change.launch)
-
-    def _maybe_stopped(self, inst: Instance) -> None:
-        if inst.busy or inst.engine.has_work or inst.relayout is None:
-            return
-        if self.weights is not None and self.weights.holds(inst.id):
-            return  # an aborted call is continued here after the resume
-        change, left = self.relayouts[inst.relayout]
-        left.discard(inst.id)
-        del self.instances[inst.id]
-        self._snap = None
-        self._revision += 1
-        if not left:
-            del self.relayouts[inst.relayout]
-            self._push(self.now + self.cfg.restart_s, UP, change.launch)
-
