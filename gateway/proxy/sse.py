@@ -26,7 +26,9 @@ class SSEDecoder:
     def __init__(self, capture: Capture, *, fast: bool = True) -> None:
         self._capture = capture
         self._buf = b""
-        self._fast = fast  # off: every event takes the general path
+        # off (or /v1/completions, which the fast path does not take): every event
+        # takes the general path, with no fast attempt per event
+        self._fast = fast and capture.chat
         self._started = False  # the stream's first event (the role chunk) is behind
 
     def feed(self, chunk: bytes) -> bytes:

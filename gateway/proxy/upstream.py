@@ -49,7 +49,7 @@ class UpstreamResponse:
         try:
             while True:
                 watch.started = now = loop.time()
-                if now >= watch.deadline or watch.expired:
+                if now >= watch.deadline:
                     raise UpstreamTimeout("upstream exceeded the total time limit")
                 if watch.handle is None:
                     watch.arm(now + watch.idle)
