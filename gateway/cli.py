@@ -56,6 +56,9 @@ def serve(
     state_dir: Annotated[Path, typer.Option(
         help="where --shards writes the shards' pool specs and haproxy.cfg")]
     = Path(".rollout-gateway/shards"),
+    rebalance_s: Annotated[float | None, typer.Option(
+        help="with --shards: compare the shards' load this often and move engines to the "
+        "busiest (0: only on request; ROLLOUT_GATEWAY_SHARDS__REBALANCE_S)")] = None,
 ) -> None:
     """Run the gateway. With a pool, a log line says when its engines are up."""
     from gateway.app import create_app
@@ -70,6 +73,8 @@ def serve(
         **({"pool": pool} if pool else {}),
         **({"database_url": database_url} if database_url else {}),
         **({"policy": resolve_name(policy)} if policy else {}),
+        **({"shards": base.shards.model_copy(update={"rebalance_s": rebalance_s})}
+           if rebalance_s is not None else {}),
     })
     if shards > 1:
         _serve_shards(settings, shards, haproxy, state_dir, log_level, backend, pool)
@@ -103,7 +108,7 @@ def _serve_shards(settings: Settings, shards: int, haproxy: str, state_dir: Path
                      backends=list(backend or settings.backends),
                      pool=pool or settings.pool, database_url=settings.database_url,
                      policy=settings.policy, haproxy=haproxy, state_dir=state_dir,
-                     log_level=log_level)
+                     log_level=log_level, front=settings.shards)
     try:
         check(plan)
         settings.check_safe_to_serve()
@@ -248,8 +253,8 @@ def front(
     from gateway.shards.front import create_front_app
 
     settings = Settings()
-    uvicorn.run(create_front_app(shard, settings.admin_token), host=host, port=port,
-                log_level=log_level)
+    uvicorn.run(create_front_app(shard, settings.admin_token, settings.shards), host=host,
+                port=port, log_level=log_level)
 
 
 @app.command("haproxy-config")

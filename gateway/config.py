@@ -172,6 +172,24 @@ class CaptureSettings(BaseModel):
         "should confuse it)")
 
 
+class ShardSettings(BaseModel):
+    """The front of a sharded gateway: when it moves engines between shards on its own
+    (docs/scaling.md, "Rebalancing")."""
+
+    rebalance_s: float = Field(
+        0.0, ge=0, description="how often the front compares the shards' load; 0: never "
+        "(engines move only on request, POST /admin/backends/s0/b1/move)")
+    rebalance_ratio: float = Field(
+        2.0, gt=1, description="move an engine only when the busiest shard has this many "
+        "times the calls per GPU of the idlest (smoothed over the last looks)")
+    rebalance_min_calls: int = Field(
+        8, ge=1, description="and only when the busiest shard has at least this many calls "
+        "running or queued: a near-idle pool is not worth a drain and a start")
+    rebalance_cooldown_s: float = Field(
+        30.0, ge=0, description="after a move ends, wait this long before the next look "
+        "counts (the load must show the new layout first)")
+
+
 class Settings(BaseSettings):
     """Everything the gateway reads from its environment."""
 
@@ -212,6 +230,7 @@ class Settings(BaseSettings):
     dispatch: DispatchSettings = DispatchSettings()
     capture: CaptureSettings = CaptureSettings()
     restore: RestoreSettings = RestoreSettings()
+    shards: ShardSettings = ShardSettings()
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod

@@ -32,6 +32,8 @@ ROUTE_ROLES: dict[tuple[str, str], Role] = {
     ("DELETE", "/admin/backends/{backend_id}"): Role.OPERATOR,
     ("GET", "/admin/pool"): Role.OPERATOR,
     ("PUT", "/admin/pool"): Role.OPERATOR,
+    ("POST", "/admin/pool/release"): Role.OPERATOR,
+    ("POST", "/admin/pool/adopt"): Role.OPERATOR,
     ("GET", "/admin/jobs"): Role.OPERATOR,
     ("GET", "/admin/jobs/{job_id}"): Role.OPERATOR,
     ("POST", "/admin/pause"): Role.OPERATOR,

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from gateway.api.deps import get_rt, require_admin
+from gateway.dispatch import handover
 from gateway.dispatch.backends import parse_backend_spec
 from gateway.dispatch.drain import start_remove_job, wait_idle
 from gateway.dispatch.jobs import Job
@@ -73,6 +74,18 @@ class PoolChange(BaseModel):
         if value is not None and sum(e.count for e in value) > MAX_INSTANCES:
             raise ValueError(f"a layout has at most {MAX_INSTANCES} instances")
         return value
+
+
+class Release(BaseModel):
+    id: str = Field(max_length=64, description="the instance whose GPUs leave this pool")
+
+
+class Adopt(BaseModel):
+    gpus: list[Annotated[int, Field(ge=0, lt=MAX_GPUS)] | Annotated[str, Field(
+        max_length=160)]] = Field(min_length=1, max_length=64, description="GPUs (3 or "
+        "'node:3') joining this pool's inventory, one instance's worth")
+    tp: int | None = Field(None, ge=1, le=64, description="default: one per GPU given")
+    id: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
 
 
 class Pause(BaseModel):
@@ -188,6 +201,27 @@ async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> PoolCh
     except (LayoutError, ValidationError, ValueError) as exc:
         raise BadRequest(str(exc)) from None
     return PoolChangeRef(**_job_ref(job).model_dump(), planned=[s.id for s in pool.planned])
+
+
+@router.post("/pool/release", status_code=202)
+async def release_gpus(body: Release, rt: Runtime = Depends(get_rt)) -> JobRef:
+    """Drain and stop one instance and give its GPUs up (a shard handing them to another:
+    docs/scaling.md); the job's request names the GPUs."""
+    try:
+        return _job_ref(handover.release(_pool(rt), body.id))
+    except handover.NoSuchInstance as exc:
+        raise NotFound(str(exc)) from None
+    except LayoutError as exc:
+        raise Conflict(str(exc)) from None
+
+
+@router.post("/pool/adopt", status_code=202)
+async def adopt_gpus(body: Adopt, rt: Runtime = Depends(get_rt)) -> JobRef:
+    """Take GPUs another pool released into the inventory and start an instance on them."""
+    try:
+        return _job_ref(handover.adopt(_pool(rt), body.gpus, body.tp, body.id))
+    except LayoutError as exc:
+        raise Conflict(str(exc)) from None
 
 
 @router.get("/jobs")

@@ -136,7 +136,7 @@ class PoolManager:
     def start(self) -> Job:
         """Bring up the spec's initial layout and start crash detection."""
         self.restarts.watch.start()
-        self.initial = self._submit("initial", {"layout": "from spec"}, self.initial_specs())
+        self.initial = self.submit("initial", {"layout": "from spec"}, self.initial_specs())
         return self.initial
 
     def initial_specs(self) -> list[InstanceSpec]:
@@ -165,21 +165,21 @@ class PoolManager:
         self.active = active
         request = {"gpus": gpus if isinstance(gpus, int | None) else list(gpus), "tp": tp,
                    "layout": None if layout is None else [request_json(r) for r in layout]}
-        return self._submit("reconfigure", request, target)
+        return self.submit("reconfigure", request, target)
 
     def add_instance(self, request: InstanceRequest) -> Job:
         if self.static:
             raise LayoutError("a static pool cannot start instances")
         current = [request_of(s) for s in self.planned]
         target = place([*current, request], self.active, self.spec.model, self.planned)
-        return self._submit("add-instance", request_json(request), target)
+        return self.submit("add-instance", request_json(request), target)
 
     def remove_instance(self, instance_id: str) -> Job | None:
         """Drain and stop one instance; None if the pool has no such instance."""
         if all(s.id != instance_id for s in self.planned):
             return None
         target = [s for s in self.planned if s.id != instance_id]
-        return self._submit("remove-instance", {"id": instance_id}, target)
+        return self.submit("remove-instance", {"id": instance_id}, target)
 
     def relayout(self, retire: Sequence[str], launch: Sequence[int], reason: str = "") -> Job:
         """A resource policy's decision (``gateway.policies.base.Relayout``): drain and
@@ -195,7 +195,7 @@ class PoolManager:
         keep = [s for s in self.planned if s.id not in retire]
         requests = [*map(request_of, keep), *(InstanceRequest(tp=tp) for tp in launch)]
         target = place(requests, self.active, self.spec.model, keep)
-        return self._submit("relayout", {"retire": list(retire), "launch": list(launch),
+        return self.submit("relayout", {"retire": list(retire), "launch": list(launch),
                                          "reason": reason}, target)
 
     def _select(self, gpus: GpuSelection) -> list[Slot]:
@@ -207,7 +207,8 @@ class PoolManager:
             raise LayoutError(f"GPUs not in the inventory: {sorted(unknown)}")
         return [s for s in self.inventory if s in wanted]
 
-    def _submit(self, kind: str, request: dict[str, Any], target: list[InstanceSpec]) -> Job:
+    def submit(self, kind: str, request: dict[str, Any], target: list[InstanceSpec]) -> Job:
+        """Make ``target`` (already placed) the plan and apply it with a new job."""
         job = self.rt.jobs.create(kind, request)
         self.planned = target
         self.rt.events.emit("pool", f"job {job.id}: {kind} requested", job=job.id)

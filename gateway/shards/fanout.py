@@ -1,19 +1,18 @@
 """The front's admin API: writes fanned out to every shard, all or nothing; reads merged;
-one job id over the shards' jobs; moving a backend between shards
+one job id over the shards' jobs; moves of a backend between shards (:mod:`gateway.shards.moves`)
 (see :mod:`gateway.shards.front` for the whole picture)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.shards.moves import start_move
 from gateway.shards.shardset import (
-    POLL_S,
     Answer,
     Front,
     FrontJob,
@@ -81,14 +80,40 @@ async def _job_parts(front: Front, job: FrontJob, headers: dict[str, str]) -> li
                                                   headers=headers) for s, jid in job.parts)))
 
 
-def _split_pool(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """A pool change per shard: a GPU count split evenly, a layout entry by entry."""
+def split_gpus(k: int, sizes: list[int]) -> list[int]:
+    """``k`` GPUs over shards that hold ``sizes`` GPUs, in proportion (largest remainder;
+    the shards' shares differ once engines moved). ValueError past what they hold."""
+    total = sum(sizes)
+    if not 0 <= k <= total:
+        raise ValueError(f"'gpus' must be between 0 and {total}, the GPUs the shards hold "
+                         f"({' + '.join(map(str, sizes))})")
+    exact = [k * s / total if total else 0.0 for s in sizes]
+    out = [int(e) for e in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (out[i] - exact[i], i))
+    for i in by_remainder[:k - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _split_pool(body: dict[str, Any], sizes: list[int] | None, n: int) -> list[dict[str, Any]]:
+    """A pool change per shard: a GPU count in proportion to each shard's GPUs (evenly if
+    they are not known), a layout entry by entry."""
     if isinstance(body.get("gpus"), int):
         k = body["gpus"]
-        return [{**body, "gpus": k // n + (1 if i < k % n else 0)} for i in range(n)]
+        shares = (split_gpus(k, sizes) if sizes is not None
+                  else [k // n + (1 if i < k % n else 0) for i in range(n)])
+        return [{**body, "gpus": g} for g in shares]
     if isinstance(body.get("layout"), list):
         return [{**body, "layout": body["layout"][i::n]} for i in range(n)]
     return [body] * n
+
+
+async def _pool_sizes(front: Front, headers: dict[str, str]) -> list[int] | None:
+    """The GPUs each shard's managed pool holds, if every shard has one."""
+    answers = await front.every("GET", "/admin/pool", headers=headers)
+    if not all(a.ok and isinstance(a.body, dict) and a.body.get("managed") for a in answers):
+        return None
+    return [sum(len(node["gpus"]) for node in a.body["inventory"]) for a in answers]
 
 
 def admin_routes(app: FastAPI) -> None:
@@ -124,7 +149,7 @@ def admin_routes(app: FastAPI) -> None:
             except orjson.JSONDecodeError:
                 return JSONResponse({"detail": "the body is not JSON"}, status_code=422)
             to = target.get("to") if isinstance(target, dict) else None
-            return await _start_move(front, n, backend.removesuffix("/move"), to, headers)
+            return await start_move(front, n, backend.removesuffix("/move"), to, headers)
         if path.startswith("weight-update/") and path.endswith("/done"):
             found = front.jobs.get(path.split("/")[1])
             if found is None:
@@ -181,7 +206,13 @@ async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str
                          body: bytes, params: Any) -> Response:
     before = await _before(front, path, headers)
     if path == "/admin/pool" and body:
-        parts = _split_pool(orjson.loads(body), len(front.shards))
+        try:
+            change = orjson.loads(body)
+            if not isinstance(change, dict):
+                raise ValueError("the body is not a JSON object")
+            parts = _split_pool(change, await _pool_sizes(front, headers), len(front.shards))
+        except ValueError as exc:  # orjson.JSONDecodeError is one
+            return JSONResponse({"detail": str(exc)}, status_code=422)
         answers = list(await asyncio.gather(*(front.one(
             i, method, path, headers=headers, params=params, body=orjson.dumps(b))
             for i, b in enumerate(parts))))
@@ -205,74 +236,3 @@ async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str
     done = [a.shard for a in answers if a.ok]
     rolled = await _put_back(front, path, headers, done, before) if done else []
     return _all_or_report(answers, f"{method} {path}", rolled)
-
-
-async def _start_move(front: Front, shard: int, backend: str, to: Any,
-                      headers: dict[str, str]) -> Response:
-    """Move one external backend to another shard: drained off its shard (that shard's
-    own remove job), then registered on the other. Trajectories never move: those on the
-    backend finish their calls there, their next calls go to their shard's other
-    backends. An instance of a managed pool cannot move (its GPUs belong to its shard's
-    block): resize the shards instead."""
-    if not isinstance(to, int) or not 0 <= to < len(front.shards) or to == shard:
-        return JSONResponse({"detail": f"'to' must be another shard, 0-{len(front.shards) - 1}"},
-                            status_code=422)
-    listed = await front.one(shard, "GET", "/admin/backends", headers=headers)
-    if not listed.ok:
-        return as_response(listed)
-    row = next((b for b in listed.body.get("data", []) if b["id"] == backend), None)
-    if row is None:
-        return JSONResponse({"detail": f"shard {shard} has no backend {backend!r}"},
-                            status_code=404)
-    if row.get("source") != "static":
-        return JSONResponse({"detail": f"s{shard}/{backend} is an instance of shard {shard}'s "
-                             "managed pool: its GPUs belong to that shard; resize the shards "
-                             "instead"}, status_code=409)
-    job = FrontJob(f"f{next(front._ids)}", "move", [])
-    job.own = {"id": job.id, "kind": "move", "status": "running", "request": {
-        "backend": f"s{shard}/{backend}", "to": to}, "created": job.created,
-        "started": job.created, "finished": None, "duration_s": None, "plan": {},
-        "phases": [], "errors": []}
-    front.jobs[job.id] = job
-    front.tasks.add(asyncio.create_task(_move(front, job, shard, row, to, headers)))
-    return JSONResponse({"job": job.id, "status": "running", "url": f"/admin/jobs/{job.id}"},
-                        status_code=202)
-
-
-async def _wait_shard_job(front: Front, shard: int, job_id: str, headers: dict[str, str],
-                          timeout_s: float = 900.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        a = await front.one(shard, "GET", f"/admin/jobs/{job_id}", headers=headers)
-        if a.ok and a.body.get("status") not in ("pending", "running"):
-            return dict(a.body)
-        await asyncio.sleep(POLL_S)
-    return {"status": "failed", "errors": [f"shard {shard}'s job {job_id} took too long"]}
-
-
-async def _move(front: Front, job: FrontJob, shard: int, row: dict[str, Any], to: int,
-                headers: dict[str, str]) -> None:
-    view = job.own
-    assert view is not None
-    t0 = time.time()
-    try:
-        removed = await front.one(shard, "DELETE", f"/admin/backends/{row['id']}",
-                                  headers=headers)
-        done = (await _wait_shard_job(front, shard, str(removed.body.get("job")), headers)
-                if removed.ok else {"status": "failed", "errors": [str(removed.body)]})
-        view["phases"].append({"name": "drain", "shard": shard, "status": done["status"],
-                               "duration_s": round(time.time() - t0, 3)})
-        if done["status"] != "succeeded":
-            view["errors"] += done.get("errors") or []
-            return
-        added = await front.one(to, "POST", "/admin/backends", headers={
-            **headers, "content-type": "application/json"}, body=orjson.dumps(
-                {"url": row["url"], "tp": row.get("tp") or 1}))
-        view["phases"].append({"name": "register", "shard": to, "status": added.status,
-                               "backend": added.body})
-        if not added.ok:
-            view["errors"].append(f"shard {to} refused it: {added.body}")
-    finally:
-        view["finished"] = time.time()
-        view["duration_s"] = round(view["finished"] - t0, 3)
-        view["status"] = "failed" if view["errors"] else "succeeded"

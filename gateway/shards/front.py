@@ -19,6 +19,8 @@ everything else here. The front keeps no trajectory state; it asks the shards:
   from the store, every shard's trace writer is flushed (``POST /admin/flush``), so a
   sample is never read before its last call's record is written.
 * **Status and metrics** are :mod:`gateway.shards.merge` of the shards' own.
+* **Engines move between shards** on request or, with ``shards.rebalance_s`` set, on the
+  front's own judgement (:mod:`gateway.shards.moves`, :mod:`gateway.shards.rebalance`).
 
 The front authenticates nothing itself: it forwards the caller's credentials, and each
 shard checks them. Its own lookups (live views, flushes) use the admin token it was
@@ -38,18 +40,24 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api.web import PAGE_HEADERS, STREAM_LIFETIME_S, asset_path
+from gateway.config import ShardSettings
 from gateway.shards.fanout import admin_routes
 from gateway.shards.merge import merge_metrics, merge_status
+from gateway.shards.rebalance import Rebalancer, rebalance_routes
 from gateway.shards.shardset import POLL_S, Front, as_response, forwarded_headers, front_of
 
 
-def create_front_app(shards: Sequence[str], admin_token: str | None) -> FastAPI:
-    """The front's app over ``shards`` (their base URLs, in shard order)."""
+def create_front_app(shards: Sequence[str], admin_token: str | None,
+                     settings: ShardSettings | None = None) -> FastAPI:
+    """The front's app over ``shards`` (their base URLs, in shard order); ``settings``
+    say when it moves engines between shards on its own (default: never)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         front = Front(shards, admin_token)
-        app.state.front = front
+        rebalancer = Rebalancer(front, settings or ShardSettings())
+        app.state.front, app.state.rebalancer = front, rebalancer
+        front.tasks.add(asyncio.create_task(rebalancer.run(), name="rebalancer"))
         try:
             yield {"front": front}
         finally:
@@ -58,15 +66,17 @@ def create_front_app(shards: Sequence[str], admin_token: str | None) -> FastAPI:
     app = FastAPI(title="rollout-gateway (sharded)", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     _status_routes(app)
+    rebalance_routes(app)  # before admin_routes' catch-all
     admin_routes(app)
     _trajectory_routes(app)
     return app
 
 
-async def _status(front: Front) -> dict[str, Any]:
+async def _status(front: Front, rebalancer: Rebalancer) -> dict[str, Any]:
     answers = await front.every("GET", "/status", headers={})
-    return merge_status([a.body if a.ok and isinstance(a.body, dict) else None
-                         for a in answers], front.shards)
+    merged = merge_status([a.body if a.ok and isinstance(a.body, dict) else None
+                           for a in answers], front.shards)
+    return {**merged, "rebalance": rebalancer.to_dict()}
 
 
 def _status_routes(app: FastAPI) -> None:
@@ -87,7 +97,7 @@ def _status_routes(app: FastAPI) -> None:
 
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
-        return await _status(front_of(request))
+        return await _status(front_of(request), request.app.state.rebalancer)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -97,13 +107,14 @@ def _status_routes(app: FastAPI) -> None:
 
     @app.get("/status/stream")
     async def stream(request: Request, interval: float = 1.0) -> StreamingResponse:
-        front = front_of(request)
+        front, rebalancer = front_of(request), request.app.state.rebalancer
 
         async def events() -> AsyncIterator[bytes]:
             yield b"retry: 1000\n\n"
             deadline = time.monotonic() + STREAM_LIFETIME_S
             while time.monotonic() < deadline:
-                yield b"event: status\ndata: " + orjson.dumps(await _status(front)) + b"\n\n"
+                body = orjson.dumps(await _status(front, rebalancer))
+                yield b"event: status\ndata: " + body + b"\n\n"
                 await asyncio.sleep(max(0.25, min(interval, 10.0)))
 
         return StreamingResponse(events(), media_type="text/event-stream",

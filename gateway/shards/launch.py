@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.config import ShardSettings
 from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, load_pool_spec
 from gateway.shards.haproxy import ProxyPlan, haproxy_config
 
@@ -50,6 +51,7 @@ class ShardPlan:
     haproxy: str = "haproxy"
     state_dir: Path = Path(".rollout-gateway/shards")
     log_level: str = "info"
+    front: ShardSettings = field(default_factory=ShardSettings)
 
     def shard_port(self, i: int) -> int:
         return self.port + 1 + i
@@ -201,7 +203,7 @@ async def run(plan: ShardPlan) -> int:
     try:
         await _wait_healthy(urls, procs)
         token = Settings().admin_token
-        config = uvicorn.Config(create_front_app(urls, token), host="127.0.0.1",
+        config = uvicorn.Config(create_front_app(urls, token, plan.front), host="127.0.0.1",
                                 port=plan.front_port, log_level="warning", lifespan="on")
         front = _front_server()(config)
         front_task = asyncio.create_task(front.serve())

@@ -86,14 +86,16 @@ def database() -> Iterator[str]:
 
 
 @contextmanager
-def gateway(backends: list[str], shards: int, tmp: Path,
-            env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``serve`` (``shards`` 1) or ``serve --shards N`` on a fresh database; its URL."""
+def gateway(backends: list[str], shards: int, tmp: Path, env: dict[str, str] | None = None,
+            pool: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``serve`` (``shards`` 1) or ``serve --shards N`` on a fresh database, over
+    ``backends`` or the managed pool whose spec is at ``pool``; its URL."""
     port = free_port_block(shards + 2)
     with database() as db:
         cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
                "--database-url", db, "--log-level", "warning",
-               *(a for b in backends for a in ("--backend", b))]
+               *(a for b in backends for a in ("--backend", b)),
+               *(["--pool", str(pool)] if pool is not None else [])]
         if shards > 1:
             cmd += ["--shards", str(shards), "--haproxy", haproxy_or_fail(),
                     "--state-dir", str(tmp / f"state-{port}")]
@@ -148,11 +150,12 @@ async def run_batch(url: str, ids: dict[str, list[str]], turns: int = 3) -> None
         await asyncio.gather(*(agent(http, g, t, turns) for g, ts in ids.items() for t in ts))
 
 
-def samples(url: str, ids: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+def samples(url: str, ids: dict[str, list[str]],
+            headers: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     out = {}
     for tids in ids.values():
         for tid in tids:
-            r = httpx.get(f"{url}/trajectories/{tid}/sample", timeout=60)
+            r = httpx.get(f"{url}/trajectories/{tid}/sample", timeout=60, headers=headers)
             assert r.status_code == 200, r.text
             s = r.json()
             out[tid] = {k: s[k] for k in ("trajectory_id", "group_id", "reward", "token_ids",

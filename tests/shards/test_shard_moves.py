@@ -1,0 +1,161 @@
+"""Engines moving between the shards of ``serve --shards 2`` (issue 32, item 3): an
+instance of a managed pool hands its GPUs to the other shard on request, and the
+front's rebalancer moves engines on its own to the shard whose calls wait for them.
+Trajectories never move: every sample of the batches run around the moves is exact."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.shards.conftest import (
+    MODEL,
+    agent,
+    batch_ids,
+    gateway,
+    run_batch,
+    samples,
+    wait_http,
+)
+
+pytestmark = pytest.mark.postgres
+
+
+def wait_job(http: httpx.Client, url: str, timeout_s: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while (job := http.get(url).json())["status"] in ("pending", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    return dict(job)
+
+
+def exact(url: str, ids: dict[str, list[str]], headers: dict[str, str] | None = None) -> None:
+    for tid, s in samples(url, ids, headers).items():
+        assert s["mismatches"] == [] and sum(s["loss_mask"]) > 0, tid
+
+
+def test_a_managed_instance_hands_its_gpus_to_the_other_shard(tmp_path: Path) -> None:
+    spec = tmp_path / "pool.yaml"
+    spec.write_text(yaml.safe_dump({
+        "model": MODEL, "inventory": {"gpus": 6}, "layout": [{"tp": 1, "count": 6}],
+        "launcher": {"kind": "sim", "speed": 50}}))
+    # verl keeps the layout it starts with (the default policy may re-lay out a shard's
+    # GPUs as it sees fit, which would rename the instances this test moves by id)
+    with gateway([], 2, tmp_path, pool=spec, env={"ROLLOUT_GATEWAY_POLICY": "verl"}) as (
+            url, _), httpx.Client(base_url=url, timeout=60) as http:
+        wait_http([f"{url}/ready"], 60)
+        assert inventories(http) == [[0, 1, 2], [3, 4, 5]]
+        ids = batch_ids(groups=4, size=2)
+        asyncio.run(run_batch(url, ids))
+
+        r = http.post("/admin/backends/s0/tp1-g2/move", json={"to": 1})
+        assert r.status_code == 202, r.text
+        job = wait_job(http, r.json()["url"])
+        assert job["status"] == "succeeded", job
+        assert [(p["name"], p["shard"]) for p in job["phases"]] == [("release", 0),
+                                                                     ("adopt", 1)]
+        assert job["request"]["managed"] is True and job["request"]["gpus"] == [2]
+        assert inventories(http) == [[0, 1], [3, 4, 5, 2]]
+        r = http.post("/admin/backends/s0/tp1-g1/move", json={"to": 1})
+        assert r.status_code == 202
+        assert wait_job(http, r.json()["url"])["status"] == "succeeded"
+        r = http.post("/admin/backends/s0/tp1-g0/move", json={"to": 1})
+        assert r.status_code == 202  # shard 0's last engine: its own shard refuses
+        job = wait_job(http, r.json()["url"])
+        assert job["status"] == "failed" and "last instance" in str(job["errors"]), job
+        assert [p["name"] for p in job["phases"]] == ["release"]
+        assert inventories(http) == [[0], [3, 4, 5, 2, 1]]  # nothing was lost
+        # the moved GPUs serve on shard 1
+        serving: dict[int, int] = {}
+        deadline = time.monotonic() + 60
+        while serving != {0: 0, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}:
+            assert time.monotonic() < deadline, serving
+            time.sleep(0.2)
+            serving = {g: r["shard"] for r in http.get("/status").json()["backends"]
+                       if r["routable"] for g in r["gpus"]}
+        more = {f"after-{g}": [f"{t}-after" for t in ts] for g, ts in ids.items()}
+        asyncio.run(run_batch(url, {**ids, **more}))  # the same ids again, and new ones
+        exact(url, {**ids, **more})
+
+        # a resize splits the GPUs by what each shard holds now, no longer evenly
+        r = http.put("/admin/pool", json={"gpus": 7})
+        assert r.status_code == 422 and "between 0 and 6" in r.text and "1 + 5" in r.text
+        r = http.put("/admin/pool", content=b"{gpus", headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        r = http.put("/admin/pool", json={"gpus": 4})
+        assert r.status_code == 202, r.text
+        assert wait_job(http, r.json()["url"])["status"] == "succeeded"
+        pools = [a["body"] for a in http.get("/admin/pool").json()["shards"]]
+        assert [len(p["active_gpus"]) for p in pools] == [1, 3]
+
+
+def inventories(http: httpx.Client) -> list[list[int]]:
+    """Each shard's GPUs (its pool's inventory)."""
+    pools = [a["body"] for a in http.get("/admin/pool").json()["shards"]]
+    return [[g for node in p["inventory"] for g in node["gpus"]] for p in pools]
+
+
+ADMIN = {"authorization": "Bearer adm-secret"}
+
+
+async def _owners(url: str, shard_urls: list[str], gids: list[str]) -> dict[str, int]:
+    """The shard each group is routed to, found with one call per group."""
+    out = {}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as http, \
+            httpx.AsyncClient(timeout=10, headers=ADMIN) as probe:
+        for gid in gids:
+            await agent(http, gid, f"{gid}-probe", turns=1)
+            for i, s in enumerate(shard_urls):
+                if (await probe.get(f"{s}/trajectories/{gid}-probe/live")).status_code == 200:
+                    out[gid] = i
+    return out
+
+
+def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(
+        sim_servers: list[str], tmp_path: Path) -> None:
+    env = {"ROLLOUT_GATEWAY_ADMIN_TOKEN": ADMIN["authorization"].split()[1],
+           "ROLLOUT_GATEWAY_SHARDS__REBALANCE_S": "0.3",
+           "ROLLOUT_GATEWAY_SHARDS__REBALANCE_COOLDOWN_S": "1",
+           "ROLLOUT_GATEWAY_SHARDS__REBALANCE_MIN_CALLS": "4"}
+    with gateway(sim_servers, 2, tmp_path, env=env) as (url, _), \
+            httpx.Client(base_url=url, timeout=60, headers=ADMIN) as http:
+        with httpx.Client(base_url=url, timeout=30) as anonymous:
+            assert anonymous.get("/admin/rebalance").status_code == 401
+            assert anonymous.put("/admin/rebalance", json={"enabled": False}).status_code \
+                == 401
+        assert http.get("/admin/rebalance").json()["enabled"] is True
+        shard_urls = [s["url"] for s in http.get("/status").json()["shards"]]
+        owners = asyncio.run(_owners(url, shard_urls, [f"grp-{k}" for k in range(16)]))
+        heavy = sorted(g for g, s in owners.items() if s == 0)[:5]
+        assert len(heavy) >= 3, owners
+        ids = {g: [f"{g}-{m}" for m in range(4)] for g in heavy}  # all on shard 0
+
+        async def skewed() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=120, headers=ADMIN) as c:
+                await asyncio.gather(*(agent(c, g, t, turns=10, tokens=1500)
+                                       for g, ts in ids.items() for t in ts))
+
+        asyncio.run(skewed())
+        state = http.get("/admin/rebalance").json()
+        moves = [d for d in state["decisions"] if d["outcome"] == "started"]
+        assert moves, state
+        assert all(d["backend"].startswith("s1/") and d["to"] == 0 for d in moves), moves
+        for d in moves:
+            assert wait_job(http, f"/admin/jobs/{d['job']}")["status"] == "succeeded"
+        per_shard = [sum(1 for r in http.get("/admin/backends").json()["data"]
+                         if r["shard"] == i) for i in (0, 1)]
+        assert per_shard[0] > 3 and per_shard[1] >= 1 and sum(per_shard) == 6, per_shard
+        exact(url, ids, ADMIN)
+        print(f"rebalancer: {len(moves)} move(s) to the busy shard ({moves[0]['reason']}); "
+              f"engines per shard now {per_shard}")
+
+        r = http.put("/admin/rebalance", json={"enabled": False, "ratio": 3})
+        assert r.status_code == 200 and r.json()["enabled"] is False and r.json()["ratio"] == 3
+        assert http.put("/admin/rebalance", json={"ratio": 0.5}).status_code == 422
+        assert http.get("/status").json()["rebalance"]["enabled"] is False
