@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gateway.api.web import PAGE_HEADERS, STREAM_LIFETIME_S, asset_path
 from gateway.config import ShardSettings
 from gateway.shards.fanout import admin_routes
-from gateway.shards.merge import merge_metrics, merge_status
+from gateway.shards.merge import EVENTS_SHOWN, merge_metrics, merge_status
 from gateway.shards.rebalance import Rebalancer, rebalance_routes
 from gateway.shards.shardset import POLL_S, Front, as_response, forwarded_headers, front_of
 
@@ -76,7 +76,9 @@ async def _status(front: Front, rebalancer: Rebalancer) -> dict[str, Any]:
     answers = await front.every("GET", "/status", headers={})
     merged = merge_status([a.body if a.ok and isinstance(a.body, dict) else None
                            for a in answers], front.shards)
-    return {**merged, "rebalance": rebalancer.to_dict()}
+    events = sorted([*merged.get("events", []), *rebalancer.events()],
+                    key=lambda e: e.get("ts") or 0.0, reverse=True)
+    return {**merged, "events": events[:EVENTS_SHOWN], "rebalance": rebalancer.to_dict()}
 
 
 def _status_routes(app: FastAPI) -> None:

@@ -145,6 +145,12 @@ class Rebalancer:
                             else round(s.pressure, 3)} for s in self.loads],
                 "decisions": list(self.decisions)[::-1]}
 
+    def events(self) -> list[dict[str, Any]]:
+        """Its decisions as status-page events (the page lists them with the shards')."""
+        return [{"seq": -k, "ts": d["at"], "kind": "rebalance",
+                 "message": f"front: {d['backend']} to shard {d['to']}, {d['outcome']} "
+                            f"({d['reason']})"} for k, d in enumerate(self.decisions)]
+
     async def run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):

@@ -152,6 +152,8 @@ def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(
                          if r["shard"] == i) for i in (0, 1)]
         assert per_shard[0] > 3 and per_shard[1] >= 1 and sum(per_shard) == 6, per_shard
         exact(url, ids, ADMIN)
+        events = [e for e in http.get("/status").json()["events"] if e["kind"] == "rebalance"]
+        assert events and "to shard 0, started" in events[0]["message"], events
         print(f"rebalancer: {len(moves)} move(s) to the busy shard ({moves[0]['reason']}); "
               f"engines per shard now {per_shard}")
 
