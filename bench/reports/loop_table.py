@@ -65,6 +65,11 @@ def loop_table(root: Path) -> str:
 SPLIT = "shards/split.json"
 
 
+def _ratio(r: dict[str, Any]) -> str:
+    lo, hi = r["ci95"]
+    return f"{r['ratio_geomean']:.3f}x ({lo:.3f}-{hi:.3f})"
+
+
 def split_table(root: Path) -> str:
     """What scheduling in shards costs in makespan (``bench split``), per workload."""
     path = root / BENCH / SPLIT
@@ -73,11 +78,20 @@ def split_table(root: Path) -> str:
     doc = json.loads(path.read_text())
     shards, gpus = option(doc["command"], "--shards", "2"), option(doc["command"], "--gpus", "32")
     total = int(shards) * int(gpus)
+    rebalanced = all("rebalanced" in r for r in doc["results"].values())
     out = [f"| workload | one scheduler over {total} GPUs, s | {shards} shards of {gpus} GPUs, s "
-           "| sharded / one (paired 95% CI) | seeds |", "|---|---|---|---|---|"]
+           "| sharded / one (paired 95% CI) |"
+           + (" with the rebalancer, s | rebalanced / one | rebalanced / sharded | moves per "
+              "batch |" if rebalanced else "") + " seeds |",
+           "|---|---|---|---|" + ("---|---|---|---|" if rebalanced else "") + "---|"]
     for workload, r in doc["results"].items():
         one, split = r["one_scheduler_s"], r["sharded_s"]
-        out.append(f"| {workload} | {sum(one) / len(one):.0f} | {sum(split) / len(split):.0f} | "
-                   f"{r['ratio_geomean']:.3f}x ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}) | "
-                   f"{r['seeds']} |")
+        row = (f"| {workload} | {sum(one) / len(one):.0f} | {sum(split) / len(split):.0f} | "
+               f"{_ratio(r)} |")
+        if rebalanced:
+            rb = r["rebalanced"]
+            moves = [len(m) for m in rb["moves"]]
+            row += (f" {sum(rb['rebalanced_s']) / len(rb['rebalanced_s']):.0f} | {_ratio(rb)} | "
+                    f"{_ratio(rb['over_sharded'])} | {min(moves)}-{max(moves)} |")
+        out.append(row + f" {r['seeds']} |")
     return "\n".join([*out, "", "```sh", doc["command"], "```"])

@@ -41,6 +41,7 @@ from bench.harness import procs
 from bench.runners.overhead import OverheadOptions, Target, machine, postgres_db, server_pid
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.run import Bench, Scenario
+from bench.simulator.sharded import Rebalancing, run_shards
 from bench.workloads import load_workloads
 from gateway.policies.registry import get_policy
 
@@ -59,6 +60,7 @@ class HeadroomOptions:
     prompts: int | None = None  # fewer prompts than the workload's (smoke runs)
     window_s: float = 10.0
     shards: int = 2  # 0: skip the sharding measurement
+    rebalance: Rebalancing | None = None  # also the split with the front's rebalancer
     saturation_s: float = 6.0
     concurrency: int = 64
     server_cpus: str | None = "0"
@@ -114,10 +116,17 @@ def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
         parts[zlib.crc32(spec.group_id.encode()) % n].append(spec)
     shard = Bench(Scenario(workload, gpus=opts.gpus, seed=opts.seed, prompts=1))
     each = [_simulator(part, shard, opts.gpus, opts).run() if part else 0.0 for part in parts]
-    return {"workload": workload, "shards": n, "gpus_per_shard": opts.gpus,
-            "trajectories": len(whole.specs), "per_shard": [len(p) for p in parts],
-            "one_scheduler_s": one, "shard_makespans_s": each,
-            "sharded_s": max(each), "ratio": max(each) / one}
+    out = {"workload": workload, "shards": n, "gpus_per_shard": opts.gpus,
+           "trajectories": len(whole.specs), "per_shard": [len(p) for p in parts],
+           "one_scheduler_s": one, "shard_makespans_s": each,
+           "sharded_s": max(each), "ratio": max(each) / one}
+    if opts.rebalance is not None:
+        run = run_shards([_simulator(part, shard, opts.gpus, opts) for part in parts],
+                         opts.rebalance)
+        out |= {"rebalanced_s": run["makespan_s"], "rebalanced_ratio": run["makespan_s"] / one,
+                "rebalanced_shard_makespans_s": run["shard_makespans_s"],
+                "moves": run["moves"]}
+    return out
 
 
 def supply(tokens: list[int], opts: HeadroomOptions, say: Progress) -> dict[int, Any]:

@@ -234,16 +234,22 @@ def split(
     shards: Annotated[int, typer.Option()] = 2,
     per_gpu: Annotated[int, typer.Option(help="trajectories per GPU")] = 8,
     policy: Annotated[str, typer.Option(help="the policy each scheduler runs")] = "replay",
+    rebalance_s: Annotated[float, typer.Option(
+        help="also the split with the front's rebalancer looking this often (simulated "
+        "seconds; its other settings the defaults); 0: not")] = 10.0,
     jobs: Annotated[int, typer.Option(help="processes")] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
-    """What scheduling in shards costs: one scheduler vs the batch split by group hash."""
+    """What scheduling in shards costs: one scheduler vs the batch split by group hash,
+    and split with the front's rebalancer moving instances between the shards."""
     from bench.runners.headroom import HeadroomOptions
     from bench.runners.split import run_split
+    from bench.simulator.sharded import Rebalancing
 
     if shards < 2 or seeds < 1:
         raise typer.BadParameter("need --shards >= 2 and --seeds >= 1")
-    opts = HeadroomOptions(gpus=gpus, policy=policy, shards=shards)
+    opts = HeadroomOptions(gpus=gpus, policy=policy, shards=shards,
+                           rebalance=Rebalancing(rebalance_s) if rebalance_s > 0 else None)
     wls = workload or ["swe", "search", "math-code", "tau"]
     res = run_split(wls, range(1, seeds + 1), opts, per_gpu, jobs)
     for w, r in res.items():
@@ -251,6 +257,12 @@ def split(
         typer.echo(f"{w}: {shards} shards of {gpus} GPUs / one scheduler over "
                    f"{shards * gpus}: {r['ratio_geomean']:.3f}x (95% CI {lo:.3f}-{hi:.3f}, "
                    f"{r['seeds']} seeds)")
+        if "rebalanced" in r:
+            rb = r["rebalanced"]
+            typer.echo(f"  with the rebalancer: {rb['ratio_geomean']:.3f}x "
+                       f"({rb['ci95'][0]:.3f}-{rb['ci95'][1]:.3f}); over the plain split "
+                       f"{rb['over_sharded']['ratio_geomean']:.3f}x, moves per batch "
+                       f"{[len(m) for m in rb['moves']]}")
     if json_out is not None:
         json_out.write_text(json.dumps({"command": " ".join(["rollout-gateway", "bench",
                                                              "split", *sys.argv[3:]]),

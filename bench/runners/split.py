@@ -6,6 +6,10 @@ GPUs, and the same batch split by group hash (as HAProxy splits it) into ``shard
 schedulers of ``gpus`` GPUs each; the batch ends when the slowest shard does. The ratio
 (sharded over one scheduler) is reported as the geometric mean over seeds with a 95%
 interval, seeds paired (the same batch on both sides).
+
+With ``opts.rebalance`` the split runs a third time with the front's rebalancer moving
+instances between the shards on one clock (:mod:`bench.simulator.sharded`: the live
+rule, a drain and an engine start per move), paired with the other two.
 """
 
 from __future__ import annotations
@@ -37,10 +41,21 @@ def run_split(workloads: list[str], seeds: range, opts: HeadroomOptions, per_gpu
     out: dict[str, Any] = {}
     for w in workloads:
         mine = [r for r in runs if r["workload"] == w]
-        m, h = interval([math.log(r["ratio"]) for r in mine])
-        out[w] = {"seeds": len(mine), "ratio_geomean": math.exp(m),
-                  "ci95": [math.exp(m - h), math.exp(m + h)],
+        out[w] = {"seeds": len(mine), **_paired(mine, "ratio"),
                   "one_scheduler_s": [r["one_scheduler_s"] for r in mine],
                   "sharded_s": [r["sharded_s"] for r in mine],
                   "per_shard": [r["per_shard"] for r in mine]}
+        if opts.rebalance is not None:
+            out[w]["rebalanced"] = {
+                **_paired(mine, "rebalanced_ratio"),
+                "over_sharded": _paired([{"x": r["rebalanced_s"] / r["sharded_s"]}
+                                         for r in mine], "x"),
+                "rebalanced_s": [r["rebalanced_s"] for r in mine],
+                "moves": [r["moves"] for r in mine]}
     return out
+
+
+def _paired(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The geometric mean of ``key`` over seeds and its 95% interval."""
+    m, h = interval([math.log(r[key]) for r in runs])
+    return {"ratio_geomean": math.exp(m), "ci95": [math.exp(m - h), math.exp(m + h)]}

@@ -355,9 +355,9 @@ class Simulator(Reconfiguring):
             owner = self.req_owner.pop(rid)
             if owner:
                 self._call_done(self.trajs[owner], inst)
-        if inst.state is InstanceState.DRAINING:
+        if inst.state is InstanceState.DRAINING:  # its calls finish, then it stops
             self._maybe_stopped(inst)
-        else:
+        if inst.id in self.instances:
             self._kick(inst)
         self._schedule()
         if inst.state is InstanceState.UP:

@@ -25,5 +25,15 @@ def test_split_runs_each_seed_on_both_sides_and_writes_them(tmp_path: Path) -> N
     lo, hi = res["ci95"]
     assert lo <= res["ratio_geomean"] <= hi
     assert "2 shards of 8 GPUs" in r.output
+    rb = res["rebalanced"]  # the third side, on by default: paired with the others
+    assert len(rb["rebalanced_s"]) == len(rb["moves"]) == 2 and all(
+        t > 0 for t in rb["rebalanced_s"])
+    assert rb["ci95"][0] <= rb["ratio_geomean"] <= rb["ci95"][1]
+    assert "with the rebalancer" in r.output
+    r = CliRunner().invoke(app, ["bench", "split", "--workload", "math-code", "--seeds", "1",
+                                 "--gpus", "8", "--per-gpu", "1", "--jobs", "1",
+                                 "--rebalance-s", "0", "--json", str(out)])
+    assert r.exit_code == 0 and "rebalanced" not in json.loads(out.read_text())["results"][
+        "math-code"]
     bad = CliRunner().invoke(app, ["bench", "split", "--shards", "1"])
     assert bad.exit_code != 0
