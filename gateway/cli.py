@@ -57,7 +57,7 @@ def serve(
         help="where --shards writes the shards' pool specs and haproxy.cfg")]
     = Path(".rollout-gateway/shards"),
     rebalance_s: Annotated[float | None, typer.Option(
-        help="with --shards: compare the shards' load this often and move engines to the "
+        min=0, help="with --shards: compare the shards' load this often and move engines to the "
         "busiest (0: only on request; ROLLOUT_GATEWAY_SHARDS__REBALANCE_S)")] = None,
 ) -> None:
     """Run the gateway. With a pool, a log line says when its engines are up."""

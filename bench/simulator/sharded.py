@@ -19,18 +19,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.simulator.des import Simulator
+from gateway.config import ShardSettings
 from gateway.policies.base import InstanceState, Relayout
 from gateway.shards.rebalance import SMOOTHING, Engine, ShardLoad, choose
+
+_LIVE = ShardSettings()
 
 
 @dataclass(slots=True)
 class Rebalancing:
-    """The front's settings (gateway/config.py ``ShardSettings``), in simulated time."""
+    """The front's settings (gateway/config.py ``ShardSettings``, whose defaults these
+    are), in simulated time."""
 
-    interval_s: float = 10.0
-    ratio: float = 2.0
-    min_calls: float = 8.0
-    cooldown_s: float = 30.0
+    interval_s: float = 10.0  # the live default is 0 (off): this is a look every 10 s
+    ratio: float = _LIVE.rebalance_ratio
+    min_calls: float = float(_LIVE.rebalance_min_calls)
+    cooldown_s: float = _LIVE.rebalance_cooldown_s
 
 
 @dataclass(slots=True)
@@ -42,6 +46,7 @@ class _Move:
     at: float
     drained_at: float | None = None
     up_at: float | None = None
+    landed: bool = False
 
 
 @dataclass(slots=True)
@@ -90,19 +95,25 @@ def run_shards(sims: list[Simulator], rebalancing: Rebalancing | None = None
             _maybe_drained(sims, move)
     ends = [max((tr.finished_at or 0.0 for tr in s.trajs.values()), default=0.0)
             for s in sims]
+    for m in state.moves:  # the taker's batch ended before the engine came up
+        m.landed = m.up_at is not None and m.up_at <= ends[m.taker]
     return {"makespan_s": max(ends), "shard_makespans_s": ends,
             "moves": [{"from": m.giver, "to": m.taker, "tp": m.tp, "at": round(m.at, 1),
                        "drained_at": m.drained_at and round(m.drained_at, 1),
-                       "up_at": m.up_at and round(m.up_at, 1)} for m in state.moves]}
+                       "up_at": m.up_at and round(m.up_at, 1), "landed": m.landed}
+                      for m in state.moves]}
 
 
 def _look(sims: list[Simulator], state: _State, rb: Rebalancing, now: float) -> None:
     loads = []
     for i, sim in enumerate(sims):
         up = [inst for inst in sim.instances.values() if inst.state is InstanceState.UP]
-        calls = float(sum(inst.running for inst in up) + len(sim.pending))
+        # in flight on every engine (draining ones too) and queued, as /status counts them
+        calls = float(sum(inst.running for inst in sim.instances.values()) + len(sim.pending))
         prev = state.calls[i]
-        state.calls[i] = calls if prev is None else SMOOTHING * calls + (1 - SMOOTHING) * prev
+        state.calls[i] = (0.0 if _done(sim)  # a shard whose batch ended takes no engine
+                          else calls if prev is None
+                          else SMOOTHING * calls + (1 - SMOOTHING) * prev)
         engines = tuple(Engine(inst.id, inst.tp, inst.running, inst.relayout is None)
                         for inst in up)
         loads.append(ShardLoad(i, sum(inst.tp for inst in up), state.calls[i] or 0.0,

@@ -211,8 +211,10 @@ async def release_gpus(body: Release, rt: Runtime = Depends(get_rt)) -> JobRef:
         return _job_ref(handover.release(_pool(rt), body.id))
     except handover.NoSuchInstance as exc:
         raise NotFound(str(exc)) from None
-    except LayoutError as exc:
+    except handover.HandoverConflict as exc:
         raise Conflict(str(exc)) from None
+    except LayoutError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 @router.post("/pool/adopt", status_code=202)
@@ -220,8 +222,10 @@ async def adopt_gpus(body: Adopt, rt: Runtime = Depends(get_rt)) -> JobRef:
     """Take GPUs another pool released into the inventory and start an instance on them."""
     try:
         return _job_ref(handover.adopt(_pool(rt), body.gpus, body.tp, body.id))
-    except LayoutError as exc:
+    except handover.HandoverConflict as exc:
         raise Conflict(str(exc)) from None
+    except LayoutError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 @router.get("/jobs")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from backends.base import InstanceState
 from gateway.dispatch.jobs import Job
 from gateway.dispatch.layout import (
     InstanceRequest,
@@ -37,6 +38,11 @@ class NoSuchInstance(LayoutError):
     """The pool has no instance of that id."""
 
 
+class HandoverConflict(LayoutError):
+    """The request is well formed but the pool's state refuses it (GPUs already held, the
+    last serving instance)."""
+
+
 def release(pool: PoolManager, instance_id: str) -> Job:
     """Drain and stop ``instance_id`` and take its GPUs out of the inventory; the job.
 
@@ -50,9 +56,11 @@ def release(pool: PoolManager, instance_id: str) -> Job:
                           f"(planned: {[s.id for s in pool.planned]})")
     if not spec.gpus:
         raise LayoutError(f"{instance_id!r} holds no GPUs")
-    if len(pool.planned) == 1:
-        raise LayoutError(f"{instance_id!r} is this pool's last instance: its trajectories "
-                          "would have no engine")
+    serving = [i for i in pool.instances.values()
+               if i.state is InstanceState.READY and i.spec.id != instance_id]
+    if len(pool.planned) == 1 or not serving:
+        raise HandoverConflict(f"{instance_id!r} is this pool's last instance (or its last "
+                               "serving one): its trajectories would have no engine")
     gone = slots_of(spec)
     pool.inventory = [s for s in pool.inventory if s not in gone]
     pool.active = [s for s in pool.active if s not in gone]
@@ -73,7 +81,7 @@ def adopt(pool: PoolManager, gpus: Sequence[int | str], tp: int | None = None,
         raise LayoutError(f"give the GPUs to adopt, each once: {list(gpus)}")
     held = sorted(set(slots) & set(pool.inventory))
     if held:
-        raise LayoutError(f"GPUs {[slot_json(s) for s in held]} are already this pool's")
+        raise HandoverConflict(f"GPUs {[slot_json(s) for s in held]} are already this pool's")
     nodes = {n for n, _ in slots}
     if len(nodes) != 1:
         raise LayoutError(f"one instance runs on one node: {sorted(nodes)}")

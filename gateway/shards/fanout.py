@@ -16,6 +16,7 @@ from gateway.shards.shardset import (
     Answer,
     Front,
     FrontJob,
+    admin_denied,
     as_response,
     forwarded_headers,
     front_of,
@@ -123,7 +124,9 @@ def admin_routes(app: FastAPI) -> None:
         found = front.jobs.get(job_id)
         if found is None:
             return JSONResponse({"detail": f"no job {job_id!r}"}, status_code=404)
-        if found.own is not None:
+        if found.own is not None:  # a move: the credentials checked by a shard first
+            if (denied := await admin_denied(front, forwarded_headers(request))) is not None:
+                return denied
             return JSONResponse(found.own)
         parts = await _job_parts(front, found, forwarded_headers(request))
         if any(a.status in (401, 403) for a in parts):
@@ -150,6 +153,20 @@ def admin_routes(app: FastAPI) -> None:
                 return JSONResponse({"detail": "the body is not JSON"}, status_code=422)
             to = target.get("to") if isinstance(target, dict) else None
             return await start_move(front, n, backend.removesuffix("/move"), to, headers)
+        if path in ("pool/adopt", "pool/release"):
+            return JSONResponse({"detail": f"/admin/{path} acts on one shard's GPUs: move an "
+                                 "engine with POST /admin/backends/s<n>/<id>/move, or send it "
+                                 f"to one shard with /admin/pool/s<n>/{path[5:]}"},
+                                status_code=409)
+        if path.startswith("pool/s") and path.count("/") == 2:  # /admin/pool/s1/adopt
+            shard, action = path[len("pool/s"):].split("/")
+            if (n := _shard_no(front, shard)) is None:
+                return _no_shard(front, shard)
+            return as_response(await front.one(n, "POST", f"/admin/pool/{action}",
+                                               headers=headers, body=body))
+        if path == "pool" and front.moving is not None:
+            return JSONResponse({"detail": f"move {front.moving} is running: resize once it "
+                                 f"ended (GET /admin/jobs/{front.moving})"}, status_code=409)
         if path.startswith("weight-update/") and path.endswith("/done"):
             found = front.jobs.get(path.split("/")[1])
             if found is None:

@@ -44,17 +44,26 @@ from gateway.config import ShardSettings
 from gateway.shards.fanout import admin_routes
 from gateway.shards.merge import EVENTS_SHOWN, merge_metrics, merge_status
 from gateway.shards.rebalance import Rebalancer, rebalance_routes
-from gateway.shards.shardset import POLL_S, Front, as_response, forwarded_headers, front_of
+from gateway.shards.shardset import (
+    POLL_S,
+    Front,
+    Persist,
+    as_response,
+    forwarded_headers,
+    front_of,
+)
 
 
 def create_front_app(shards: Sequence[str], admin_token: str | None,
-                     settings: ShardSettings | None = None) -> FastAPI:
+                     settings: ShardSettings | None = None,
+                     persist: Persist | None = None) -> FastAPI:
     """The front's app over ``shards`` (their base URLs, in shard order); ``settings``
-    say when it moves engines between shards on its own (default: never)."""
+    say when it moves engines between shards on its own (default: never); ``persist``
+    records a shard's pool after engines moved (``serve --shards``: its spec file)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        front = Front(shards, admin_token)
+        front = Front(shards, admin_token, persist=persist)
         rebalancer = Rebalancer(front, settings or ShardSettings())
         app.state.front, app.state.rebalancer = front, rebalancer
         front.tasks.add(asyncio.create_task(rebalancer.run(), name="rebalancer"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -32,7 +33,12 @@ import httpx
 import yaml
 
 from gateway.config import ShardSettings
-from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, load_pool_spec
+from gateway.dispatch.poolspec import (
+    PoolSpec,
+    StaticLauncherSpec,
+    load_pool_spec,
+    parse_pool_spec,
+)
 from gateway.shards.haproxy import ProxyPlan, haproxy_config
 
 log = logging.getLogger(__name__)
@@ -121,6 +127,22 @@ def split_pool(spec: PoolSpec, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def record_pool(plan: ShardPlan, shard: int, pool: dict[str, Any]) -> None:
+    """Rewrite shard ``shard``'s pool spec with the GPUs and instances it has now (after
+    engines moved between shards), so a shard restarted with the command line logged at
+    start-up starts on its own GPUs, not the block it began with."""
+    path = plan.state_dir / f"pool-shard{shard}.yaml"
+    spec = yaml.safe_load(path.read_text())
+    spec["inventory"] = {"nodes": [{"name": n["node"], "gpus": n["gpus"]}
+                                   for n in pool["inventory"]]}
+    spec["layout"] = [{"tp": i["tp"], "gpus": i["gpus"], "node": i["node"], "id": i["id"]}
+                      for i in pool["instances"] if i["id"] in pool.get("planned", [i["id"]])]
+    parse_pool_spec(spec)  # never write a spec the shard could not start from
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
+    tmp.replace(path)
+
+
 def shard_env(plan: ShardPlan) -> dict[str, str]:
     env = dict(os.environ)
     env["ROLLOUT_GATEWAY_DATABASE_URL"] = plan.database_url
@@ -203,7 +225,9 @@ async def run(plan: ShardPlan) -> int:
     try:
         await _wait_healthy(urls, procs)
         token = Settings().admin_token
-        config = uvicorn.Config(create_front_app(urls, token, plan.front), host="127.0.0.1",
+        persist = functools.partial(record_pool, plan) if plan.pool is not None else None
+        config = uvicorn.Config(create_front_app(urls, token, plan.front, persist),
+                                host="127.0.0.1",
                                 port=plan.front_port, log_level="warning", lifespan="on")
         front = _front_server()(config)
         front_task = asyncio.create_task(front.serve())

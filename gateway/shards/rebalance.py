@@ -10,8 +10,9 @@ pressure is at least ``rebalance_ratio`` times the idlest's, it has at least
 higher of the two pressures, the front moves that engine (:mod:`gateway.shards.moves`):
 the smallest, least busy ready one, never a shard's last. Trajectories never move.
 
-One move runs at a time, none while the pool is paused (a weight sync), and after a move
-the next ``rebalance_cooldown_s`` pass before the load counts again. ``GET
+One move runs at a time; none starts while the pool is paused or a weight update or
+resize the front fanned out still runs; after a move (or a refused one) the next
+``rebalance_cooldown_s`` pass before the load counts again. ``GET
 /admin/rebalance`` shows what it saw and did; ``PUT /admin/rebalance`` turns it on or
 off and sets its thresholds at run time.
 
@@ -31,13 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from gateway.config import ShardSettings
 from gateway.shards.moves import MoveRefused, begin_move
-from gateway.shards.shardset import Front, as_response, forwarded_headers, front_of
+from gateway.shards.shardset import Front, admin_denied, forwarded_headers, front_of
 
 log = logging.getLogger(__name__)
 SMOOTHING = 0.5  # weight of the newest look in the pressure's moving average
@@ -126,6 +128,8 @@ class Rebalancer:
         self.calls: list[float | None] = [None] * len(front.shards)
         self.loads: list[ShardLoad] = []
         self.last_move_end: float | None = None  # wall clock
+        self.refused_at: float | None = None
+        self._settled: set[str] = set()  # front jobs seen finished
         self.last_look: float | None = None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
         self._wake = asyncio.Event()
@@ -180,7 +184,7 @@ class Rebalancer:
         self.loads = loads
         if any(a.body.get("paused") for a in answers) or self._moving():
             return None
-        if self._quiet_for() > 0:
+        if self._quiet_for() > 0 or await self._front_jobs_running():
             return None
         move = choose(loads, self.ratio, self.min_calls)
         if move is None:
@@ -188,8 +192,9 @@ class Rebalancer:
         try:
             job = await begin_move(self.front, move.shard, move.backend, move.to,
                                    self.front.admin, reason=f"rebalance: {move.reason}")
-        except MoveRefused as exc:
+        except MoveRefused as exc:  # counts as a move for the cool-down: no retry storm
             self._record(move, None, f"refused: {exc.detail}")
+            self.refused_at = time.time()
             return None
         self._record(move, job.id, "started")
         log.info("rebalance: moving s%d/%s to shard %d (%s), job %s", move.shard,
@@ -205,9 +210,23 @@ class Rebalancer:
         return any(v["status"] == "running" for v in moves)
 
     def _quiet_for(self) -> float:
-        if self.last_move_end is None:
-            return 0.0
-        return max(0.0, self.last_move_end + self.cooldown_s - time.time())
+        last = max(self.last_move_end or 0.0, self.refused_at or 0.0)
+        return max(0.0, last + self.cooldown_s - time.time()) if last else 0.0
+
+    async def _front_jobs_running(self) -> bool:
+        """Whether a weight update or resize the front fanned out still runs on a shard
+        (no move starts meanwhile: a drain during a weight sync, or GPUs in transit
+        during a resize, would spoil either)."""
+        for job in list(self.front.jobs.values()):
+            if job.own is not None or job.id in self._settled or job.kind not in (
+                    "weight-update", "pool"):
+                continue
+            views = [await self.front.one(shard, "GET", f"/admin/jobs/{jid}",
+                                          headers=self.front.admin) for shard, jid in job.parts]
+            if any(a.ok and a.body.get("status") in ("pending", "running") for a in views):
+                return True
+            self._settled.add(job.id)
+        return False
 
     def _record(self, move: Move, job: str | None, outcome: str) -> None:
         self.decisions.append({"at": time.time(), "backend": f"s{move.shard}/{move.backend}",
@@ -216,26 +235,24 @@ class Rebalancer:
 
 
 def rebalance_routes(app: FastAPI) -> None:
-    """``GET``/``PUT /admin/rebalance`` (admin token: checked by asking a shard)."""
-
-    async def _allowed(request: Request) -> Response | None:
-        """None if a shard takes the caller's credentials as the admin's; else its answer."""
-        answers = await front_of(request).every("GET", "/admin/staleness",
-                                                headers=forwarded_headers(request))
-        if any(a.ok for a in answers):
-            return None
-        return as_response(next((a for a in answers if a.status in (401, 403)), answers[0]))
+    """``GET``/``PUT /admin/rebalance`` (the admin token, checked by the shards)."""
 
     @app.get("/admin/rebalance")
     async def get_rebalance(request: Request) -> Response:
-        if (denied := await _allowed(request)) is not None:
+        front = front_of(request)
+        if (denied := await admin_denied(front, forwarded_headers(request))) is not None:
             return denied
         return JSONResponse(request.app.state.rebalancer.to_dict())
 
     @app.put("/admin/rebalance")
-    async def put_rebalance(request: Request, body: RebalanceChange) -> Response:
-        if (denied := await _allowed(request)) is not None:
+    async def put_rebalance(request: Request) -> Response:
+        front = front_of(request)
+        if (denied := await admin_denied(front, forwarded_headers(request))) is not None:
             return denied
+        try:
+            body = RebalanceChange.model_validate_json(await request.body() or b"{}")
+        except ValidationError as exc:
+            return JSONResponse({"detail": orjson.loads(exc.json())}, status_code=422)
         rebalancer: Rebalancer = request.app.state.rebalancer
         rebalancer.change(body)
         return JSONResponse(rebalancer.to_dict())

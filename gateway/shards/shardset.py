@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 FORWARDED = ("authorization", "x-api-key", "content-type")
 POLL_S = 0.25
+log = logging.getLogger(__name__)
+#: told each shard's pool (``GET /admin/pool``) after engines moved: ``serve --shards``
+#: rewrites that shard's pool spec with it
+Persist = Callable[[int, dict[str, Any]], None]
 
 
 @dataclass(slots=True)
@@ -45,13 +50,28 @@ class Front:
     """The shards and the front's own jobs."""
 
     def __init__(self, shards: Sequence[str], admin_token: str | None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, persist: Persist | None = None) -> None:
         self.shards = [u.rstrip("/") for u in shards]
         self.admin = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.http = httpx.AsyncClient(timeout=timeout_s)
         self.jobs: dict[str, FrontJob] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
+        self.moving: str | None = None  # the move job running, if one (one at a time)
+        self.persist = persist
+
+    async def persist_pools(self, shards: Sequence[int], headers: dict[str, str]) -> None:
+        """Hand each shard's pool as it is now to ``persist`` (a failure is logged: the
+        move itself is done)."""
+        if self.persist is None:
+            return
+        for i in shards:
+            a = await self.one(i, "GET", "/admin/pool", headers=headers)
+            try:
+                if a.ok and isinstance(a.body, dict) and a.body.get("managed"):
+                    self.persist(i, a.body)
+            except Exception:
+                log.exception("could not record shard %d's pool after a move", i)
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -88,6 +108,15 @@ class Front:
 
     async def flush(self) -> None:
         await self.every("POST", "/admin/flush", headers=self.admin)
+
+
+async def admin_denied(front: Front, headers: dict[str, str]) -> Response | None:
+    """None if a shard takes ``headers`` as the operator's; else its answer (the front
+    checks no credential itself)."""
+    answers = await front.every("GET", "/admin/staleness", headers=headers)
+    if any(a.ok for a in answers):
+        return None
+    return as_response(next((a for a in answers if a.status in (401, 403)), answers[0]))
 
 
 def forwarded_headers(request: Request) -> dict[str, str]:

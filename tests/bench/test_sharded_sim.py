@@ -33,7 +33,7 @@ def test_a_skewed_batch_ends_sooner_with_instances_moved_to_its_shard() -> None:
     moved = run_shards(sims, Rebalancing(interval_s=5.0, cooldown_s=5.0))
     assert plain["moves"] == []
     assert moved["moves"], moved
-    assert all(m["from"] == 1 and m["to"] == 0 for m in moved["moves"])
+    assert all(m["from"] == 1 and m["to"] == 0 and m["landed"] for m in moved["moves"])
     for m in moved["moves"]:  # a drain, then an engine start on the other shard
         assert m["at"] <= m["drained_at"] and m["up_at"] == round(
             m["drained_at"] + sims[1].cfg.restart_s, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -16,6 +17,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.shards.moves import MoveRefused, begin_move
+from gateway.shards.shardset import Front
 from gateway.store.db import upgrade
 from tests.pool.conftest import ADMIN, Gateway, pool_settings
 from tests.pool.test_pool_sim import MODEL, client, ready_pool, sim_spec
@@ -94,6 +97,7 @@ async def test_an_instance_moves_its_gpus_to_another_pool_under_traffic(
             on_a = [c["backend_id"] for c in await calls_of(
                 ca, {t for t in tally.trajectories if t.startswith("a")})]
             assert "tp1-g3" in on_b, sorted(set(on_b))
+            assert "tp1-g3" in on_a  # it served A before it drained: none of those failed
             print(f"handover under traffic: {tally.ok} calls, none failed; B's calls on "
                   f"GPU 3: {on_b.count('tp1-g3')}, A's before the release: "
                   f"{on_a.count('tp1-g3')}")
@@ -109,11 +113,11 @@ async def test_bad_handovers_are_refused_before_anything_stops(
                 (ca, "/admin/pool/release", {"id": "tp1-g9"}, 404, "no instance 'tp1-g9'"),
                 (ca, "/admin/pool/release", {}, 422, "id"),
                 (cb, "/admin/pool/adopt", {"gpus": [4]}, 409, "already this pool's"),
-                (cb, "/admin/pool/adopt", {"gpus": [8, 9], "tp": 1}, 409, "tp=1 needs 1"),
-                (cb, "/admin/pool/adopt", {"gpus": [8, 8]}, 409, "each once"),
-                (cb, "/admin/pool/adopt", {"gpus": ["n1:8", "n2:9"]}, 409, "one node"),
+                (cb, "/admin/pool/adopt", {"gpus": [8, 9], "tp": 1}, 400, "tp=1 needs 1"),
+                (cb, "/admin/pool/adopt", {"gpus": [8, 8]}, 400, "each once"),
+                (cb, "/admin/pool/adopt", {"gpus": ["n1:8", "n2:9"]}, 400, "one node"),
                 (cb, "/admin/pool/adopt", {"gpus": []}, 422, "gpus"),
-                (cb, "/admin/pool/adopt", {"gpus": ["x:y"]}, 409, "'node:id'"),
+                (cb, "/admin/pool/adopt", {"gpus": ["x:y"]}, 400, "'node:id'"),
             ]
             for c, path, body, code, text in cases:
                 r = await c.post(path, json=body, headers=ADMIN)
@@ -131,3 +135,54 @@ async def test_bad_handovers_are_refused_before_anything_stops(
                 pool = (await c.get("/admin/pool", headers=ADMIN)).json()
                 assert len(pool["instances"]) == n, pool
                 assert all(i["state"] == "ready" for i in pool["instances"])
+
+
+async def _front_job(front: Front, job_id: str) -> dict[str, Any]:
+    view = front.jobs[job_id].own
+    assert view is not None
+    for _ in range(600):
+        if view["status"] != "running":
+            return view
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"move {job_id} still running: {view}")
+
+
+async def test_the_fronts_move_gives_gpus_back_when_the_taker_refuses_them(
+        loop_thread: LoopThread, tmp_path: Path, dbs: dict[str, str]) -> None:
+    """The sharded front's move job over two real pools: a refused adopt puts the GPUs
+    back on the shard they came from; two moves at once are one too many; a shard's last
+    engine stays."""
+    with two_pools(loop_thread, tmp_path, dbs) as (a, b):
+        async with client(a) as ca, client(b) as cb:
+            await ready_pool(ca)
+            await ready_pool(cb)
+            # B already claims GPU 3 (an operator's mistake): it will refuse A's GPU 3
+            assert (await _job(cb, "/admin/pool/adopt", {"gpus": [3]}))["status"] == "succeeded"
+            front = Front([a.url, b.url], "admin-secret")
+            try:
+                job = await begin_move(front, 0, "tp1-g3", 1, front.admin, reason="test")
+                with pytest.raises(MoveRefused) as busy:  # one at a time
+                    await begin_move(front, 0, "tp1-g2", 1, front.admin, reason="test")
+                assert busy.value.status == 409 and "one at a time" in str(busy.value.detail)
+                view = await _front_job(front, job.id)
+                assert view["status"] == "failed", view
+                assert [(p["name"], p["status"]) for p in view["phases"]] == [
+                    ("release", "succeeded"), ("adopt", "refused"), ("give-back", "succeeded")]
+                assert view["errors"][0].startswith("shard 1: 409") and \
+                    "are already this pool's" in view["errors"][0], view["errors"]
+                pool_a = (await ca.get("/admin/pool", headers=ADMIN)).json()
+                assert sorted(g for n in pool_a["inventory"] for g in n["gpus"]) == [0, 1, 2, 3]
+                assert {i["id"]: i["state"] for i in pool_a["instances"]}["tp1-g3"] == "ready"
+                for gid in (3, 2, 1):  # A gives all but its last engine away
+                    await ca.post("/admin/pool/release", json={"id": f"tp1-g{gid}"},
+                                  headers=ADMIN)
+                deadline = time.monotonic() + 30
+                while len((await ca.get("/admin/backends", headers=ADMIN)).json()["data"]) > 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                with pytest.raises(MoveRefused) as last:
+                    await begin_move(front, 0, "tp1-g0", 1, front.admin, reason="test")
+                assert last.value.status == 409 and "last serving engine" in last.value.detail
+                assert front.moving is None
+            finally:
+                await front.close()

@@ -76,13 +76,15 @@ def test_a_move_lowers_the_worse_pressure_and_is_not_undone(
     light, heavy = loads[move.shard], loads[move.to]
     engine = next(e for e in light.engines if e.id == move.backend)
     assert len(light.engines) >= 2 and move.shard != move.to
-    after = [ShardLoad(heavy.shard, heavy.gpus + engine.tp, heavy.calls,
-                       (*heavy.engines, Engine("moved", engine.tp, 0, True))),
-             ShardLoad(light.shard, light.gpus - engine.tp, light.calls,
-                       tuple(e for e in light.engines if e.id != engine.id))]
-    assert max(s.pressure for s in after) < heavy.pressure
-    back = choose(after, ratio, min_calls)  # the same load seen again: no move back
-    assert back is None or (back.shard, back.to) == (light.shard, heavy.shard)
+    pair = [ShardLoad(heavy.shard, heavy.gpus + engine.tp, heavy.calls,
+                      (*heavy.engines, Engine("moved", engine.tp, 0, True))),
+            ShardLoad(light.shard, light.gpus - engine.tp, light.calls,
+                      tuple(e for e in light.engines if e.id != engine.id))]
+    assert max(s.pressure for s in pair) < heavy.pressure
+    after = sorted([*pair, *(s for s in loads if s.shard not in (light.shard, heavy.shard))],
+                   key=lambda s: s.shard)
+    back = choose(after, ratio, min_calls)  # the same load seen again: never moved back
+    assert back is None or (back.shard, back.to) != (heavy.shard, light.shard)
 
 
 def test_a_resize_splits_by_what_each_shard_holds() -> None:

@@ -66,11 +66,19 @@ def test_a_managed_instance_hands_its_gpus_to_the_other_shard(tmp_path: Path) ->
         assert r.status_code == 202
         assert wait_job(http, r.json()["url"])["status"] == "succeeded"
         r = http.post("/admin/backends/s0/tp1-g0/move", json={"to": 1})
-        assert r.status_code == 202  # shard 0's last engine: its own shard refuses
-        job = wait_job(http, r.json()["url"])
-        assert job["status"] == "failed" and "last instance" in str(job["errors"]), job
-        assert [p["name"] for p in job["phases"]] == ["release"]
+        assert r.status_code == 409 and "last serving engine" in r.text  # nothing starts
         assert inventories(http) == [[0], [3, 4, 5, 2, 1]]  # nothing was lost
+        # a shard restarted from its spec file starts on the GPUs it holds now
+        specs = [yaml.safe_load(next(tmp_path.glob(f"state-*/pool-shard{i}.yaml")).read_text())
+                 for i in (0, 1)]
+        assert [s["inventory"]["nodes"][0]["gpus"] for s in specs] == [[0], [3, 4, 5, 2, 1]]
+        assert sorted(g for e in specs[1]["layout"] for g in e["gpus"]) == [1, 2, 3, 4, 5]
+        # the handover routes act on one shard: the front refuses them unaddressed
+        r = http.post("/admin/pool/adopt", json={"gpus": [9]})
+        assert r.status_code == 409 and "/admin/pool/s<n>/adopt" in r.text
+        r = http.post("/admin/pool/s1/adopt", json={"gpus": [3]})
+        assert r.status_code == 409 and "already this pool's" in r.text  # shard 1 answered
+        assert http.post("/admin/pool/s5/adopt", json={"gpus": [9]}).status_code == 404
         # the moved GPUs serve on shard 1
         serving: dict[int, int] = {}
         deadline = time.monotonic() + 60
@@ -117,18 +125,24 @@ async def _owners(url: str, shard_urls: list[str], gids: list[str]) -> dict[str,
     return out
 
 
-def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(
-        sim_servers: list[str], tmp_path: Path) -> None:
+def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(tmp_path: Path) -> None:
+    """A batch whose groups all hash to shard 0: the front moves shard 1's managed
+    instances there on its own (release, adopt), and every sample stays exact."""
+    spec = tmp_path / "pool.yaml"
+    spec.write_text(yaml.safe_dump({
+        "model": MODEL, "inventory": {"gpus": 6}, "layout": [{"tp": 1, "count": 6}],
+        "launcher": {"kind": "sim", "speed": 50}}))
     env = {"ROLLOUT_GATEWAY_ADMIN_TOKEN": ADMIN["authorization"].split()[1],
+           "ROLLOUT_GATEWAY_POLICY": "verl",
            "ROLLOUT_GATEWAY_SHARDS__REBALANCE_S": "0.3",
            "ROLLOUT_GATEWAY_SHARDS__REBALANCE_COOLDOWN_S": "1",
            "ROLLOUT_GATEWAY_SHARDS__REBALANCE_MIN_CALLS": "4"}
-    with gateway(sim_servers, 2, tmp_path, env=env) as (url, _), \
+    with gateway([], 2, tmp_path, env=env, pool=spec) as (url, _), \
             httpx.Client(base_url=url, timeout=60, headers=ADMIN) as http:
+        wait_http([f"{url}/ready"], 60)
         with httpx.Client(base_url=url, timeout=30) as anonymous:
             assert anonymous.get("/admin/rebalance").status_code == 401
-            assert anonymous.put("/admin/rebalance", json={"enabled": False}).status_code \
-                == 401
+            assert anonymous.put("/admin/rebalance", json={"ratio": 0.5}).status_code == 401
         assert http.get("/admin/rebalance").json()["enabled"] is True
         shard_urls = [s["url"] for s in http.get("/status").json()["shards"]]
         owners = asyncio.run(_owners(url, shard_urls, [f"grp-{k}" for k in range(16)]))
@@ -147,15 +161,19 @@ def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(
         assert moves, state
         assert all(d["backend"].startswith("s1/") and d["to"] == 0 for d in moves), moves
         for d in moves:
-            assert wait_job(http, f"/admin/jobs/{d['job']}")["status"] == "succeeded"
-        per_shard = [sum(1 for r in http.get("/admin/backends").json()["data"]
-                         if r["shard"] == i) for i in (0, 1)]
-        assert per_shard[0] > 3 and per_shard[1] >= 1 and sum(per_shard) == 6, per_shard
+            job = wait_job(http, f"/admin/jobs/{d['job']}")
+            assert job["status"] == "succeeded", job
+            assert [p["name"] for p in job["phases"]] == ["release", "adopt"]
+        with httpx.Client(base_url=url, timeout=30) as anonymous:  # its jobs are the admin's
+            assert anonymous.get(f"/admin/jobs/{moves[0]['job']}").status_code == 401
+        held = inventories(http)
+        assert len(held[0]) == 3 + len(moves) and len(held[1]) == 3 - len(moves) >= 1, held
+        assert sorted(held[0] + held[1]) == list(range(6))  # every GPU in exactly one shard
         exact(url, ids, ADMIN)
         events = [e for e in http.get("/status").json()["events"] if e["kind"] == "rebalance"]
         assert events and "to shard 0, started" in events[0]["message"], events
         print(f"rebalancer: {len(moves)} move(s) to the busy shard ({moves[0]['reason']}); "
-              f"engines per shard now {per_shard}")
+              f"GPUs per shard now {[len(h) for h in held]}")
 
         r = http.put("/admin/rebalance", json={"enabled": False, "ratio": 3})
         assert r.status_code == 200 and r.json()["enabled"] is False and r.json()["ratio"] == 3
