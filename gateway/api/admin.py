@@ -18,7 +18,7 @@ from gateway.dispatch import handover
 from gateway.dispatch.backends import parse_backend_spec
 from gateway.dispatch.drain import start_remove_job, wait_idle
 from gateway.dispatch.jobs import Job
-from gateway.dispatch.layout import InstanceRequest, LayoutError
+from gateway.dispatch.layout import InstanceRequest, LayoutError, slot_json
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
@@ -188,15 +188,23 @@ async def get_pool(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
             "jobs": [_job_ref(j) for j in rt.jobs.recent(10)]}
 
 
-@router.put("/pool", status_code=202)
-async def change_pool(body: PoolChange, rt: Runtime = Depends(get_rt)) -> PoolChangeRef:
-    """Resize and/or re-lay-out the pool; validated now, applied by the returned job."""
+@router.put("/pool", status_code=202, response_model=None)
+async def change_pool(body: PoolChange, response: Response, dry_run: bool = False,
+                      rt: Runtime = Depends(get_rt)) -> PoolChangeRef | dict[str, Any]:
+    """Resize and/or re-lay-out the pool; validated now, applied by the returned job.
+    ``?dry_run=true``: 200 with what it would apply, nothing changed (the sharded front
+    checks every shard this way before it changes any)."""
     if body.gpus is None and body.layout is None and body.tp is None:
         raise BadRequest("give 'gpus', 'layout' or 'tp'")
     pool = _pool(rt)
     try:
         layout = (None if body.layout is None
                   else [r for e in body.layout for r in e.requests()])
+        if dry_run:
+            active, target = pool.plan_change(gpus=body.gpus, layout=layout, tp=body.tp)
+            response.status_code = 200
+            return {"dry_run": True, "planned": [s.id for s in target],
+                    "active_gpus": [slot_json(g) for g in active]}
         job = pool.reconfigure(gpus=body.gpus, layout=layout, tp=body.tp)
     except (LayoutError, ValidationError, ValueError) as exc:
         raise BadRequest(str(exc)) from None

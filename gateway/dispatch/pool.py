@@ -7,22 +7,18 @@ background job at a time:
 1. plan: diff against the current instances; unchanged placements keep serving;
 2. retire the changed ones: ``DRAINING`` (no new calls), wait for in-flight calls,
    unregister, stop; meanwhile start new instances whose GPUs are already free;
-3. start the rest on the GPUs just freed; each instance is registered in the
-   ``BackendRegistry`` (with its TP and GPUs, so every call records the TP it ran on)
-   only once it answers, after an optional one-token warm-up call.
+3. start the rest on the GPUs just freed; each is registered (with its TP and GPUs, which
+   every call records) only once it answers, after an optional one-token warm-up call.
 
-While a job runs and nothing is routable, the dispatcher holds calls (``CapacitySource``)
-instead of failing them. A crashed instance (``Launcher.alive`` false) is marked failed
-and restarted with exponential backoff (:mod:`gateway.dispatch.restarts`).
+While a job runs with nothing routable the dispatcher holds calls (``CapacitySource``); a
+crashed instance is restarted with exponential backoff (:mod:`gateway.dispatch.restarts`).
 
 The pool also holds the one record of the weights every engine must serve
 (:class:`~gateway.dispatch.checkpoint.Weights`, kept current by the weight-update job in
-``gateway.proxy.weights``). Every instance it starts (initial layout, resize, relayout,
-crash restart, added instance) starts on the current checkpoint path, is told the
-current version and is admitted only when its own ``/weight_info`` says that version.
-One that started before an update finished reloads the new path first; while the
-current weights were pushed by the trainer (no path holds them) a new instance is held
-out of rotation until an update brings it the weights. A mismatch is a failed start.
+``gateway.proxy.weights``): every instance it starts begins on the current checkpoint
+path, is told the current version and is admitted only when its own ``/weight_info``
+says it (one started before an update finished reloads the new path first; with weights
+the trainer pushed, it is held out of rotation until an update brings them).
 """
 
 from __future__ import annotations
@@ -154,18 +150,22 @@ class PoolManager:
         """Resize to ``gpus`` (a count or a list) and/or apply ``layout``; LayoutError if
         it cannot be placed. Without ``layout``, kept instances stay and freed GPUs get
         ``tp`` (default: the spec's ``default_tp``) instances."""
-        if self.static:
-            raise LayoutError("a static pool cannot be reconfigured (only backends removed)")
-        active = self._select(gpus) if gpus is not None else self.active
-        if layout is not None:
-            target = place(layout, active, self.spec.model, self.planned)
-        else:
-            target = place(resize(self.planned, active, tp or self.spec.default_tp), active,
-                           self.spec.model, self.planned)
+        active, target = self.plan_change(gpus=gpus, layout=layout, tp=tp)
         self.active = active
         request = {"gpus": gpus if isinstance(gpus, int | None) else list(gpus), "tp": tp,
                    "layout": None if layout is None else [request_json(r) for r in layout]}
         return self.submit("reconfigure", request, target)
+
+    def plan_change(self, *, gpus: GpuSelection | None = None,
+                    layout: Sequence[InstanceRequest] | None = None,
+                    tp: int | None = None) -> tuple[list[Slot], list[InstanceSpec]]:
+        """What :meth:`reconfigure` would apply (active GPUs, instances), changing nothing."""
+        if self.static:
+            raise LayoutError("a static pool cannot be reconfigured (only backends removed)")
+        active = self._select(gpus) if gpus is not None else self.active
+        requests = layout if layout is not None else resize(
+            self.planned, active, tp or self.spec.default_tp)
+        return active, place(requests, active, self.spec.model, self.planned)
 
     def add_instance(self, request: InstanceRequest) -> Job:
         if self.static:

@@ -230,6 +230,12 @@ async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str
             parts = _split_pool(change, await _pool_sizes(front, headers), len(front.shards))
         except ValueError as exc:  # orjson.JSONDecodeError is one
             return JSONResponse({"detail": str(exc)}, status_code=422)
+        checks = list(await asyncio.gather(*(front.one(  # every shard first, then all
+            i, method, path, headers=headers, params={"dry_run": "true"},
+            body=orjson.dumps(b)) for i, b in enumerate(parts))))
+        if not all(a.ok for a in checks):
+            bad = next(a for a in checks if not a.ok)
+            return as_response(bad, shards=[a.report() for a in checks], applied=False)
         answers = list(await asyncio.gather(*(front.one(
             i, method, path, headers=headers, params=params, body=orjson.dumps(b))
             for i, b in enumerate(parts))))

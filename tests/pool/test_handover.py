@@ -72,6 +72,10 @@ async def test_an_instance_moves_its_gpus_to_another_pool_under_traffic(
             assert job["plan"]["stop"] == ["tp1-g3"] and job["plan"]["start"] == []
             pool_a = (await ca.get("/admin/pool", headers=ADMIN)).json()
             assert pool_a["inventory"] == [{"node": "local", "gpus": [0, 1, 2]}]
+            r = await ca.put("/admin/pool?dry_run=true", json={"gpus": 2}, headers=ADMIN)
+            assert r.status_code == 200 and r.json()["planned"] == ["tp1-g0", "tp1-g1"]
+            assert (await ca.get("/admin/pool", headers=ADMIN)).json()["planned"] == [
+                "tp1-g0", "tp1-g1", "tp1-g2"]  # a dry run changes nothing
             assert [i["id"] for i in pool_a["instances"]] == ["tp1-g0", "tp1-g1", "tp1-g2"]
             # pool A cannot take GPU 3 back by a resize: it is no longer its own
             r = await ca.put("/admin/pool", json={"gpus": 4}, headers=ADMIN)

@@ -96,6 +96,11 @@ def test_a_managed_instance_hands_its_gpus_to_the_other_shard(tmp_path: Path) ->
         assert r.status_code == 422 and "between 0 and 6" in r.text and "1 + 5" in r.text
         r = http.put("/admin/pool", content=b"{gpus", headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
+        before = [a["body"]["planned"] for a in http.get("/admin/pool").json()["shards"]]
+        r = http.put("/admin/pool", json={"layout": [{"tp": 2}, {"tp": 1}]})  # TP2: no room
+        assert r.status_code == 400 and r.json()["applied"] is False, r.text  # on shard 0
+        after = [a["body"]["planned"] for a in http.get("/admin/pool").json()["shards"]]
+        assert after == before  # shard 1, which could have, changed nothing either
         r = http.put("/admin/pool", json={"gpus": 4})
         assert r.status_code == 202, r.text
         assert wait_job(http, r.json()["url"])["status"] == "succeeded"
