@@ -21,7 +21,7 @@ from typing import Any
 from bench.simulator.des import Simulator
 from gateway.config import ShardSettings
 from gateway.policies.base import InstanceState, Relayout
-from gateway.shards.rebalance import SMOOTHING, Engine, ShardLoad, choose
+from gateway.shards.rebalance import Engine, ShardLoad, choose, smooth
 
 _LIVE = ShardSettings()
 
@@ -110,10 +110,8 @@ def _look(sims: list[Simulator], state: _State, rb: Rebalancing, now: float) -> 
         up = [inst for inst in sim.instances.values() if inst.state is InstanceState.UP]
         # in flight on every engine (draining ones too) and queued, as /status counts them
         calls = float(sum(inst.running for inst in sim.instances.values()) + len(sim.pending))
-        prev = state.calls[i]
-        state.calls[i] = (0.0 if _done(sim)  # a shard whose batch ended takes no engine
-                          else calls if prev is None
-                          else SMOOTHING * calls + (1 - SMOOTHING) * prev)
+        # a shard whose batch ended takes no engine
+        state.calls[i] = 0.0 if _done(sim) else smooth(state.calls[i], calls)
         engines = tuple(Engine(inst.id, inst.tp, inst.running, inst.relayout is None)
                         for inst in up)
         loads.append(ShardLoad(i, sum(inst.tp for inst in up), state.calls[i] or 0.0,

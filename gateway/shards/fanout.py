@@ -76,11 +76,6 @@ def _job_view(front: Front, job: FrontJob, parts: list[Answer]) -> dict[str, Any
             "shards": [{"shard": s, "job": jid} for s, jid in job.parts]}
 
 
-async def _job_parts(front: Front, job: FrontJob, headers: dict[str, str]) -> list[Answer]:
-    return list(await asyncio.gather(*(front.one(s, "GET", f"/admin/jobs/{jid}",
-                                                  headers=headers) for s, jid in job.parts)))
-
-
 def split_gpus(k: int, sizes: list[int]) -> list[int]:
     """``k`` GPUs over shards that hold ``sizes`` GPUs, in proportion (largest remainder;
     the shards' shares differ once engines moved). ValueError past what they hold."""
@@ -128,7 +123,7 @@ def admin_routes(app: FastAPI) -> None:
             if (denied := await admin_denied(front, forwarded_headers(request))) is not None:
                 return denied
             return JSONResponse(found.own)
-        parts = await _job_parts(front, found, forwarded_headers(request))
+        parts = await front.job_parts(found, forwarded_headers(request))
         if any(a.status in (401, 403) for a in parts):
             return as_response(next(a for a in parts if a.status in (401, 403)))
         return JSONResponse(_job_view(front, found, parts))

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 from starlette.responses import JSONResponse, Response
 
+from gateway.dispatch.layout import slot_json
 from gateway.shards.shardset import POLL_S, Front, FrontJob
 
 JOB_TIMEOUT_S = 900.0
@@ -188,8 +189,8 @@ def _holds(pool: dict[str, Any] | None, gpus: list[Any]) -> bool | None:
     None if it could not be read."""
     if pool is None:
         return None
-    held = {g if node["node"] == "local" else f"{node['node']}:{g}"
-            for node in pool.get("inventory", []) for g in node["gpus"]}
+    held = {slot_json((node["node"], g)) for node in pool.get("inventory", [])
+            for g in node["gpus"]}
     return all(g in held for g in gpus)
 
 

@@ -98,6 +98,11 @@ def choose(loads: Sequence[ShardLoad], ratio: float, min_calls: float) -> Move |
                 f"{light.pressure:.1f}; after the move {after_heavy:.1f} and {after_light:.1f}")
 
 
+def smooth(prev: float | None, now: float) -> float:
+    """The moving average of a shard's calls after one more look."""
+    return now if prev is None else SMOOTHING * now + (1 - SMOOTHING) * prev
+
+
 def load_of(shard: int, status: dict[str, Any], calls: float) -> ShardLoad:
     """A shard's load from its ``/status`` (``calls``: the smoothed running + queued)."""
     rows = [b for b in status.get("backends", []) if b.get("routable")]
@@ -177,9 +182,7 @@ class Rebalancer:
         for a in answers:
             pool = a.body.get("pool") or {}
             now = float(pool.get("running", 0)) + float(pool.get("queued", 0))
-            prev = self.calls[a.shard]
-            self.calls[a.shard] = now if prev is None else (
-                SMOOTHING * now + (1 - SMOOTHING) * prev)
+            self.calls[a.shard] = smooth(self.calls[a.shard], now)
             loads.append(load_of(a.shard, a.body, self.calls[a.shard] or 0.0))
         self.loads = loads
         if any(a.body.get("paused") for a in answers) or self._moving():
@@ -203,11 +206,10 @@ class Rebalancer:
 
     def _moving(self) -> bool:
         """Whether a move runs; sets when the last one ended (for the cool-down)."""
-        moves = [j.own for j in self.front.jobs.values()
-                 if j.own is not None and j.own.get("kind") == "move"]
-        ends = [float(v["finished"]) for v in moves if v.get("finished")]
+        ends = [float(j.own["finished"]) for j in self.front.jobs.values()
+                if j.own is not None and j.own.get("finished")]
         self.last_move_end = max(ends, default=None)
-        return any(v["status"] == "running" for v in moves)
+        return self.front.moving is not None
 
     def _quiet_for(self) -> float:
         last = max(self.last_move_end or 0.0, self.refused_at or 0.0)
@@ -221,8 +223,7 @@ class Rebalancer:
             if job.own is not None or job.id in self._settled or job.kind not in (
                     "weight-update", "pool"):
                 continue
-            views = [await self.front.one(shard, "GET", f"/admin/jobs/{jid}",
-                                          headers=self.front.admin) for shard, jid in job.parts]
+            views = await self.front.job_parts(job, self.front.admin)
             if any(a.ok and a.body.get("status") in ("pending", "running") for a in views):
                 return True
             self._settled.add(job.id)

@@ -106,6 +106,11 @@ class Front:
                                    headers=self.admin)
         return next((a.shard for a in answers if a.ok), None)
 
+    async def job_parts(self, job: FrontJob, headers: dict[str, str]) -> list[Answer]:
+        """Each shard's view of its part of ``job``."""
+        return list(await asyncio.gather(*(self.one(s, "GET", f"/admin/jobs/{jid}",
+                                                    headers=headers) for s, jid in job.parts)))
+
     async def flush(self) -> None:
         await self.every("POST", "/admin/flush", headers=self.admin)
 
