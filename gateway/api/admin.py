@@ -24,10 +24,13 @@ from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.proxy.aborts import BOUND, enforce_staleness
 from gateway.proxy.weights import (
+    checkpoint_problems,
+    no_engine,
     pause_engines,
     relabel,
     resume_engines,
     start_weight_update_job,
+    update_engines,
 )
 from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
@@ -321,13 +324,25 @@ async def flush(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
             "queue_depth": rt.writer.queue_depth}
 
 
-@router.post("/weight-update", status_code=202)
-async def weight_update(body: WeightUpdate, rt: Runtime = Depends(get_rt)) -> JobRef:
-    """Run pause -> update -> set version -> resume on every engine, as a job."""
+@router.post("/weight-update", status_code=202, response_model=None)
+async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = False,
+                        rt: Runtime = Depends(get_rt)) -> JobRef | dict[str, Any]:
+    """Run pause -> update -> set version -> resume on every engine, as a job.
+    ``?dry_run=true``: 200 with the engines it would update, or the 4xx its check would
+    fail with, nothing paused (the sharded front checks every shard this way before it
+    starts any)."""
     if body.method == "reload" and not body.weights_path:
         raise BadRequest("method 'reload' needs 'weights_path'", param="weights_path")
     if any(j.kind == "weight-update" and not j.done for j in rt.jobs.recent(50)):
         raise Conflict("a weight update is already running")
+    if dry_run:
+        targets = update_engines(rt)
+        if (why := no_engine(rt, body.method, targets)) is not None:
+            raise Conflict(why)
+        if problems := await checkpoint_problems(body.method, body.weights_path):
+            raise BadRequest("; ".join(problems), param="weights_path")
+        response.status_code = 200
+        return {"dry_run": True, "engines": [b.id for b in targets]}
     job, done = start_weight_update_job(
         rt, version=body.version, engine_mode=body.mode, method=body.method,
         weights_path=body.weights_path, timeout_s=body.timeout_s)

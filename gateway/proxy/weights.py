@@ -258,24 +258,38 @@ def start_weight_update_job(rt: Runtime, *, version: str, engine_mode: EngineMod
     return job, trainer_done
 
 
+async def checkpoint_problems(method: UpdateMethod, weights_path: str | None) -> list[str]:
+    """Why vLLM could not load the checkpoint of a ``reload`` (empty: it could)."""
+    return (await asyncio.to_thread(check_checkpoint, weights_path)
+            if method == "reload" and weights_path else [])
+
+
+def no_engine(rt: Runtime, method: UpdateMethod, targets: list[Backend]) -> str | None:
+    """Why an update has nothing to update, if it has not (a pool with no engine running
+    takes reloaded weights for the engines it starts next)."""
+    if targets or (rt.pool is not None and method == "reload"):
+        return None
+    return "no engine to update" + (": pushed weights need a running engine to receive "
+                                    "them" if method == "external"
+                                    else ": no pool to start one on them")
+
+
 async def _check(rt: Runtime, job: Job, new: Weights, method: UpdateMethod,
                  targets: list[Backend]) -> bool:
     """The ``check`` phase: True if the update may pause engines; errors on the job."""
     with job.phase("check", weights=new.to_dict(), engines=[b.id for b in targets]) as ph:
-        problems = (await asyncio.to_thread(check_checkpoint, new.path)
-                    if method == "reload" and new.path else [])
-        if not targets and not problems:
-            if rt.pool is not None and method == "reload":
-                ph.detail["note"] = "no engine is running: engines start on these weights"
-                await rt.pool.commit(new, {})
-                rt.weight_version = new.version
-                rt.events.emit("weight_version", f"weight version -> {new.version} "
-                               "(no engine running)", version=new.version)
-                await enforce_staleness(rt)
-                return False
-            problems.append("no engine to update" + (
-                ": pushed weights need a running engine to receive them"
-                if method == "external" else ": no pool to start one on them"))
+        problems = await checkpoint_problems(method, new.path)
+        if (why := no_engine(rt, method, targets)) is not None:
+            problems.append(why)
+        if not targets and not problems:  # a pool with no engine: they start on these
+            ph.detail["note"] = "no engine is running: engines start on these weights"
+            assert rt.pool is not None
+            await rt.pool.commit(new, {})
+            rt.weight_version = new.version
+            rt.events.emit("weight_version", f"weight version -> {new.version} "
+                           "(no engine running)", version=new.version)
+            await enforce_staleness(rt)
+            return False
         if problems:
             still = current_weights(rt).describe()
             job.errors += [*problems, f"nothing was paused; the pool keeps {still}"]

@@ -128,9 +128,21 @@ async def test_a_bad_update_pauses_nothing_and_changes_nothing(
                    "relative": ("step-1", "not absolute"),
                    "no config": (str(no_config), "no config.json"),
                    "no weights": (str(tmp_path), "no weight files")}
+            dry = {name: await c.post("/admin/weight-update", params={"dry_run": "true"},
+                                      headers=ADMIN, json={"version": "9", "method": "reload",
+                                                           "weights_path": path})
+                   for name, (path, _) in bad.items()}
+            good = await c.post("/admin/weight-update", params={"dry_run": "true"},
+                                headers=ADMIN, json={"version": "9", "method": "reload",
+                                                     "weights_path": checkpoint(tmp_path, "ok")})
+            unchecked = (await c.get("/admin/jobs", headers=ADMIN)).json()["data"]
             jobs = {name: await update(c, "9", path) for name, (path, _) in bad.items()}
             after = await engines(c)
             ok = await c.post("/v1/chat/completions", json=HI)
+    for name, answer in dry.items():  # the dry run says what the job's check would
+        assert answer.status_code == 400 and bad[name][1] in answer.text, answer.text
+    assert good.status_code == 200 and sorted(good.json()["engines"]) == sorted(before)
+    assert not [j for j in unchecked if j["kind"] == "weight-update"]  # none started
     for name, job in jobs.items():
         assert job["status"] == "failed", job
         assert [p["name"] for p in job["phases"]] == ["check"], job
@@ -148,12 +160,15 @@ async def test_an_update_with_no_engine_applies_to_the_engines_started_next(
         async with client(gw) as c:
             await ready_pool(c)
             await reconfigure(c, {"gpus": 0})
+            dry = await c.post("/admin/weight-update", params={"dry_run": "true"},
+                               headers=ADMIN, json={"version": "5"})
             pushed = await update(c, "5", done=True)
             path = checkpoint(tmp_path, "step-5")
             job = await update(c, "5", path)
             await reconfigure(c, {"gpus": 2})
             found = await engines(c)
     assert pushed["status"] == "failed" and "no engine to update" in pushed["errors"][0]
+    assert dry.status_code == 409 and "no engine to update" in dry.text
     assert job["status"] == "succeeded", job
     assert [p["name"] for p in job["phases"]] == ["check"]
     assert "engines start on these weights" in job["phases"][0]["note"]

@@ -89,6 +89,27 @@ def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
         assert job.id.startswith("f") and len(job.raw["shards"]) == 2
         status = http.get("/status").json()
         assert [s["weight_version"] for s in status["shards"]] == ["9", "9"]
+        # a weight update one shard would refuse (one runs there already) starts on none:
+        # every shard dry-runs it first
+        shard_urls = [s["url"] for s in status["shards"]]
+        own = httpx.post(f"{shard_urls[1]}/admin/weight-update", timeout=30,
+                         json={"version": "10", "timeout_s": 2}).json()["job"]
+        r = http.post("/admin/weight-update", json={"version": "11"})
+        assert r.status_code == 409 and r.json()["applied"] is False, r.text
+        assert "already running" in r.text
+        jobs = httpx.get(f"{shard_urls[0]}/admin/jobs", timeout=30).json()["data"]
+        assert not [j for j in jobs if j["kind"] == "weight-update"
+                    and j["request"].get("version") == "11"], jobs
+        r = http.post("/admin/weight-update", json={"version": "11", "method": "reload",
+                                                    "weights_path": "/no/such/checkpoint"})
+        assert r.status_code in (400, 409) and r.json()["applied"] is False, r.text
+        deadline = time.monotonic() + 30  # shard 1's own update: no push came, abandoned
+        while httpx.get(f"{shard_urls[1]}/admin/jobs/{own}", timeout=30).json()[
+                "status"] not in ("failed", "succeeded"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        status = http.get("/status").json()
+        assert [s["weight_version"] for s in status["shards"]] == ["9", "9"]
         # shard 1 is gone when the next version change comes: shard 0's is undone
         os.kill(_pid_on(status["shards"][1]["url"]), signal.SIGKILL)
         t0 = time.monotonic()
