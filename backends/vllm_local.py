@@ -64,6 +64,12 @@ log = logging.getLogger(__name__)
 Device = Literal["cuda", "cpu"]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: tokens a streamed event carries after the first (vLLM's ``--stream-interval``, from
+#: vLLM 0.12; 1, vLLM's default, passes no flag). Above 1 the engine and the gateway read,
+#: parse and send one event per N tokens; but vLLM then holds up to N-1 tokens it made
+#: unsent across a pause, so a weight update cannot freeze a stream in place and know
+#: which weights made them: it waits for such streams instead (docs/pool.md)
+STREAM_INTERVAL = 1
 GUARD_SCRIPT = engine_guard.__file__
 LOG_TAIL_BYTES = 4000
 
@@ -105,6 +111,7 @@ class LocalVLLMLauncher:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         tool_call_parser: str | None = "hermes",
+        stream_interval: int = STREAM_INTERVAL,
         start_timeout_s: float = 600.0,
         poll_interval_s: float = 0.5,
         log_dir: Path | None = None,
@@ -119,6 +126,7 @@ class LocalVLLMLauncher:
         self.extra_args = tuple(extra_args)
         self.env = dict(env or {})
         self.tool_call_parser = tool_call_parser
+        self.stream_interval = stream_interval
         self.start_timeout_s = start_timeout_s
         self.poll_interval_s = poll_interval_s
         self._log_dir = log_dir
@@ -247,6 +255,8 @@ class LocalVLLMLauncher:
             argv += ["--tokenizer", base]
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.stream_interval > 1:
+            argv += ["--stream-interval", str(self.stream_interval)]
         return [*argv, *self.extra_args, *spec.extra_args]
 
     def environment(self, spec: InstanceSpec) -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 It speaks vLLM's wire format for token capture (``docs/real-vllm-wire-format.md``):
 ``prompt_token_ids`` / ``token_ids`` when ``return_token_ids`` is set, per-token logprobs
-when ``logprobs`` is set, streaming (one SSE event per token, the role chunk first) and
-not. It is a raw ASGI app (no framework) so that it costs as little as possible.
+when ``logprobs`` is set, streaming (one SSE event per token, the role chunk first, or
+with ``stream_interval`` N as vLLM's ``--stream-interval N`` sends them: the first token
+at once, then N tokens an event, the last event at the finish) and not. It is a raw ASGI
+app (no framework) so that it costs as little as possible.
 
 Its tokenizer is word-level and exact: token id ``i`` is the ``i``-th word of a bijective
 base-26 numbering (``a``, ``b``, ..., ``z``, ``aa``, ...), so generated text echoed back
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -125,10 +128,12 @@ def _piece_id(w: str) -> int:
 class FastUpstream:
     """The ASGI app."""
 
-    def __init__(self, default_tokens: int = 16, interval_s: float = 0.0) -> None:
+    def __init__(self, default_tokens: int = 16, interval_s: float = 0.0,
+                 stream_interval: int = 1) -> None:
         self.tok = Tokenizer()
         self.default_tokens = default_tokens
-        self.interval_s = interval_s  # between streamed events (0: all at once)
+        self.interval_s = interval_s  # between decode steps (0: every event at once)
+        self.stream_interval = stream_interval  # tokens an event (vLLM's --stream-interval)
         self.served = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -149,7 +154,7 @@ class FastUpstream:
         chat = path == "/v1/chat/completions"
         answer = Answer(req, self._prompt(req, chat), chat, self.served, self.default_tokens)
         if req.get("stream") is True:
-            await answer.stream(send, self.interval_s)
+            await answer.stream(send, self.interval_s, self.stream_interval)
         else:
             await _respond(send, 200, orjson.dumps(answer.whole()))
 
@@ -212,46 +217,54 @@ class Answer:
             body["prompt_token_ids"] = self.prompt if self.want_ids else None
         return body
 
-    def chunks(self) -> list[dict[str, Any]]:
+    def events(self, stream_interval: int = 1) -> list[tuple[dict[str, Any], int]]:
+        """The stream's events, each with the decode steps it took (its tokens; 1 for the
+        others): the role chunk, then the tokens, the first alone and then
+        ``stream_interval`` an event (as vLLM groups them), then the usage chunk if
+        asked."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         head = {"id": self.id, "object": obj, "created": self.created, "model": MODEL}
-        out: list[dict[str, Any]] = []
+        out: list[tuple[dict[str, Any], int]] = []
         if self.chat:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}
-            out.append({**head, "choices": [role],
-                        "prompt_token_ids": self.prompt if self.want_ids else None})
+            out.append(({**head, "choices": [role],
+                         "prompt_token_ids": self.prompt if self.want_ids else None}, 1))
         table = words()
-        for k, tid in enumerate(self.ids):
-            last = k == len(self.ids) - 1
-            piece = "" if last else ("" if k == 0 else " ") + table[tid]
+        n = len(self.ids)
+        cuts = [0, *range(1, n, max(1, stream_interval)), n]
+        for lo, hi in itertools.pairwise(cuts):
+            last = hi == n
+            piece = "".join("" if k == n - 1 else ("" if k == 0 else " ") + table[self.ids[k]]
+                            for k in range(lo, hi))
             ch: dict[str, Any] = {"index": 0}  # in vLLM's key order
             if self.chat:
                 ch["delta"] = {"content": piece}
             else:
                 ch["text"] = piece
-            ch["logprobs"] = self._logprobs(k, k + 1)
+            ch["logprobs"] = self._logprobs(lo, hi)
             ch["finish_reason"] = "stop" if last else None
             if last:
                 ch["stop_reason"] = None
             if self.want_ids:
-                ch["token_ids"] = [tid]
-                if not self.chat and k == 0:
+                ch["token_ids"] = self.ids[lo:hi]
+                if not self.chat and lo == 0:
                     ch["prompt_token_ids"] = self.prompt
-            out.append({**head, "choices": [ch]})
+            out.append(({**head, "choices": [ch]}, hi - lo))
         if self.usage_in_stream:
-            out.append({**head, "choices": [], "usage": self.usage()})
+            out.append(({**head, "choices": [], "usage": self.usage()}, 1))
         return out
 
-    async def stream(self, send: Send, interval_s: float = 0.0) -> None:
+    async def stream(self, send: Send, interval_s: float = 0.0,
+                     stream_interval: int = 1) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"),
                                 (b"cache-control", b"no-cache")]})
-        for chunk in self.chunks():
+        for chunk, steps in self.events(stream_interval):
             await send({"type": "http.response.body",
                         "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
-            if interval_s:  # an engine's decode steps: one event per step
-                await asyncio.sleep(interval_s)
+            if interval_s:  # an engine's decode steps, one token each
+                await asyncio.sleep(interval_s * steps)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 
@@ -291,9 +304,12 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--interval-ms", type=float, default=0.0,
-                    help="between a streamed call's events, as an engine's decode steps")
+                    help="between a streamed call's decode steps (one token each)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens an event after the first, as vLLM's --stream-interval")
     args = ap.parse_args()
-    uvicorn.run(FastUpstream(interval_s=args.interval_ms / 1000), host=args.host,
+    uvicorn.run(FastUpstream(interval_s=args.interval_ms / 1000,
+                             stream_interval=args.stream_interval), host=args.host,
                 port=args.port, log_level="warning", access_log=False, loop="uvloop",
                 http="httptools", lifespan="on")
 

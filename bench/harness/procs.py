@@ -82,12 +82,13 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15) -> None:
 
 @contextlib.contextmanager
 def fast_upstream(cpus: str | None, log: Path | None = None,
-                  interval_ms: float = 0.0) -> Iterator[str]:
+                  interval_ms: float = 0.0, stream_interval: int = 1) -> Iterator[str]:
     """``bench.harness.fast_upstream`` in its own process; yields its base URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with process([PY, "-m", "bench.harness.fast_upstream", "--port", str(port),
-                  "--interval-ms", str(interval_ms)],
+                  "--interval-ms", str(interval_ms),
+                  "--stream-interval", str(stream_interval)],
                  ready_url=f"{url}/health", cpus=cpus, log=log):
         yield url
 

@@ -264,7 +264,7 @@ def grid_table(root: Path = ROOT) -> str:
 
 def relay_table(root: Path = ROOT) -> str:
     return "\n\n".join(relay_markdown(load(f"relay/{name}.json", root))
-                       for name in ("relay", "relay-paced"))
+                       for name in ("relay", "relay-paced", "relay-grouped"))
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

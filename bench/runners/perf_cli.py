@@ -278,6 +278,9 @@ def relay(
         help="between the upstream's events (0: each call's at once)")] = 0.0,
     plain: Annotated[bool, typer.Option(
         help="also the plain reverse proxy: what any Python hop pays")] = False,
+    stream_interval: Annotated[int, typer.Option(
+        min=1, help="also the fast path on events of N tokens (vLLM's --stream-interval "
+        "N); 1: not run")] = 1,
     short: Annotated[int, typer.Option(help="output tokens per call, short")] = 100,
     long: Annotated[int, typer.Option(help="output tokens per call, long")] = 1500,
     baseline: Annotated[str | None, typer.Option(
@@ -293,7 +296,7 @@ def relay(
 
     opts = RelayOptions(rounds=rounds, step_s=step_s, repeats=repeats,
                         interval_ms=interval_ms, baseline=baseline, lengths=(short, long),
-                        plain=plain,
+                        plain=plain, stream_interval=stream_interval,
                         server_cpus=server_cpus or None, side_cpus=side_cpus or None)
     console = Console()
     prog, say = _progress(console)

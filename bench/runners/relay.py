@@ -15,7 +15,10 @@ fast path (``gateway/proxy/token_runs.py``) against the general path, side by si
    events come at once and a read holds many. ``rounds`` rounds, alternating which side
    runs first; the ratios are per round, then their mean and range. With ``plain``, the
    plain reverse proxy of ``bench overhead`` runs as one more side: what any Python hop
-   pays per token, parsing nothing.
+   pays per token, parsing nothing. With ``stream_interval`` N > 1, one more side: the
+   fast path against a second upstream that groups N tokens an event as vLLM's
+   ``--stream-interval N`` does (the first token alone, the rest N at a time), so a read,
+   a parse and a send carry N tokens; its ratio is that side over the fast path.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class RelayOptions:
     interval_ms: float = 0.0  # between the upstream's events (0: each call's at once)
     baseline: str | None = None  # a git ref whose gateway runs as a third side
     plain: bool = False  # also the plain reverse proxy (bench/harness/plain_proxy.py)
+    stream_interval: int = 1  # >1: also the fast path on N-token events (vLLM's flag)
     concurrency: int = 64
     server_cpus: str | None = "0"
     side_cpus: str | None = "1"
@@ -124,13 +128,20 @@ def end_to_end(opts: RelayOptions, say: Progress) -> dict[str, Any]:
             sides["baseline"] = ("true", stack.enter_context(_checkout(opts.baseline, tmp)))
         upstream = stack.enter_context(procs.fast_upstream(
             opts.side_cpus, tmp / "upstream.log", interval_ms=opts.interval_ms))
+        upstreams = dict.fromkeys(sides, upstream)
+        if opts.stream_interval > 1:  # the same gateway, the engine sending N tokens an event
+            sides["grouped"] = ("true", None)
+            upstreams["grouped"] = stack.enter_context(procs.fast_upstream(
+                opts.side_cpus, tmp / "upstream-grouped.log", interval_ms=opts.interval_ms,
+                stream_interval=opts.stream_interval))
         targets: dict[str, Target] = {}
         for side, (flag, source) in sides.items():
             db = stack.enter_context(postgres_db(opts.pg_admin, f"rg_bench_relay_{side}"))
             env = {"ROLLOUT_GATEWAY_DISPATCH__CAP_PER_GPU": "4096",
                    "ROLLOUT_GATEWAY_CAPTURE__FAST_RELAY": flag,
                    "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH": str(tmp / f"spool-{side}.jsonl")}
-            url = stack.enter_context(procs.gateway(upstream, db, opts.server_cpus, env=env,
+            url = stack.enter_context(procs.gateway(upstreams[side], db, opts.server_cpus,
+                                                    env=env,
                                                     log=tmp / f"gateway-{side}.log",
                                                     source=source))
             targets[side] = Target(side, url, ["authorization: Bearer sk-bench-relay"],
@@ -162,17 +173,18 @@ def end_to_end(opts: RelayOptions, say: Progress) -> dict[str, Any]:
                 if side != "fast":
                     row[f"fast_vs_{side}"] = (row["fast"]["us_per_token"]
                                               / row[side]["us_per_token"])
+            if "grouped" in sides:
+                row["grouped_vs_fast"] = 1 / row["fast_vs_grouped"]
             rounds.append(row)
         # which relay path each side's events took (the baseline's gateway may predate
         # the counter): proof of what ran
         paths = {side: _relayed_events(t.url) for side, t in targets.items()
                  if side != "plain"}
     out: dict[str, Any] = {"rounds": rounds, "sides": list(sides), "relayed_events": paths}
-    for side in sides:
-        if side != "fast":
-            ratios = [r[f"fast_vs_{side}"] for r in rounds]
-            out[f"fast_vs_{side}"] = {"mean": statistics.fmean(ratios), "min": min(ratios),
-                                      "max": max(ratios)}
+    keys = [f"fast_vs_{side}" for side in sides if side != "fast"]
+    for key in [*keys, *(["grouped_vs_fast"] if "grouped" in sides else [])]:
+        ratios = [r[key] for r in rounds]
+        out[key] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
     return out
 
 
@@ -207,6 +219,7 @@ def run_relay(opts: RelayOptions, say: Progress, command: str,
                                        "rounds": opts.rounds, "step_s": opts.step_s,
                                        "interval_ms": opts.interval_ms,
                                        "baseline": opts.baseline, "plain": opts.plain,
+                                       "stream_interval": opts.stream_interval,
                                        "concurrency": opts.concurrency},
                            "in_process": in_process(opts, say) if opts.repeats else None}
     if e2e:

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from backends.base import Launcher
+from backends.vllm_local import STREAM_INTERVAL
 from gateway.dispatch.layout import InstanceRequest, Slot, place
 
 
@@ -94,6 +95,10 @@ class VLLMOptions(_Strict):
     extra_args: list[str] = []
     env: dict[str, str] = {}
     tool_call_parser: str | None = "hermes"
+    stream_interval: int = Field(
+        STREAM_INTERVAL, ge=1, le=1024, description="tokens a streamed event carries after "
+        "the first (vLLM's --stream-interval, vLLM >= 0.12; 1: one event per token, no "
+        "flag). Above 1, a weight update waits for streams it would freeze (docs/pool.md)")
     start_timeout_s: float = Field(600.0, gt=0)
     log_dir: Path | None = None
     state_dir: Path | None = Field(
@@ -253,10 +258,22 @@ def build_launcher(spec: PoolSpec) -> Launcher:
     return StaticLauncher({b.id or f"s{i}": b.url for i, b in enumerate(ls.backends)})
 
 
+def stream_interval(spec: PoolSpec) -> int:
+    """Tokens a streamed event of the pool's engines carries (1 unless they are vLLM
+    engines started with ``--stream-interval``)."""
+    ls = spec.launcher
+    if isinstance(ls, VLLMLauncherSpec):
+        return ls.stream_interval
+    if isinstance(ls, RayLauncherSpec) and ls.server == "vllm":
+        return ls.vllm.stream_interval
+    return 1
+
+
 def vllm_launcher(opts: VLLMOptions) -> Launcher:
     from backends.vllm_local import LocalVLLMLauncher
 
     return LocalVLLMLauncher(
         python=opts.python, model_path=opts.model_path, device=opts.device,
         extra_args=opts.extra_args, env=opts.env, tool_call_parser=opts.tool_call_parser,
-        start_timeout_s=opts.start_timeout_s, log_dir=opts.log_dir, state_dir=opts.state_dir)
+        stream_interval=opts.stream_interval, start_timeout_s=opts.start_timeout_s,
+        log_dir=opts.log_dir, state_dir=opts.state_dir)

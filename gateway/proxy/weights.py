@@ -40,6 +40,7 @@ from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights, check_checkpoint
 from gateway.dispatch.gate import EngineMode, PauseMode
 from gateway.dispatch.jobs import Job, JobStatus
+from gateway.dispatch.poolspec import stream_interval
 from gateway.proxy.aborts import enforce_staleness
 from gateway.proxy.live import LiveCall, LiveCalls, engine_ids, live_calls
 from gateway.runtime import Runtime
@@ -84,13 +85,20 @@ async def _each(targets: list[Backend], work: Callable[[Backend], Awaitable[Engi
     return list(await asyncio.gather(*(work(b) for b in targets)))
 
 
-def _plan(calls: dict[str, LiveCall], engine_mode: EngineMode) -> tuple[str, list[str]]:
-    """The pause an engine gets and the calls it aborts (see the module docstring)."""
+def _plan(calls: dict[str, LiveCall], engine_mode: EngineMode,
+          grouped: bool = False) -> tuple[str, list[str]]:
+    """The pause an engine gets and the calls it aborts (see the module docstring).
+    ``grouped``: the engine sends several tokens an event (vLLM ``--stream-interval``)
+    and holds up to that many it made unsent across a pause, so a stream frozen by
+    ``keep`` could not be told which weights made them: the engine finishes such streams
+    instead (``wait``, after the others are aborted)."""
     if engine_mode == "wait":
         return "wait", []
     frozen = {cid for cid, c in calls.items()
               if c.stream and (engine_mode == "keep" or not c.continuable)}
     rest = [cid for cid in calls if cid not in frozen]
+    if frozen and grouped:
+        return "wait", rest
     return ("abort" if engine_mode == "abort-and-continue" and not frozen else "keep"), rest
 
 
@@ -106,14 +114,18 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
     gate.pause(admission, engine_mode)
     started = time.monotonic()
     live = live_calls(rt)
+    grouped = rt.pool is not None and stream_interval(rt.pool.spec) > 1
 
     async def one(b: Backend) -> EngineAnswer:
-        mode, abort = _plan(live.on(b.id), engine_mode)
+        mode, abort = _plan(live.on(b.id), engine_mode, grouped)
         live.mark_aborted(abort)  # before the call: the aborts can arrive before its answer
         live.paused[b.id] = mode
         t0 = time.monotonic()
-        error = await engines.call(rt.session, b.url, "POST", f"/pause?mode={mode}",
-                                   timeout_s)
+        error = None
+        if mode == "wait" and abort:  # a grouping engine: abort these, finish the rest
+            error = await engines.abort_requests(rt.session, b.url, _ids(abort), timeout_s)
+        error = error or await engines.call(rt.session, b.url, "POST", f"/pause?mode={mode}",
+                                            timeout_s)
         if error is None and mode == "keep":
             error = await engines.abort_requests(rt.session, b.url, _ids(abort), timeout_s)
         return EngineAnswer(b.id, b.url, mode, error is None, time.monotonic() - t0, error,

@@ -232,6 +232,25 @@ def test_benchmark_upstream_stream(asked: ClientAsked) -> None:
     assert cap.fast >= 40
 
 
+@pytest.mark.parametrize("asked", ASKED)
+def test_tokens_grouped_as_vllms_stream_interval_sends_them(asked: ClientAsked) -> None:
+    """An engine started with ``--stream-interval 8`` sends the first token alone, then
+    events of 8 tokens: both paths capture exactly the tokens, logprobs and text of the
+    same call sent one token an event, and the fast path takes the grouped events."""
+    body = {**_REQUEST, "model": "bench"}
+    single = same(cut(asyncio.run(_body(FastUpstream(), "/v1/chat/completions", body)),
+                      [333]), asked)
+    data = asyncio.run(_body(FastUpstream(stream_interval=8), "/v1/chat/completions", body))
+    grouped = same(cut(data, [333]), asked)
+    one, many = single.completion(0), grouped.completion(0)
+    assert many.token_ids == one.token_ids and len(many.token_ids) == 49
+    assert many.logprobs == one.logprobs
+    assert "".join(many.text) == "".join(one.text)
+    events = [e for e in data.split(b"\n\n") if b'"token_ids":[' in e and b"usage" not in e]
+    assert [e.count(b'"logprob":') for e in events] == [1, 8, 8, 8, 8, 8, 8]
+    assert grouped.fast == 6  # every grouped token event but the finish
+
+
 async def _sim_stream(asked_top: int) -> bytes:
     cfg = SimServerConfig(model="qwen3-14b", gpu="H100", speed=200, seed=1,
                           output_len_median=40)

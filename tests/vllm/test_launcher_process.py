@@ -20,6 +20,7 @@ from backends.base import InstanceSpec, Launcher, LaunchError
 from backends.engine_guard import TAG_VAR, start_ticks, tagged
 from backends.engine_records import EngineRecord, ProcessId, reap_orphans, write_record
 from backends.vllm_local import API_SERVER_MODULE, LocalVLLMLauncher, group_members
+from gateway.dispatch.poolspec import PoolSpec, build_launcher, stream_interval
 
 
 def _script(tmp_path: Path, body: str) -> str:
@@ -52,6 +53,23 @@ def test_command_has_the_flags_the_gateway_relies_on() -> None:
     ):
         assert part in joined
     assert argv[-3:] == ["--enforce-eager", "--seed", "1"]
+
+
+def test_stream_interval_one_passes_no_flag_and_the_pool_spec_sets_it() -> None:
+    """One token an event is vLLM's own default (and what a vLLM before 0.12 knows): no
+    flag; a pool spec's ``stream_interval`` reaches the engine's argv."""
+    spec = InstanceSpec(id="a", model="tiny", tp=1, gpus=(0,))
+    assert "--stream-interval" not in LocalVLLMLauncher().command(spec, 1)
+    pool = PoolSpec.model_validate({"model": "tiny", "inventory": {"gpus": 1}, "launcher": {
+        "kind": "vllm", "python": "/py", "stream_interval": 16}})
+    launcher = build_launcher(pool)
+    assert isinstance(launcher, LocalVLLMLauncher)
+    argv = launcher.command(spec, 1)
+    assert argv[argv.index("--stream-interval") + 1] == "16"
+    assert stream_interval(pool) == 16
+    with pytest.raises(ValueError, match="stream_interval"):
+        PoolSpec.model_validate({"model": "tiny", "inventory": {"gpus": 1}, "launcher": {
+            "kind": "vllm", "stream_interval": 0}})
 
 
 def test_environment_places_gpus_or_cores() -> None:
