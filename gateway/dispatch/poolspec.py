@@ -105,6 +105,11 @@ class VLLMOptions(_Strict):
         None, description="where each engine's record is kept, so that a restarted gateway "
         "stops the engines a dead one left (default ~/.local/state/rollout-gateway/engines)")
 
+    @field_validator("extra_args")
+    @classmethod
+    def _no_stream_interval(cls, value: list[str]) -> list[str]:
+        return _without_stream_interval(value)
+
     @field_validator("python", "model_path", "log_dir", "state_dir")
     @classmethod
     def _home(cls, value: Any) -> Any:
@@ -158,6 +163,11 @@ class LayoutEntry(_Strict):
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$", max_length=64)
     extra_args: list[str] = []
     count: int = Field(1, ge=1, description="this many identical instances (auto GPUs)")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_stream_interval(cls, value: list[str]) -> list[str]:
+        return _without_stream_interval(value)
 
     def requests(self) -> list[InstanceRequest]:
         if self.count > 1 and (self.gpus is not None or self.id is not None):
@@ -256,6 +266,15 @@ def build_launcher(spec: PoolSpec) -> Launcher:
     from backends.static import StaticLauncher
 
     return StaticLauncher({b.id or f"s{i}": b.url for i, b in enumerate(ls.backends)})
+
+
+def _without_stream_interval(args: list[str]) -> list[str]:
+    """``extra_args`` without vLLM's ``--stream-interval``: the pool must know it (a weight
+    update pauses engines that group tokens differently), so it is ``stream_interval``."""
+    if any(a == "--stream-interval" or a.startswith("--stream-interval=") for a in args):
+        raise ValueError("set vLLM's --stream-interval with the launcher's 'stream_interval' "
+                         "(the gateway must know it), not in extra_args")
+    return args
 
 
 def stream_interval(spec: PoolSpec) -> int:

@@ -90,6 +90,9 @@ class LiveCalls:
         self._calls: dict[str, LiveCall] = {}
         #: engines paused for a weight update and not resumed yet: the pause mode sent
         self.paused: dict[str, str] = {}
+        #: engines paused with ``wait``: the streams that had begun when the pause
+        #: answered (run to their end on the old weights, whatever the relay has sent)
+        self.finished: dict[str, set[str]] = {}
 
     def add(self, call_id: str, backend_id: str, body: dict[str, Any],
             on_version: Callable[[str], None] | None = None, trajectory_id: str = "") -> None:

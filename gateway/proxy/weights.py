@@ -97,7 +97,7 @@ def _plan(calls: dict[str, LiveCall], engine_mode: EngineMode,
     frozen = {cid for cid, c in calls.items()
               if c.stream and (engine_mode == "keep" or not c.continuable)}
     rest = [cid for cid in calls if cid not in frozen]
-    if frozen and grouped:
+    if grouped and (frozen or engine_mode == "keep"):  # keep: even a stream placed late
         return "wait", rest
     return ("abort" if engine_mode == "abort-and-continue" and not frozen else "keep"), rest
 
@@ -126,6 +126,11 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
             error = await engines.abort_requests(rt.session, b.url, _ids(abort), timeout_s)
         error = error or await engines.call(rt.session, b.url, "POST", f"/pause?mode={mode}",
                                             timeout_s)
+        if mode == "wait":  # its streams that had begun ran to their end on the old
+            # weights (one with no token yet may be held back by the pause: it is marked
+            # at resume as before)
+            live.finished[b.id] = {cid for cid, c in live.on(b.id).items()
+                                   if c.stream and c.last_token}
         if error is None and mode == "keep":
             error = await engines.abort_requests(rt.session, b.url, _ids(abort), timeout_s)
         return EngineAnswer(b.id, b.url, mode, error is None, time.monotonic() - t0, error,
@@ -168,6 +173,8 @@ async def _resume_one(rt: Runtime, live: LiveCalls, b: Backend, version: str | N
         live.mark_aborted(late)
         errors.append(await engines.abort_requests(rt.session, b.url, _ids(late), timeout_s)
                       or "")
+        done = live.finished.pop(b.id, set())  # a wait: these ended on the old weights
+        calls = {cid: c for cid, c in calls.items() if cid not in done}
         await _settle([c for c in calls.values() if c.frozen])
     if version is not None:
         errors.append(await engines.reset_cache(rt.session, b.url, timeout_s) or "")

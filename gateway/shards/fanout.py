@@ -235,14 +235,19 @@ async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str
             i, method, path, headers=headers, params=params, body=orjson.dumps(b))
             for i, b in enumerate(parts))))
     elif path == "/admin/weight-update" and method == "POST":
-        # every shard checks it first (checkpoint, engines, no update running): one that
-        # would refuse it refuses it for all, before any shard pauses an engine
-        checks = await front.every(method, path, headers=headers,
-                                   params={"dry_run": "true"}, body=body)
-        if not all(a.ok for a in checks):
-            bad = next(a for a in checks if not a.ok)
-            return as_response(bad, shards=[a.report() for a in checks], applied=False)
-        answers = await front.every(method, path, headers=headers, params=params, body=body)
+        if front.updating.locked():
+            return JSONResponse({"detail": "a weight update is being started on the shards",
+                                 "applied": False}, status_code=409)
+        async with front.updating:
+            # every shard checks it first (checkpoint, engines, no update running): one
+            # that would refuse it refuses it for all, before any shard pauses an engine
+            checks = await front.every(method, path, headers=headers,
+                                       params={"dry_run": "true"}, body=body)
+            if not all(a.ok for a in checks):
+                bad = next(a for a in checks if not a.ok)
+                return as_response(bad, shards=[a.report() for a in checks], applied=False)
+            answers = await front.every(method, path, headers=headers, params=params,
+                                        body=body)
     elif path == "/admin/backends":  # one new instance: on the shard with the fewest
         counts = [len(a.body.get("data", [])) if a.ok else 1 << 30
                   for a in await front.every("GET", "/admin/backends", headers=headers)]

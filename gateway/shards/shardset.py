@@ -58,6 +58,9 @@ class Front:
         self.tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self.moving: str | None = None  # the move job running, if one (one at a time)
+        #: held while a weight update is checked on every shard and started on all:
+        #: two at once would each pass the checks and start on different shards
+        self.updating = asyncio.Lock()
         self.persist = persist
 
     async def persist_pools(self, shards: Sequence[int], headers: dict[str, str]) -> None:

@@ -91,6 +91,10 @@ def test_an_engine_that_groups_tokens_never_freezes_a_stream(
             "abort", ["whole", "stream", "tools"])
         live.add("frozen", "b", {"model": "m", "stream": True, "tools": [{}]})
     assert _plan(live.on("b"), mode, grouped=True) == expected  # type: ignore[arg-type]
+    if mode == "keep":  # no stream yet: still wait, a stream placed late is not frozen
+        only = LiveCalls()
+        only.add("whole", "b", {"model": "m"})
+        assert _plan(only.on("b"), "keep", grouped=True) == ("wait", ["whole"])
 
 
 def test_weight_segments() -> None:

@@ -70,6 +70,12 @@ def test_stream_interval_one_passes_no_flag_and_the_pool_spec_sets_it() -> None:
     with pytest.raises(ValueError, match="stream_interval"):
         PoolSpec.model_validate({"model": "tiny", "inventory": {"gpus": 1}, "launcher": {
             "kind": "vllm", "stream_interval": 0}})
+    # the flag by hand would hide it from the weight updates: refused where it could hide
+    for launcher, layout in (({"extra_args": ["--stream-interval", "8"]}, None),
+                             ({}, [{"tp": 1, "extra_args": ["--stream-interval=8"]}])):
+        with pytest.raises(ValueError, match="'stream_interval'"):
+            PoolSpec.model_validate({"model": "tiny", "inventory": {"gpus": 1}, "launcher": {
+                "kind": "vllm", **launcher}, "layout": layout})
 
 
 def test_environment_places_gpus_or_cores() -> None:
