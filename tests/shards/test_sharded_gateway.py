@@ -110,6 +110,22 @@ def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
             time.sleep(0.2)
         status = http.get("/status").json()
         assert [s["weight_version"] for s in status["shards"]] == ["9", "9"]
+        # two updates at once through the front: one starts, on every shard; the other is
+        # refused (each could pass every shard's check, then start on different shards)
+        front = asyncio.run(_at_once(url, [{"version": v, "timeout_s": 2}
+                                           for v in ("12", "13")]))
+        assert sorted(r.status_code for r in front) == [202, 409], [r.text for r in front]
+        started = [{j["request"]["version"] for j in httpx.get(
+            f"{u}/admin/jobs", timeout=30).json()["data"] if j["kind"] == "weight-update"
+            and j["request"].get("version") in ("12", "13")} for u in shard_urls]
+        assert started[0] == started[1] and len(started[0]) == 1, started
+        job = next(r.json()["job"] for r in front if r.status_code == 202)
+        deadline = time.monotonic() + 30  # no push comes: abandoned on every shard
+        while http.get(f"/admin/jobs/{job}").json()["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        status = http.get("/status").json()
+        assert [s["weight_version"] for s in status["shards"]] == ["9", "9"]
         # shard 1 is gone when the next version change comes: shard 0's is undone
         os.kill(_pid_on(status["shards"][1]["url"]), signal.SIGKILL)
         t0 = time.monotonic()
@@ -123,6 +139,13 @@ def test_admin_reaches_every_shard_and_is_undone_when_one_fails(
               f"{time.monotonic() - t0:.1f} s and was undone on shard 0")
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "degraded"
+
+
+async def _at_once(url: str, bodies: list[dict[str, object]]) -> list[httpx.Response]:
+    """``POST /admin/weight-update`` with each body, all at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return list(await asyncio.gather(*(http.post("/admin/weight-update", json=b)
+                                           for b in bodies)))
 
 
 def _pid_on(url: str) -> int:
