@@ -23,15 +23,8 @@ from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.proxy.aborts import BOUND, enforce_staleness
-from gateway.proxy.weights import (
-    checkpoint_problems,
-    no_engine,
-    pause_engines,
-    relabel,
-    resume_engines,
-    start_weight_update_job,
-    update_engines,
-)
+from gateway.proxy.weight_job import checkpoint_problems, no_engine, start_weight_update_job
+from gateway.proxy.weights import pause_engines, relabel, resume_engines, update_engines
 from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
 from gateway.schema.weights import WeightVersionChange
