@@ -62,6 +62,8 @@ class Turn:
 
 @dataclass(slots=True)
 class _Seen:
+    order: int  # when the gateway first saw it (verl's routing is by arrival)
+    group: str
     turns: list[Turn] = field(default_factory=list)
     context: int = 0
     tool_s: float = 0.0
@@ -79,13 +81,16 @@ class StepRecorder:
 
     def __init__(self, max_sample: int = MAX_SAMPLE) -> None:
         self._live: dict[str, _Seen] = {}
-        self._done: deque[list[Turn]] = deque(maxlen=max_sample)
-        self.sample: list[list[Turn]] = []  # the last closed step's trajectories
+        self._done: deque[_Seen] = deque(maxlen=max_sample)
+        self._arrivals = 0
+        self.sample: list[list[Turn]] = []  # the last closed step's trajectories, by arrival
+        self.groups: list[str] = []  # their GRPO groups (siblings share their first prompt)
 
     def observe(self, traj: TrajectoryView) -> None:
         seen = self._live.get(traj.id)
         if seen is None or traj.turns < len(seen.turns):  # a new trajectory (ids are reused)
-            seen = self._live[traj.id] = _Seen()
+            self._arrivals += 1
+            seen = self._live[traj.id] = _Seen(self._arrivals, traj.group_id)
         if traj.turns > len(seen.turns):
             out = traj.last_output_tokens
             prompt = max(0, traj.context_tokens - out)
@@ -94,14 +99,16 @@ class StepRecorder:
             seen.context, seen.tool_s = traj.context_tokens, traj.tool_time_s
         if traj.phase is Phase.FINISHED:
             if seen.turns:
-                self._done.append(seen.turns)
+                self._done.append(seen)
             del self._live[traj.id]
 
     def close(self) -> None:
-        """End the step: its finished trajectories are the new sample (a step that
-        finished none keeps the old one)."""
+        """End the step: its finished trajectories, in the order they arrived, are the
+        new sample (a step that finished none keeps the old one)."""
         if self._done:
-            self.sample = list(self._done)
+            done = sorted(self._done, key=lambda d: d.order)
+            self.sample = [d.turns for d in done]
+            self.groups = [d.group for d in done]
             self._done.clear()
         self._live.clear()
 
@@ -112,8 +119,15 @@ def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
     return step * over  # more than fits runs in turns: as many steps again per excess
 
 
-def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float) -> float:
-    """When the last of ``trajs`` ends, all on one instance from time 0."""
+def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float,
+                groups: Sequence[str] | None = None) -> float:
+    """When the last of ``trajs`` ends, all on one instance from time 0.
+
+    The engine's prefix cache is modelled in two ways: a trajectory whose GRPO group
+    (``groups``, parallel to ``trajs``) already started on the instance finds its first
+    prompt cached; a trajectory back from a tool finds its context cached as far as the
+    decoders leave room for the contexts parked in tool gaps (evicted in proportion
+    otherwise), and prefills the rest again."""
     t = v = debt = 0.0  # real time, tokens each decoder has made, prefill still to run
     n, cbase = 0, 0.0  # decoders; their context is cbase + n*v
     decoding: list[tuple[float, int]] = []  # (v at which it ends its call, traj)
@@ -121,6 +135,8 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float)
     nxt = [0] * len(trajs)
     ctx = [0.0] * len(trajs)
     base = [0.0] * len(trajs)  # each decoder's context minus v at its start
+    parked = 0.0  # context of trajectories in a tool gap: cached, evictable blocks
+    started: set[str] = set()  # groups whose first prompt is in the cache
     end = 0.0
     for k, turns in enumerate(trajs):
         heapq.heappush(tools, (turns[0].tool_s * tool_scale, k))
@@ -147,7 +163,16 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float)
             at, k = heapq.heappop(tools)
             advance(max(0.0, at - t), None)
             turn = trajs[k][nxt[k]]
-            debt += turn.new_tokens * sp.prefill_s_per_token
+            fresh = float(turn.new_tokens)
+            if nxt[k] and sp.kv_tokens:  # its cached context, evicted while it waited?
+                room = max(0.0, sp.kv_tokens - (cbase + n * v))  # what the decoders leave
+                fresh += ctx[k] * (1.0 - min(1.0, room / parked)) if parked > 0 else 0.0
+                parked -= ctx[k]
+            elif not nxt[k] and groups is not None:
+                if groups[k] in started:
+                    fresh = 0.0  # a sibling's prompt: cached
+                started.add(groups[k])
+            debt += fresh * sp.prefill_s_per_token
             ctx[k] += turn.new_tokens
             if sp.kv_tokens and ctx[k] + turn.output_tokens > sp.kv_tokens:
                 return math.inf  # one call needs more KV than the instance has
@@ -165,21 +190,29 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float)
             nxt[k] += 1
             if nxt[k] < len(trajs[k]):
                 heapq.heappush(tools, (t + trajs[k][nxt[k]].tool_s * tool_scale, k))
+                parked += ctx[k]
             else:
                 end = max(end, t)
     return end
 
 
 def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
-                    speeds: Mapping[int, TPSpeed], tool_scale: float = 1.0) -> float:
+                    speeds: Mapping[int, TPSpeed], tool_scale: float = 1.0,
+                    groups: Sequence[str] | None = None) -> float:
     """Estimated makespan of ``sample`` on ``layout`` (TP degrees), verl's routing:
-    trajectories round robin over the instances in arrival order, then sticky. Seconds of
-    the speeds' (engine) time; ``tool_scale`` converts the sample's tool times to it."""
+    trajectories round robin over the instances in arrival order (the sample's order),
+    then sticky. Seconds of the speeds' (engine) time; ``tool_scale`` converts the
+    sample's tool times to it; ``groups`` (parallel to ``sample``) lets siblings on one
+    instance share their first prompt."""
     per: list[list[Sequence[Turn]]] = [[] for _ in layout]
-    for i, turns in enumerate(t for t in sample if t):
-        per[i % len(layout)].append(turns)
-    return max((_instance_s(ts, speeds[tp], tool_scale)
-                for ts, tp in zip(per, layout, strict=True) if ts), default=0.0)
+    per_group: list[list[str]] = [[] for _ in layout]
+    kept = [i for i, t in enumerate(sample) if t]
+    for j, i in enumerate(kept):
+        per[j % len(layout)].append(sample[i])
+        per_group[j % len(layout)].append(groups[i] if groups is not None else str(i))
+    return max((_instance_s(ts, speeds[tp], tool_scale, gs if groups is not None else None)
+                for ts, gs, tp in zip(per, per_group, layout, strict=True) if ts),
+               default=0.0)
 
 
 class ReplayPlanner(LanePlanner):
@@ -240,17 +273,22 @@ class ReplayPlanner(LanePlanner):
         if not sample or not speeds:
             return
         ts = self.time_scale
-        self.estimates = {tp: replay_makespan(sample, uniform_layout(gpus, tp), speeds, ts)
+        groups = self.recorder.groups
+        self.estimates = {tp: replay_makespan(sample, uniform_layout(gpus, tp), speeds, ts,
+                                              groups)
                           for tp in self.degrees if tp in speeds and tp <= gpus}
         self.lane_estimates = {}
         lane_tp = lane_layout(gpus, 8)[0]
         if self.lane_on and self._lane_fits(gpus) and lane_tp in speeds:
-            ranked = sorted(sample, key=lambda t: -sum(x.output_tokens for x in t))
-            top, rest = ranked[:self.k], ranked[self.k:]
-            lane_s = _instance_s(top, speeds[lane_tp], ts)
+            ranked = sorted(range(len(sample)),
+                            key=lambda i: -sum(x.output_tokens for x in sample[i]))
+            on_lane = set(ranked[:self.k])
+            rest = [i for i in range(len(sample)) if i not in on_lane]  # arrival order
+            lane_s = _instance_s([sample[i] for i in ranked[:self.k]], speeds[lane_tp], ts)
             self.lane_estimates = {
-                tp: max(lane_s, replay_makespan(rest, uniform_layout(gpus - lane_tp, tp),
-                                                speeds, ts))
+                tp: max(lane_s, replay_makespan([sample[i] for i in rest],
+                                                uniform_layout(gpus - lane_tp, tp), speeds,
+                                                ts, [groups[i] for i in rest]))
                 for tp in self.estimates}
         options = {(False, tp): v for tp, v in self.estimates.items()}
         # the lane's estimate assumes the predictor spots the longest from their first

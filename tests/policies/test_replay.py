@@ -85,6 +85,53 @@ def test_a_call_that_does_not_fit_the_kv_cache_rules_the_layout_out() -> None:
     assert not math.isinf(replay_makespan(huge, (8,), POOR))
 
 
+def test_siblings_on_one_instance_share_their_first_prompt() -> None:
+    """A GRPO group's members arrive together and share their prompt: on one instance
+    it is prefilled once, spread over eight it is prefilled eight times. Without the
+    cache in the replay, spreading looked no costlier, which biased it to low TP."""
+    group = [[Turn(20_000, 10, 0.0)] for _ in range(8)]
+    same = ["g"] * 8
+    alone = replay_makespan(group[:1], (1,), POOR)  # one prefill of 20k tokens: 0.2 s
+    one = replay_makespan(group, (1,), POOR, groups=same)
+    assert alone <= one < 1.2 * alone  # one prefill, eight short decodes
+    # strangers (every prompt its own) pay eight prefills on one instance
+    strangers = replay_makespan(group, (1,), POOR, groups=[str(i) for i in range(8)])
+    assert strangers > 5 * one
+    # eight instances, one sibling each: no sharing, each prefills it
+    assert replay_makespan(group, (1,) * 8, POOR, groups=same) == pytest.approx(alone)
+
+
+def test_a_context_parked_in_a_tool_gap_is_prefilled_again_when_kv_runs_short() -> None:
+    """Back from its tool, a trajectory finds its context cached only as far as the
+    decoders left room for the parked contexts; the rest is prefilled again."""
+    small = {1: _with(POOR[1], kv_tokens=120_000)}  # type: ignore[dict-item]
+    roomy = {1: _with(POOR[1], kv_tokens=10_000_000)}  # type: ignore[dict-item]
+    # ten trajectories of 20k context each: 200k held, the engine has room for 120k
+    step = [[Turn(20_000, 1, 0.0), Turn(100, 1, 1.0 + 0.01 * i)] for i in range(10)]
+    groups = [str(i) for i in range(10)]
+    tight = replay_makespan(step, (1,), small, groups=groups)  # type: ignore[arg-type]
+    loose = replay_makespan(step, (1,), roomy, groups=groups)  # type: ignore[arg-type]
+    redo = tight - loose
+    # the first returns to 180k parked against 120k of room: a third of its context is
+    # prefilled again, more for the later ones as the decoders take room
+    assert redo > 20_000 / 3 * POOR[1].prefill_s_per_token
+    assert redo < 10 * 20_000 * POOR[1].prefill_s_per_token
+
+
+def test_the_recorder_keeps_arrival_order_and_groups() -> None:
+    """verl's routing deals trajectories round robin in arrival order, siblings in a
+    row: the sample keeps that order (not the order they finished in) and each group."""
+    rec = StepRecorder()
+    for tid, group in (("a", "g1"), ("b", "g1"), ("c", "g2")):
+        rec.observe(_with(traj(tid, turns=1, context=1100), group_id=group,
+                          last_output_tokens=100))
+    for tid, group in (("c", "g2"), ("a", "g1"), ("b", "g1")):  # finish out of order
+        rec.observe(_with(traj(tid, turns=1, context=1100), group_id=group,
+                          last_output_tokens=100, phase=Phase.FINISHED))
+    rec.close()
+    assert rec.groups == ["g1", "g1", "g2"] and len(rec.sample) == 3
+
+
 def _run_step(policy: ComposedPolicy, n: int, speeds: dict[int, TPSpeed]) -> None:
     """What a driver does in one step: plan calls (they carry the speeds), then every
     trajectory's calls observed until it finishes."""
