@@ -44,6 +44,11 @@ GRID = ["grid/headline-math-code-5seeds.json", "grid/qwen3-14b-h100-16gpu.json",
         "grid/qwen3-14b-h100-16gpu-64pg.json", "grid/qwen3-14b-a100-16gpu.json",
         "grid/qwen3-8b-32b-h100.json"]
 LIVE = ["live-16gpu/3x/static-and-lane.json", "live-16gpu/3x/heddle-libra.json"]
+#: ``bench tail`` runs of the grid cells whose critical path leaves room for 1.15x, each
+#: against the ``bench steps`` runs of the same seeds (``reach/<cell>-steps.json``)
+REACH = [f"reach/{w}-16gpu-16pg-{band}-tail.json" for w, bands in (
+    ("tau", ("low", "mid", "high")), ("swe", ("low", "mid")), ("search", ("low", "mid")),
+    ("math-code", ("mid", "high"))) for band in bands]
 #: the rival each workload is compared with in the headline (Libra's config for it)
 LIBRA = {"search": "libra-search", "math-code": "libra", "swe": "libra"}
 LANE, BEST = "straggler-lane", "verl-tp8"
@@ -263,6 +268,43 @@ def grid_table(root: Path = ROOT) -> str:
     return "\n".join(out).rstrip()
 
 
+def _times(a: Doc) -> str:
+    return f"{a['geomean']:.2f}x ({a['ci95_low']:.2f}-{a['ci95_high']:.2f})"
+
+
+def reach_table(root: Path = ROOT) -> str:
+    """Per grid cell with room under the critical path: whether 1.15x over the best static
+    layout is within ``bench tail``'s estimate (the step's longest trajectories alone)."""
+    lines = ["| workload | per GPU | TP efficiency | estimate s | best static: makespan / "
+             f"estimate | `{SUBJECT}` / estimate | 1.15x over the best static needs | |",
+             "|---|---|---|---|---|---|---|---|"]
+    cmds: list[str] = []
+    for rel in REACH:
+        doc = load(rel, root)
+        opts = dict(zip(toks := shlex.split(doc["command"]), toks[1:], strict=False))
+        if not cmds:
+            lines.insert(0, f"{opts.get('--model', 'qwen3-14b')} on simulated "
+                            f"{opts.get('--gpu', 'H100')}s, {opts['--gpus']} GPUs, "
+                            f"{opts['--seeds']} seeds, {opts['--steps']} steps (steps "
+                            f"2-{opts['--steps']} "
+                            "reported); makespan / estimate is the geometric mean of the "
+                            "per-seed ratios (paired 95% interval).\n")
+        against = {_name(n): a for n, a in doc["against"].items()}
+        best = min((n for n in against if n.startswith("verl-tp")),
+                   key=lambda n: against[n]["geomean"])
+        need = doc["target"]["needs_x_estimate"]
+        est = doc["estimate_s"]
+
+        lines.append(f"| {opts['--workload']} | {opts['--per-gpu']} | {opts['--tp-efficiency']} | "
+                     f"{est['mean']:.1f} ± {est['ci95']:.1f} | `{best}` {_times(against[best])} | "
+                     f"{_times(against[SUBJECT])} | {need:.2f}x the estimate | "
+                     f"{'out of reach' if need < 1 else 'not ruled out'} |")
+        steps = opts["--against"]  # the steps runs, written first
+        cmds += [command([load(steps.removeprefix(f"{BENCH}/"), root)], "--json", steps),
+                 command([doc], "--json", f"{BENCH}/{rel}")]
+    return "\n".join([*lines, "", "```sh", *cmds, "```"])
+
+
 def relay_table(root: Path = ROOT) -> str:
     return "\n\n".join(relay_markdown(load(f"relay/{name}.json", root))
                        for name in ("relay", "relay-paced", "relay-grouped"))
@@ -271,7 +313,7 @@ def relay_table(root: Path = ROOT) -> str:
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "headline": headline, "steps": steps_table, "tail": tail_table,
     "weights": weights_table, "live": live_table, "grid": grid_table, "loop": loop_table,
-    "split": split_table, "relay": relay_table}
+    "split": split_table, "relay": relay_table, "reach": reach_table}
 
 
 def render(text: str, root: Path = ROOT) -> str:

@@ -119,3 +119,24 @@ def test_the_split_and_loop_tables_follow_their_json(tmp_path: Path) -> None:
     doc["command"] = doc["command"].replace("--per-gpu 8", "--per-gpu 4")
     loop.write_text(json.dumps(doc))
     assert "| math-code | low, 4/GPU, trainer" in loop_table(tmp_path)
+
+
+def test_the_reach_table_says_what_the_tail_estimate_rules_out(tmp_path: Path) -> None:
+    """A cell is "out of reach" only while 1.15x over its best static layout needs less
+    than the tail estimate; the best static is the fastest uniform layout it ran."""
+    import json
+    import shutil
+
+    from bench.reports.page import reach_table
+
+    bench = tmp_path / "docs" / "benchmarks"
+    shutil.copytree(ROOT / "docs" / "benchmarks", bench)
+    tail = bench / "reach" / "tau-16gpu-16pg-high-tail.json"
+    row = next(r for r in reach_table(tmp_path).splitlines() if r.startswith("| tau | 16 | high"))
+    assert "out of reach" in row and "`verl-tp4`" in row
+    doc = json.loads(tail.read_text())
+    doc["target"]["needs_x_estimate"] = 1.07
+    doc["against"]["verl-tp8"]["geomean"] = 1.01  # now the fastest uniform layout
+    tail.write_text(json.dumps(doc))
+    row = next(r for r in reach_table(tmp_path).splitlines() if r.startswith("| tau | 16 | high"))
+    assert "1.07x the estimate | not ruled out" in row and "`verl-tp8` 1.01x" in row
