@@ -63,7 +63,7 @@ class Turn:
 @dataclass(slots=True)
 class _Seen:
     order: int  # when the gateway first saw it (verl's routing is by arrival)
-    group: str
+    prompt: str  # its first prompt's identity (a GRPO group's members share it)
     turns: list[Turn] = field(default_factory=list)
     context: int = 0
     tool_s: float = 0.0
@@ -84,13 +84,13 @@ class StepRecorder:
         self._done: deque[_Seen] = deque(maxlen=max_sample)
         self._arrivals = 0
         self.sample: list[list[Turn]] = []  # the last closed step's trajectories, by arrival
-        self.groups: list[str] = []  # their GRPO groups (siblings share their first prompt)
+        self.prompts: list[str] = []  # their first prompts' identities (GRPO siblings share one)
 
     def observe(self, traj: TrajectoryView) -> None:
         seen = self._live.get(traj.id)
         if seen is None or traj.turns < len(seen.turns):  # a new trajectory (ids are reused)
             self._arrivals += 1
-            seen = self._live[traj.id] = _Seen(self._arrivals, traj.group_id)
+            seen = self._live[traj.id] = _Seen(self._arrivals, traj.prompt_id)
         if traj.turns > len(seen.turns):
             out = traj.last_output_tokens
             prompt = max(0, traj.context_tokens - out)
@@ -108,7 +108,7 @@ class StepRecorder:
         if self._done:
             done = sorted(self._done, key=lambda d: d.order)
             self.sample = [d.turns for d in done]
-            self.groups = [d.group for d in done]
+            self.prompts = [d.prompt for d in done]
             self._done.clear()
         self._live.clear()
 
@@ -120,14 +120,20 @@ def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
 
 
 def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float,
-                groups: Sequence[str] | None = None) -> float:
+                prompts: Sequence[str] | None = None) -> float:
     """When the last of ``trajs`` ends, all on one instance from time 0.
 
-    The engine's prefix cache is modelled in two ways: a trajectory whose GRPO group
-    (``groups``, parallel to ``trajs``) already started on the instance finds its first
-    prompt cached; a trajectory back from a tool finds its context cached as far as the
-    decoders leave room for the contexts parked in tool gaps (evicted in proportion
-    otherwise), and prefills the rest again."""
+    The engine's prefix cache is modelled in two ways: a trajectory whose first prompt
+    (``prompts``, parallel to ``trajs``: a GRPO group's members share one) already started
+    on the instance finds it cached; a trajectory back from a tool finds its context
+    cached as far as the decoders leave room for the contexts parked in tool gaps
+    (evicted in proportion otherwise), and prefills the rest again.
+
+    Known simplifications: a shared prompt is prefilled once but still counted once per
+    sibling in the KV room (the engine shares its blocks), so KV pressure is overstated
+    on an instance holding many siblings; and eviction is judged when a trajectory
+    returns, not at the tightest moment of its tool gap, nor oldest first as the
+    engine's LRU evicts."""
     t = v = debt = 0.0  # real time, tokens each decoder has made, prefill still to run
     n, cbase = 0, 0.0  # decoders; their context is cbase + n*v
     decoding: list[tuple[float, int]] = []  # (v at which it ends its call, traj)
@@ -136,7 +142,7 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float,
     ctx = [0.0] * len(trajs)
     base = [0.0] * len(trajs)  # each decoder's context minus v at its start
     parked = 0.0  # context of trajectories in a tool gap: cached, evictable blocks
-    started: set[str] = set()  # groups whose first prompt is in the cache
+    started: set[str] = set()  # first prompts in the cache
     end = 0.0
     for k, turns in enumerate(trajs):
         heapq.heappush(tools, (turns[0].tool_s * tool_scale, k))
@@ -168,10 +174,10 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float,
                 room = max(0.0, sp.kv_tokens - (cbase + n * v))  # what the decoders leave
                 fresh += ctx[k] * (1.0 - min(1.0, room / parked)) if parked > 0 else 0.0
                 parked -= ctx[k]
-            elif not nxt[k] and groups is not None:
-                if groups[k] in started:
+            elif not nxt[k] and prompts is not None:
+                if prompts[k] in started:
                     fresh = 0.0  # a sibling's prompt: cached
-                started.add(groups[k])
+                started.add(prompts[k])
             debt += fresh * sp.prefill_s_per_token
             ctx[k] += turn.new_tokens
             if sp.kv_tokens and ctx[k] + turn.output_tokens > sp.kv_tokens:
@@ -198,20 +204,20 @@ def _instance_s(trajs: Sequence[Sequence[Turn]], sp: TPSpeed, tool_scale: float,
 
 def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
                     speeds: Mapping[int, TPSpeed], tool_scale: float = 1.0,
-                    groups: Sequence[str] | None = None) -> float:
+                    prompts: Sequence[str] | None = None) -> float:
     """Estimated makespan of ``sample`` on ``layout`` (TP degrees), verl's routing:
     trajectories round robin over the instances in arrival order (the sample's order),
     then sticky. Seconds of the speeds' (engine) time; ``tool_scale`` converts the
-    sample's tool times to it; ``groups`` (parallel to ``sample``) lets siblings on one
-    instance share their first prompt."""
+    sample's tool times to it; ``prompts`` (first-prompt identities, parallel to
+    ``sample``) lets siblings on one instance share their first prompt."""
     per: list[list[Sequence[Turn]]] = [[] for _ in layout]
-    per_group: list[list[str]] = [[] for _ in layout]
+    per_prompt: list[list[str]] = [[] for _ in layout]
     kept = [i for i, t in enumerate(sample) if t]
     for j, i in enumerate(kept):
         per[j % len(layout)].append(sample[i])
-        per_group[j % len(layout)].append(groups[i] if groups is not None else str(i))
-    return max((_instance_s(ts, speeds[tp], tool_scale, gs if groups is not None else None)
-                for ts, gs, tp in zip(per, per_group, layout, strict=True) if ts),
+        per_prompt[j % len(layout)].append(prompts[i] if prompts is not None else str(i))
+    return max((_instance_s(ts, speeds[tp], tool_scale, ps if prompts is not None else None)
+                for ts, ps, tp in zip(per, per_prompt, layout, strict=True) if ts),
                default=0.0)
 
 
@@ -273,9 +279,9 @@ class ReplayPlanner(LanePlanner):
         if not sample or not speeds:
             return
         ts = self.time_scale
-        groups = self.recorder.groups
+        prompts = self.recorder.prompts
         self.estimates = {tp: replay_makespan(sample, uniform_layout(gpus, tp), speeds, ts,
-                                              groups)
+                                              prompts)
                           for tp in self.degrees if tp in speeds and tp <= gpus}
         self.lane_estimates = {}
         lane_tp = lane_layout(gpus, 8)[0]
@@ -284,11 +290,12 @@ class ReplayPlanner(LanePlanner):
                             key=lambda i: -sum(x.output_tokens for x in sample[i]))
             on_lane = set(ranked[:self.k])
             rest = [i for i in range(len(sample)) if i not in on_lane]  # arrival order
-            lane_s = _instance_s([sample[i] for i in ranked[:self.k]], speeds[lane_tp], ts)
+            lane_s = _instance_s([sample[i] for i in ranked[:self.k]], speeds[lane_tp], ts,
+                                 [prompts[i] for i in ranked[:self.k]])
             self.lane_estimates = {
                 tp: max(lane_s, replay_makespan([sample[i] for i in rest],
                                                 uniform_layout(gpus - lane_tp, tp), speeds,
-                                                ts, [groups[i] for i in rest]))
+                                                ts, [prompts[i] for i in rest]))
                 for tp in self.estimates}
         options = {(False, tp): v for tp, v in self.estimates.items()}
         # the lane's estimate assumes the predictor spots the longest from their first

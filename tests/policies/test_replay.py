@@ -92,13 +92,13 @@ def test_siblings_on_one_instance_share_their_first_prompt() -> None:
     group = [[Turn(20_000, 10, 0.0)] for _ in range(8)]
     same = ["g"] * 8
     alone = replay_makespan(group[:1], (1,), POOR)  # one prefill of 20k tokens: 0.2 s
-    one = replay_makespan(group, (1,), POOR, groups=same)
+    one = replay_makespan(group, (1,), POOR, prompts=same)
     assert alone <= one < 1.2 * alone  # one prefill, eight short decodes
     # strangers (every prompt its own) pay eight prefills on one instance
-    strangers = replay_makespan(group, (1,), POOR, groups=[str(i) for i in range(8)])
+    strangers = replay_makespan(group, (1,), POOR, prompts=[str(i) for i in range(8)])
     assert strangers > 5 * one
     # eight instances, one sibling each: no sharing, each prefills it
-    assert replay_makespan(group, (1,) * 8, POOR, groups=same) == pytest.approx(alone)
+    assert replay_makespan(group, (1,) * 8, POOR, prompts=same) == pytest.approx(alone)
 
 
 def test_a_context_parked_in_a_tool_gap_is_prefilled_again_when_kv_runs_short() -> None:
@@ -108,9 +108,9 @@ def test_a_context_parked_in_a_tool_gap_is_prefilled_again_when_kv_runs_short() 
     roomy = {1: _with(POOR[1], kv_tokens=10_000_000)}  # type: ignore[dict-item]
     # ten trajectories of 20k context each: 200k held, the engine has room for 120k
     step = [[Turn(20_000, 1, 0.0), Turn(100, 1, 1.0 + 0.01 * i)] for i in range(10)]
-    groups = [str(i) for i in range(10)]
-    tight = replay_makespan(step, (1,), small, groups=groups)  # type: ignore[arg-type]
-    loose = replay_makespan(step, (1,), roomy, groups=groups)  # type: ignore[arg-type]
+    prompts = [str(i) for i in range(10)]
+    tight = replay_makespan(step, (1,), small, prompts=prompts)  # type: ignore[arg-type]
+    loose = replay_makespan(step, (1,), roomy, prompts=prompts)  # type: ignore[arg-type]
     redo = tight - loose
     # the first returns to 180k parked against 120k of room: a third of its context is
     # prefilled again, more for the later ones as the decoders take room
@@ -118,18 +118,22 @@ def test_a_context_parked_in_a_tool_gap_is_prefilled_again_when_kv_runs_short() 
     assert redo < 10 * 20_000 * POOR[1].prefill_s_per_token
 
 
-def test_the_recorder_keeps_arrival_order_and_groups() -> None:
+def test_the_recorder_keeps_arrival_order_and_first_prompts() -> None:
     """verl's routing deals trajectories round robin in arrival order, siblings in a
-    row: the sample keeps that order (not the order they finished in) and each group."""
+    row: the sample keeps that order (not the order they finished in) and each one's
+    first prompt (its identity, not its group label: a client may label a whole batch
+    one group)."""
     rec = StepRecorder()
-    for tid, group in (("a", "g1"), ("b", "g1"), ("c", "g2")):
-        rec.observe(_with(traj(tid, turns=1, context=1100), group_id=group,
+    arrivals = (("a", "p1", 1100), ("b", "p1", 1200), ("c", "p2", 1300))
+    for tid, prompt, ctx in arrivals:
+        rec.observe(_with(traj(tid, turns=1, context=ctx), prompt_id=prompt, group_id="g",
                           last_output_tokens=100))
-    for tid, group in (("c", "g2"), ("a", "g1"), ("b", "g1")):  # finish out of order
-        rec.observe(_with(traj(tid, turns=1, context=1100), group_id=group,
+    for tid, prompt, ctx in reversed(arrivals):  # finish out of order
+        rec.observe(_with(traj(tid, turns=1, context=ctx), prompt_id=prompt, group_id="g",
                           last_output_tokens=100, phase=Phase.FINISHED))
     rec.close()
-    assert rec.groups == ["g1", "g1", "g2"] and len(rec.sample) == 3
+    assert rec.prompts == ["p1", "p1", "p2"]
+    assert [t[0].new_tokens for t in rec.sample] == [1000, 1100, 1200]
 
 
 def _run_step(policy: ComposedPolicy, n: int, speeds: dict[int, TPSpeed]) -> None:
