@@ -46,10 +46,11 @@ GRID = ["grid/headline-math-code-5seeds.json", "grid/qwen3-14b-h100-16gpu.json",
 LIVE = ["live-16gpu/3x/static-and-lane.json", "live-16gpu/3x/heddle-libra.json"]
 #: ``bench tail`` runs of the grid cells whose critical path leaves room for 1.15x, each
 #: against the ``bench steps`` runs of the same seeds (``reach/<cell>-steps.json``)
-REACH = [f"reach/{w}-16gpu-16pg-{band}-tail.json" for w, bands in (
-    ("tau", ("low", "mid", "high")), ("swe", ("low", "mid")), ("search", ("low", "mid")),
-    ("math-code", ("mid", "high"))) for band in bands] + [
-    "reach/tau-16gpu-64pg-high-tail.json"]
+REACH = [f"reach/{w}-16gpu-{per}pg-{band}-tail.json" for per, w, bands in (
+    (16, "tau", ("low", "mid", "high")), (16, "swe", ("low", "mid")),
+    (16, "search", ("low", "mid")), (16, "math-code", ("mid", "high")),
+    (64, "tau", ("low", "mid", "high")), (64, "math-code", ("low", "mid", "high")))
+    for band in bands] + ["reach/tau-16gpu-4pg-mid-a100-tail.json"]
 #: the rival each workload is compared with in the headline (Libra's config for it)
 LIBRA = {"search": "libra-search", "math-code": "libra", "swe": "libra"}
 LANE, BEST = "straggler-lane", "verl-tp8"
