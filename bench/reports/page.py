@@ -154,6 +154,11 @@ def steps_table(root: Path = ROOT) -> str:
                       f"{crit}.", "", "```sh", *cmds, "```"])
 
 
+def _times(a: Doc) -> str:
+    """A paired ratio of ``bench tail --against``: geometric mean and 95% interval."""
+    return f"{a['geomean']:.2f}x ({a['ci95_low']:.2f}-{a['ci95_high']:.2f})"
+
+
 def tail_table(root: Path = ROOT) -> str:
     lines = ["| workload | k longest alone | `verl-tp8` s | `straggler-lane` s | "
              "`straggler-lane-oracle` s |", "|---|---|---|---|---|"]
@@ -170,8 +175,7 @@ def tail_table(root: Path = ROOT) -> str:
             lines.append(f"| {w} | {k} | " + " | ".join(
                 "not run" if c is None else f"{c:.1f}" for c in cells) + " |")
         est, against = docs[0]["estimate_s"], docs[0]["against"]
-        vs = ", ".join(f"`{_name(n)}` {a['geomean']:.2f}x ({a['ci95_low']:.2f}-"
-                       f"{a['ci95_high']:.2f})" for n, a in against.items())
+        vs = ", ".join(f"`{_name(n)}` {_times(a)}" for n, a in against.items())
         notes.append(f"- {w}: estimate {est['mean']:.1f} ± {est['ci95']:.1f} s; whole-batch "
                      f"`bench steps` makespan / estimate: {vs}.")
         cmds.append(command(docs, "--json", f"{BENCH}/tail/{files[0]}"))
@@ -274,10 +278,6 @@ def grid_table(root: Path = ROOT) -> str:
 TARGET = 1.15
 
 
-def _times(a: Doc) -> str:
-    return f"{a['geomean']:.2f}x ({a['ci95_low']:.2f}-{a['ci95_high']:.2f})"
-
-
 def reach_table(root: Path = ROOT) -> str:
     """Per grid cell with room under the critical path: whether 1.15x over the best static
     layout is within ``bench tail``'s estimate (the step's longest trajectories alone)."""
@@ -289,27 +289,26 @@ def reach_table(root: Path = ROOT) -> str:
     for rel in REACH:
         doc = load(rel, root)
         opts = dict(zip(toks := shlex.split(doc["command"]), toks[1:], strict=False))
-        if not cmds:
-            lines.insert(0, f"{opts.get('--model', 'qwen3-14b')}, {opts['--gpus']} GPUs, "
-                            f"{opts['--seeds']} seeds, {opts['--steps']} steps (steps "
-                            f"2-{opts['--steps']} "
-                            "reported); makespan / estimate is the geometric mean of the "
-                            "per-seed ratios (paired 95% interval).\n")
-        against = {_name(n): a for n, a in doc["against"].items()}
-        steps = opts["--against"]  # the steps runs, written first; `need` is against
-        best = _name(load(steps.removeprefix(f"{BENCH}/"), root)["best_static"])  # its best
+        steps = opts["--against"]  # the steps runs `need` was computed against
+        steps_doc = load(steps.removeprefix(f"{BENCH}/"), root)
+        best = _name(steps_doc["best_static"])
         if doc["target"]["speedup"] != TARGET:
             raise ValueError(f"{rel} tests {doc['target']['speedup']}x, the table {TARGET}x")
         need = doc["target"]["needs_x_estimate"]
         est = doc["estimate_s"]
-
+        against = {_name(n): a for n, a in doc["against"].items()}
         lines.append(f"| {opts['--workload']} | {opts.get('--gpu', 'H100')} | "
                      f"{opts['--per-gpu']} | {opts['--tp-efficiency']} | "
                      f"{est['mean']:.1f} ± {est['ci95']:.1f} | `{best}` {_times(against[best])} | "
                      f"{_times(against[SUBJECT])} | {need:.2f}x the estimate | "
                      f"{'out of reach' if need < 1 else 'not ruled out'} |")
-        cmds += [command([load(steps.removeprefix(f"{BENCH}/"), root)], "--json", steps),
+        cmds += [command([steps_doc], "--json", steps),
                  command([doc], "--json", f"{BENCH}/{rel}")]
+        if len(cmds) == 2:  # the caption, from the first file (all share these options)
+            lines.insert(0, f"{opts.get('--model', 'qwen3-14b')}, {opts['--gpus']} GPUs, "
+                            f"{opts['--seeds']} seeds, {opts['--steps']} steps (steps "
+                            f"2-{opts['--steps']} reported); makespan / estimate is the "
+                            "geometric mean of the per-seed ratios (paired 95% interval).\n")
     return "\n".join([*lines, "", "```sh", *cmds, "```"])
 
 

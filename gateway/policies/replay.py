@@ -210,13 +210,14 @@ def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
     then sticky. Seconds of the speeds' (engine) time; ``tool_scale`` converts the
     sample's tool times to it; ``prompts`` (first-prompt identities, parallel to
     ``sample``) lets siblings on one instance share their first prompt."""
+    ids = prompts if prompts is not None else [str(i) for i in range(len(sample))]
     per: list[list[Sequence[Turn]]] = [[] for _ in layout]
     per_prompt: list[list[str]] = [[] for _ in layout]
     kept = [i for i, t in enumerate(sample) if t]
     for j, i in enumerate(kept):
         per[j % len(layout)].append(sample[i])
-        per_prompt[j % len(layout)].append(prompts[i] if prompts is not None else str(i))
-    return max((_instance_s(ts, speeds[tp], tool_scale, ps if prompts is not None else None)
+        per_prompt[j % len(layout)].append(ids[i])
+    return max((_instance_s(ts, speeds[tp], tool_scale, ps)
                 for ts, ps, tp in zip(per, per_prompt, layout, strict=True) if ts),
                default=0.0)
 
