@@ -44,16 +44,21 @@ class UpstreamSettings(BaseModel):
 class TraceSettings(BaseModel):
     """The batched trace writer."""
 
-    enabled: bool = True
     queue_size: int = Field(100_000, ge=1)
+    overflow_size: int = Field(
+        100_000, ge=0, description="records held in memory beyond the queue while neither "
+        "the database nor the spool takes them (a full or read-only disk during an outage); "
+        "past queue_size + overflow_size records the gateway refuses model calls (503 "
+        "recording_unavailable) rather than answer calls it cannot record")
     batch_size: int = Field(500, ge=1)
     flush_interval_s: float = 0.25
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 5.0
     store_text: bool = True
     spool_path: Path | None = Field(
-        None, description="spool file for records the database cannot take yet "
-        "(default: ~/.cache/rollout-gateway/spool/<hash of DATABASE_URL>.jsonl)")
+        None, description="spool file for records the database cannot take yet, owned "
+        "(locked) by one process (default: the first free slot of "
+        "~/.cache/rollout-gateway/spool/<hash of DATABASE_URL>[.sN].jsonl)")
     spool_max_bytes: int = Field(2 * 1024**3, ge=0)
 
 

@@ -23,7 +23,9 @@
     |   +-- UpstreamTimeout           (504 gateway_timeout)
     +-- NoBackendAvailable            (503 service_unavailable)
     +-- StoreUnavailable              (503 with Retry-After: a trajectory's state could not
-                                       be read from the store; the call was not run)
+    |                                  be read from the store; the call was not run)
+    +-- RecordingUnavailable          (503 with Retry-After: the gateway cannot record calls
+                                       now, so it runs none; gateway/store/writer.py)
 
 Each class carries its HTTP status, OpenAI error ``type`` and ``code``. How they are
 written on the wire (OpenAI's envelope on ``/v1/*``, Anthropic's on the Messages routes,
@@ -159,6 +161,19 @@ class StoreUnavailable(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
     code = "store_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})
+
+
+class RecordingUnavailable(GatewayError):
+    """The trace writer cannot take records now (its loop is restarting, or the database
+    and the spool are both out of reach and its memory is full): the gateway refuses model
+    calls rather than answer calls whose tokens it could not record."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "recording_unavailable"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})

@@ -8,7 +8,9 @@ readiness are therefore two questions:
   Kubernetes' liveness probe and load balancers' health checks ask this; it must not fail
   during a long engine start, or the gateway would be restarted in a loop;
 - *ready* (``GET /ready`` 200, else 503): the pool's initial layout has been started and
-  at least one of its engines came up (without a managed pool: as soon as it serves).
+  at least one of its engines came up (without a managed pool: as soon as it serves),
+  and the trace writer can record calls (while it cannot, model calls are refused:
+  :attr:`gateway.store.writer.TraceWriter.refusal`).
 
 Readiness is not withdrawn when a later resize or crash restart leaves no engine
 routable for a while: the gateway holds calls until capacity returns
@@ -65,6 +67,8 @@ def readiness(rt: Runtime) -> Readiness:
     """The gateway's readiness now (module docstring)."""
     if not rt.ready:
         return Readiness(False, "shutting down")
+    if (refusal := rt.writer.refusal) is not None:
+        return Readiness(False, f"not recording, model calls refused: {refusal}")
     pool = rt.pool
     if pool is None:
         return Readiness(True, "serving (no managed pool)")

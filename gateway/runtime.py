@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.config import Settings
@@ -33,7 +33,9 @@ from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
-from gateway.store.spool import Spool, default_spool_path
+from gateway.store.ledger import LOSS_REASONS
+from gateway.store.quarantine import KINDS
+from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
@@ -89,18 +91,42 @@ class Runtime:
         yield phases
         yield _single("rollout_gateway_trace_queue_depth", "Trace records waiting to be "
                       "written", self.writer.queue_depth)
-        yield _single("rollout_gateway_trace_dropped", "Trace records dropped (queue full)",
-                      self.writer.dropped)
-        yield _single("rollout_gateway_trace_written", "Trace records written",
-                      self.writer.written)
-        yield _single("rollout_gateway_trace_spool_bytes", "Bytes of trace records spooled "
-                      "to disk while the database is unreachable", self.writer.spool_bytes)
+        yield from trace_metrics(self.writer)
 
 
 def _single(name: str, doc: str, value: float) -> Metric:
     g = gauge(name, doc)
     g.add_metric([], value)
     return g
+
+
+def trace_metrics(writer: TraceWriter) -> Iterator[Metric]:
+    """The trace writer's state and counters (docs/status-page.md lists them)."""
+    yield _single("rollout_gateway_trace_dropped", "Trace records lost, whatever the reason "
+                  "(rollout_gateway_trace_lost_total says which)", writer.dropped)
+    lost = CounterMetricFamily("rollout_gateway_trace_lost", "Trace records in neither the "
+                               "database, the spool nor the quarantine, by reason",
+                               labels=["reason"])
+    for reason in sorted(set(LOSS_REASONS) | set(writer.lost)):
+        lost.add_metric([reason], writer.lost[reason])
+    yield lost
+    quarantined = CounterMetricFamily("rollout_gateway_trace_quarantined", "Trace records "
+                                      "set aside in the quarantine file, by kind",
+                                      labels=["kind"])
+    counts = writer.quarantine.counts if writer.quarantine is not None else {}
+    for kind in KINDS:
+        quarantined.add_metric([kind], counts.get(kind, 0))
+    yield quarantined
+    restarts = CounterMetricFamily("rollout_gateway_trace_writer_restarts", "Times the trace "
+                                   "writer's loop failed and was restarted")
+    restarts.add_metric([], writer.restarts)
+    yield restarts
+    yield _single("rollout_gateway_trace_recording", "1 while the gateway records every call "
+                  "it answers; 0 while it refuses model calls because it could not (the "
+                  "writer down, or its memory full)", 0.0 if writer.refusal else 1.0)
+    yield _single("rollout_gateway_trace_written", "Trace records written", writer.written)
+    yield _single("rollout_gateway_trace_spool_bytes", "Bytes of trace records spooled "
+                  "to disk while the database is unreachable", writer.spool_bytes)
 
 
 def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
@@ -149,6 +175,21 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
     scheduler.on_relayout = relayout
 
 
+async def _open_spools(settings: Settings) -> tuple[Spool | None, list[Spool]]:
+    """This process's spool and the orphans it adopts (:func:`open_spools`). A disk that
+    cannot hold one (read-only, say) leaves the writer without: it then holds what the
+    database cannot take in memory, and says so. Another process owning the configured
+    spool stops the start (:class:`SpoolBusy`)."""
+    try:
+        return await asyncio.to_thread(open_spools, settings.database_url,
+                                       settings.traces.spool_path,
+                                       settings.traces.spool_max_bytes)
+    except OSError as exc:
+        log.error("no trace spool (%s): records the database cannot take wait in memory "
+                  "(TRACES__QUEUE_SIZE + TRACES__OVERFLOW_SIZE)", exc)
+        return None, []
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
     """Open every resource the gateway needs; close them in reverse on exit."""
@@ -167,9 +208,8 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         await health.check_all()
         health.start()
         stack.push_async_callback(health.close)
-        spool_path = settings.traces.spool_path or default_spool_path(settings.database_url)
-        spool = Spool(spool_path, settings.traces.spool_max_bytes)
-        writer = TraceWriter(sessionmaker, settings.traces, spool)
+        spool, orphans = await _open_spools(settings)
+        writer = TraceWriter(sessionmaker, settings.traces, spool, orphans=orphans)
         writer.start()
         stack.push_async_callback(writer.close)
         tracker = Tracker()

@@ -138,13 +138,23 @@
     setText("writer-written", num(w.written));
     setText("writer-dropped", num(w.dropped));
     setText("writer-errors", num(w.write_errors));
+    setText("writer-quarantined", num(w.quarantined || 0));
     $("writer-dropped").classList.toggle("bad", w.dropped > 0);
+    $("writer-quarantined").classList.toggle("bad", w.quarantined > 0);
     $("writer-errors").classList.toggle("bad", w.write_errors > 0);
+    const refusing = w.recording === false;
+    $("recording").hidden = !refusing;
+    $("recording").title = w.refusal || "";
+    const lost = Object.entries(w.lost || {}).map(([why, n]) => `${num(n)} ${why}`).join(", ");
     const note = $("writer-note");
-    const problem = w.db_ok === false ? "Database unreachable" + (w.spooled ? `: ${num(w.spooled)} records spooled to disk` : "")
+    const problem = refusing ? "Not recording, model calls refused: " + w.refusal
+      : w.db_ok === false ? "Database unreachable" + (w.spooled ? `: ${num(w.spooled)} records spooled to disk` : "")
       : w.last_error ? "Last write error: " + w.last_error : "";
-    note.hidden = !problem;
-    note.textContent = problem;
+    const parts = [problem, lost && "lost: " + lost,
+      w.quarantined ? `${num(w.quarantined)} quarantined in ${w.quarantine_file}` : ""];
+    note.textContent = parts.filter(Boolean).join(" · ");
+    note.hidden = !note.textContent;
+    note.classList.toggle("bad", refusing || w.dropped > 0);
   }
 
   function stateClass(b) {

@@ -14,6 +14,7 @@ from gateway.api.snapshot import backend_row, live_view, phase_counts
 from gateway.policies.registry import LIVE_NAMES
 from gateway.readiness import readiness
 from gateway.runtime import Runtime
+from gateway.store.writer import TraceWriter
 
 router = APIRouter(tags=["status"])
 
@@ -23,7 +24,7 @@ router = APIRouter(tags=["status"])
 async def health(rt: Runtime = Depends(get_rt)) -> Response:
     healthy = sum(1 for b in rt.registry if b.routable)
     body = {"status": "ok" if rt.ready else "shutting_down", "backends_routable": healthy,
-            "ready": readiness(rt).to_dict()}
+            "recording": rt.writer.refusal is None, "ready": readiness(rt).to_dict()}
     return JSONResponse(body, status_code=200 if rt.ready else 503)
 
 
@@ -58,13 +59,24 @@ def status_body(rt: Runtime) -> dict[str, Any]:
         "scheduler": {"queued": sched.queue_depth, "dispatched": sched.dispatched,
                       "faults": sched.faults, "stalls": sched.stalls,
                       "stalled_for_s": round(sched.stalled_for_s, 1)},
-        "trace_writer": {"queue_depth": rt.writer.queue_depth, "written": rt.writer.written,
-                         "dropped": rt.writer.dropped, "write_errors": rt.writer.write_errors,
-                         "spooled": rt.writer.spooled, "spool_bytes": rt.writer.spool_bytes,
-                         "db_ok": rt.writer.db_ok,
-                         "last_error": rt.writer.last_error},
+        "trace_writer": writer_view(rt.writer),
         "restore": {"restored": rt.restorer.restored, "failures": rt.restorer.failures,
                     "existence_queries": rt.restorer.existence_queries},
         "relayouts": rt.relayouts.summary(),
         "speeds": {"profile": rt.settings.dispatch.speed_profile, "by_tp": sched.meter.table()},
     } | live_view(rt, time.time())
+
+
+def writer_view(w: TraceWriter) -> dict[str, Any]:
+    """The trace writer's state: is every answered call recorded, and what was not."""
+    quarantine = w.quarantine
+    return {
+        "recording": w.refusal is None, "refusal": w.refusal, "running": w.running,
+        "restarts": w.restarts, "failure": w.failure,
+        "queue_depth": w.queue_depth, "written": w.written, "dropped": w.dropped,
+        "lost": dict(w.lost), "rejected": w.rejected, "write_errors": w.write_errors,
+        "spooled": w.spooled, "spool_bytes": w.spool_bytes, "spool_error": w.spool_error,
+        "quarantined": quarantine.total if quarantine else 0,
+        "quarantine_file": str(quarantine.path) if quarantine and quarantine.total else None,
+        "db_ok": w.db_ok, "last_error": w.last_error,
+    }

@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, RecordingUnavailable, UpstreamError
 from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import (
@@ -196,7 +196,11 @@ class Proxy:
     async def _admit(self, request: Request, endpoint: Endpoint, path_traj: str | None,
                      path_group: str | None) -> CallContext:
         """An admission slot, then the call's context; the slot is the context's to
-        release when the call ends (:func:`gateway.proxy.lifecycle.end`)."""
+        release when the call ends (:func:`gateway.proxy.lifecycle.end`). Refused while
+        the gateway could not record the call (:attr:`TraceWriter.refusal`)."""
+        if (why := self.rt.writer.refusal) is not None:
+            raise RecordingUnavailable(
+                why, retry_after_s=self.rt.settings.traces.retry_backoff_max_s)
         slot = self.admission.enter()
         try:
             ctx = await self._prepare(request, endpoint, path_traj, path_group)

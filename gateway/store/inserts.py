@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from sqlalchemy import update
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.store.codec import pack_floats, pack_ids
@@ -114,8 +114,22 @@ async def _copy_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
                 await conn.executemany(_CALL_INSERT_IGNORE, rows)
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise IntegrityError("COPY calls", None, exc) from exc
-    except asyncpg.DataError as exc:
+    except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:
         raise DataError("COPY calls", None, exc) from exc
+
+
+def record_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by :func:`write_batch`, is the records' fault (the database
+    refused a value or a constraint, or a value could not be encoded), as opposed to the
+    database's (unreachable, failing, timed out). Retrying the first never helps: the
+    writer writes the batch row by row and quarantines the culprits; it retries the
+    second, holding the records meanwhile."""
+    if isinstance(exc, IntegrityError | DataError):
+        return True
+    if isinstance(exc, DBAPIError | OSError | ConnectionError | TimeoutError):
+        return False
+    # an encoder's refusal (orjson's depth limit, an id past int32, a lone surrogate)
+    return isinstance(exc, TypeError | ValueError | OverflowError | RecursionError)
 
 
 async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> None:

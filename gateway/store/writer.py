@@ -1,26 +1,34 @@
 """The batched trace writer: the request path submits without waiting; this flushes.
 
-Submissions go into a bounded in-memory queue (``submit`` never blocks and never raises;
-when the queue is full the record is counted in ``dropped``). One task drains the queue
-in multi-row inserts (``gateway.store.inserts``), flushing when ``batch_size`` records
-are waiting or ``flush_interval_s`` has passed. It runs when records arrive, not on a
-period, so it is not a :class:`gateway.loops.Periodic`; like one, it logs if it ever
-stops before ``close()``.
+Submissions go into a bounded in-memory queue (``submit`` never blocks and never raises).
+One task drains the queue in multi-row inserts (``gateway.store.inserts``), flushing when
+``batch_size`` records are waiting or ``flush_interval_s`` has passed. It runs when
+records arrive, not on a period, so it is not a :class:`gateway.loops.Periodic`.
 
-When the database is unreachable, nothing already accepted is lost: the failed batch and
-whatever queues up behind it move to a local spool file (off the event loop), which is
-replayed in order once the database answers again, and on the next start if the process
-stops first. Only a full spool (``spool_max_bytes``) drops records, and they are counted.
+Nothing accepted is lost silently:
+
+- the database unreachable: the failed batch and whatever queues up behind it move to the
+  process's spool file (off the event loop), replayed in order once the database answers
+  again, and on the next start if the process stops first;
+- the spool unable to take them (full, a full or read-only disk): they stay in memory
+  (``queue_size + overflow_size`` records) and are retried; once memory is full too, the
+  gateway refuses model calls (:attr:`TraceWriter.refusal`) instead of answering calls it
+  could not record, and the records it could not keep are counted by reason (``lost``);
+- a record the database rejects, or that cannot be encoded or decoded, is quarantined
+  (:mod:`gateway.store.quarantine`): kept on disk, counted, logged, never the reason the
+  writer stops;
+- the writer's loop is supervised: an unexpected exception is logged, the batch it was
+  writing quarantined, and the loop restarted after a backoff; model calls are refused
+  while it is down, and ``/ready``, ``/status`` and ``/metrics`` say so.
 
 What a killed process loses (SIGKILL, a crash, power) is what is only in memory: records
 in the queue and in the batch being written. A record waits there from its call's end
 until its batch is written: at most ``flush_interval_s`` (0.25 s by default) after the
 batch's first record, plus the insert itself; longer while the database is slow or holds
-a lock (the batch waits in memory until the write fails and moves to the spool, or ends).
-A graceful stop (SIGTERM) writes or spools everything.
+a lock. A graceful stop (SIGTERM) writes or spools everything it can.
 
 The restore after a restart reads the store, so it must not run ahead of this writer:
-:meth:`TraceWriter.stored` waits until a trajectory's records, and the spool an earlier
+:meth:`TraceWriter.stored` waits until a trajectory's records, and the spools an earlier
 process left, are in the database (gateway/trajectories/restore.py).
 """
 
@@ -28,154 +36,108 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 
-from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config import TraceSettings
-from gateway.loops import report_unexpected_end
-from gateway.store.inserts import write_batch
+from gateway.loops import ERROR_EVERY_S, RateLimit, report_unexpected_end
+from gateway.store.inserts import record_fault, write_batch
+from gateway.store.ledger import WriterLedger
+from gateway.store.quarantine import Quarantine
 from gateway.store.records import CallRecord
 from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
-OVERFLOW_MIN = 10_000  #: the overflow's floor, however small the queue (``submit``)
+#: a supervised run that lasted this long resets the restart backoff
+HEALTHY_RUN_S = 60.0
 
 
-class TraceWriter:
+class TraceWriter(WriterLedger):
     def __init__(
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
         settings: TraceSettings,
         spool: Spool | None = None,
+        *,
+        orphans: Sequence[Spool] = (),
     ) -> None:
+        super().__init__()
         self._sessionmaker = sessionmaker
         self._settings = settings
         self._spool = spool
+        self._orphans = list(orphans)  # spools of stopped processes, replayed first
+        self.quarantine: Quarantine | None = spool.quarantine if spool else None
         self._queue: asyncio.Queue[CallRecord] = asyncio.Queue(maxsize=settings.queue_size)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._pending = 0
         self._inflight: list[CallRecord] = []
-        self._overflow: deque[CallRecord] = deque()
-        self._overflow_max = max(settings.queue_size, OVERFLOW_MIN)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._replaying: tuple[Spool, list[CallRecord], int] | None = None
+        self._overflow: deque[CallRecord] = deque()  # past the queue, while it is full
+        self._held: deque[CallRecord] = deque()  # the spool refused them: retried first
+        self._overflow_max = settings.overflow_size
         self._high_water = asyncio.Event()
-        # drain's watermark: records accepted so far, and records the writer has finished
-        # with (written, or spilled), counted in the order the writer takes them
-        self._accepted = 0
-        self._settled = 0
-        self._progress = asyncio.Event()
-        # for the restore: records accepted and not yet in the database, by trajectory, and
-        # whether the spool an earlier process left has been written
-        self._unwritten: Counter[str] = Counter()
-        self._inherited = asyncio.Event()
-        self._landed = asyncio.Event()  # set whenever records reach the database (or are lost)
-        self.written = 0
-        self.dropped = 0
-        self.rejected = 0
-        self.spooled = 0
-        self.write_errors = 0
-        self.db_ok = True
-        self.last_error: str | None = None
-        self.last_flush_at: float | None = None
+        self._backoff = settings.retry_backoff_s
+        self._spool_log = RateLimit(ERROR_EVERY_S)
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize() + len(self._overflow)
+        return self._queue.qsize() + len(self._overflow) + len(self._held)
 
     @property
     def spool_bytes(self) -> int:
-        return self._spool.pending_bytes if self._spool else 0
+        spools = ([self._spool] if self._spool else []) + self._orphans
+        return sum(s.pending_bytes for s in spools)
+
+    def _backlog(self) -> bool:
+        return bool(self._overflow or self._held or self.spool_bytes)
+
+    @property
+    def memory_full(self) -> bool:
+        """Records in memory (queued, overflowed, held) are at their bound."""
+        return self.queue_depth >= self._queue.maxsize + self._overflow_max
+
+    @property
+    def refusal(self) -> str | None:
+        """Why model calls must be refused now (the writer could not record them), or None."""
+        if self._task is None or self._closing:
+            return None  # not started (embedded, tests) or stopping: the lifespan decides
+        if self._task.done():
+            return f"the trace writer stopped ({self.failure or 'cancelled'})"
+        if not self.running:
+            return (f"the trace writer failed ({self.failure}) and restarts in a moment; "
+                    "calls are refused until it records again")
+        if self.memory_full:
+            return ("the trace buffer is full: the database is unreachable and the spool "
+                    f"cannot take more ({self.spool_error or self.last_error})")
+        return None
 
     def start(self) -> None:
-        if self._spool is not None and self._spool.pending_bytes:
+        if self.spool_bytes:
             self._idle.clear()
-        self._task = asyncio.create_task(self._run(), name="trace-writer")
+        self._task = asyncio.create_task(self._supervise(), name="trace-writer")
         report_unexpected_end(self._task, log, lambda: self._closing)
 
     def submit(self, record: CallRecord) -> bool:
         """Queue a record without waiting. False (and counted) when it cannot be kept.
 
-        With a spool, a full queue overflows into a second buffer (queue size, at least
-        ``OVERFLOW_MIN``) the writer spools at its next chance (it may be stalled in a
-        database call); only when that is full too is a record lost, counted and logged.
-        """
+        A full queue overflows into a second buffer (``overflow_size``) the writer takes
+        at its next chance (it may be stalled in a database call); only when that is full
+        too is a record lost, counted and logged."""
+        if self.memory_full:
+            self.lose("memory_full", 1)
+            return False
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
-            if self._spool is None or len(self._overflow) >= self._overflow_max:
-                self.dropped += 1
-                if self.dropped == 1 or self.dropped % 1000 == 0:
-                    log.error("trace queue and overflow full: %d records dropped so far",
-                              self.dropped)
-                return False
             self._overflow.append(record)
-        self._unwritten[record.trajectory_id] += 1
-        self._pending += 1
-        self._accepted += 1
-        self._idle.clear()
+        self._accept(record)
         if self._queue.qsize() * 2 >= self._queue.maxsize:
             self._high_water.set()
         return True
-
-    async def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything submitted so far is in the database. False on timeout.
-
-        Records submitted after the call are not waited for: under a steady load the
-        writer is rarely idle, and a reader must not wait for calls that ended after it
-        asked. (While records sit in the overflow buffer or the spool, their order is not
-        the submission order, and this waits for the writer to be idle instead.)
-        """
-        target = self._accepted
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not self._idle.is_set() and not self._reached(target):
-                    self._progress.clear()
-                    await self._progress.wait()
-        except TimeoutError:
-            return False
-        return True
-
-    async def stored(self, trajectory_id: str, *, timeout_s: float) -> bool:
-        """Wait until the database holds every record of ``trajectory_id`` this writer
-        accepted, and the spool an earlier process left behind. False on timeout.
-
-        A record counts once it is written, or lost for good (rejected by the database,
-        or dropped when the spool is full): nothing is left to wait for then."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not self._inherited.is_set() or self._unwritten.get(trajectory_id):
-                    self._landed.clear()
-                    await self._landed.wait()
-        except TimeoutError:
-            return False
-        return True
-
-    def _landed_or_lost(self, records: Sequence[CallRecord]) -> None:
-        """``records`` are in the database, or will never be: stop waiting for them.
-        (Records replayed from an earlier process's spool were never counted here.)"""
-        for rec in records:
-            left = self._unwritten.get(rec.trajectory_id, 0)
-            if left > 1:
-                self._unwritten[rec.trajectory_id] = left - 1
-            elif left:
-                del self._unwritten[rec.trajectory_id]
-        self._landed.set()
-
-    def _reached(self, target: int) -> bool:
-        return self._settled >= target and not self._overflow and not self.spool_bytes
-
-    def _settle(self, n: int) -> None:
-        self._pending -= n
-        self._settled += n
-        self._progress.set()
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to ``timeout_s``); spool the rest; stop."""
@@ -188,14 +150,15 @@ class TraceWriter:
         rest = self._inflight + self._take_queued()
         self._inflight = []
         if rest:
-            await self._spill(rest)
+            await self._spill(rest, final=True)
             log.error("trace writer stopped with %d records not in the database; "
                       "%d bytes spooled for the next start", len(rest), self.spool_bytes)
-        if self._spool is not None:  # a spill the cancelled task left running ends first
-            await asyncio.to_thread(self._spool.wait_idle)
+        for spool in ([self._spool] if self._spool else []) + self._orphans:
+            await asyncio.to_thread(spool.close)  # after a spill the cancel left running
 
     def _take_queued(self) -> list[CallRecord]:
-        out = []
+        out = list(self._held)
+        self._held.clear()
         while not self._queue.empty():
             out.append(self._queue.get_nowait())
         out += self._overflow
@@ -208,11 +171,17 @@ class TraceWriter:
             self._queue.put_nowait(self._overflow.popleft())
 
     async def _next_batch(self) -> list[CallRecord]:
-        """The next batch, gathered in ``_inflight`` (where a stop finds it to spool)."""
+        """The next batch, gathered in ``_inflight`` (where a stop finds it to spool):
+        records the spool refused first, then the queue."""
+        size = self._settings.batch_size
+        if self._held:
+            batch = self._inflight = [self._held.popleft()
+                                      for _ in range(min(size, len(self._held)))]
+            return batch
         self._refill()
         batch = self._inflight = [await self._queue.get()]
         deadline = time.monotonic() + self._settings.flush_interval_s
-        while len(batch) < self._settings.batch_size:
+        while len(batch) < size:
             try:
                 batch.append(self._queue.get_nowait())
                 continue
@@ -228,87 +197,146 @@ class TraceWriter:
                 break
         return batch
 
+    async def _supervise(self) -> None:
+        """Run the writer's loop; restart it (after a backoff) whenever it fails."""
+        backoff = self._settings.retry_backoff_s
+        while True:
+            started = time.monotonic()
+            try:
+                await self._run()
+            except Exception as exc:
+                self.running = False
+                self.restarts += 1
+                self.failure = f"{type(exc).__name__}: {exc}"[:500]
+                if time.monotonic() - started > HEALTHY_RUN_S:
+                    backoff = self._settings.retry_backoff_s
+                log.exception("trace writer failed; quarantining the batch it held and "
+                              "restarting in %.1f s (model calls are refused until then)",
+                              backoff)
+                await self._quarantine_unfinished(self.failure)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._settings.retry_backoff_max_s)
+                self.running = True
+
+    async def _quarantine_unfinished(self, reason: str) -> None:
+        """The batch (or spool chunk) a failed loop held: out of the way, never lost, so
+        the same record cannot fail the loop again."""
+        batch, self._inflight = self._inflight, []
+        chunk, self._replaying = self._replaying, None
+        await self._quarantine("writer_failure", reason, batch + (chunk[1] if chunk else []))
+        if chunk is not None:
+            await asyncio.to_thread(chunk[0].commit, chunk[2])
+        self._settle(len(batch))
+
+    async def _quarantine(self, kind: str, reason: str, records: list[CallRecord]) -> None:
+        """Set ``records`` aside (counted lost when there is no quarantine file)."""
+        if self.quarantine is None:
+            self.lose(kind, len(records))
+        elif records:
+            await asyncio.to_thread(self.quarantine.records, kind, reason, records)
+        self._landed_or_lost(records)
+
     async def _run(self) -> None:
-        await self._replay_spool()  # what an earlier process left: before anything else
-        self._inherited.set()
-        self._landed.set()
+        if not self._inherited.is_set():  # what earlier processes left: before anything else
+            for orphan in list(self._orphans):
+                await self._replay_spool(orphan)
+                await asyncio.to_thread(orphan.discard)
+                self._orphans.remove(orphan)
+            await self._replay_spool(self._spool)
+            self._inherited.set()
+            self._landed.set()
         self._mark_idle()
         while True:
             batch = await self._next_batch()
-            if await self._try_write(batch):
-                self._settle(len(batch))
-                self._inflight = []
-            else:
-                await self._spill(batch)  # a stop in the middle spools it again: harmless
-                self._inflight = []
-                await self._replay_spool()
+            rest = await self._write(batch)
+            self._settle(len(batch) - len(rest))
+            self._inflight = rest
+            if rest and not await self._spill(rest):
+                await self._wait_before_retry()
+            self._inflight = []
+            if rest:
+                await self._replay_spool(self._spool)
             self._mark_idle()
 
-    def _mark_idle(self) -> None:
-        if self._pending == 0 and not self.spool_bytes:
-            self._idle.set()
-        self._progress.set()
+    async def _write(self, batch: Sequence[CallRecord]) -> list[CallRecord]:
+        """Write ``batch``: the records left unwritten because the database is unreachable
+        (the others are written, or quarantined when it rejects them)."""
+        fault = await self._attempt(batch)
+        if fault is None:
+            return []
+        if not record_fault(fault):
+            return list(batch)
+        log.error("trace batch rejected (%s); writing rows one by one", fault)
+        for i, rec in enumerate(batch):  # the culprits are quarantined, the rest written
+            fault = await self._attempt([rec])
+            if fault is None:
+                continue
+            if not record_fault(fault):
+                return list(batch[i:])
+            self.rejected += 1
+            await self._quarantine("rejected", f"{type(fault).__name__}: {fault}", [rec])
+        return []
 
-    async def _try_write(self, batch: Sequence[CallRecord]) -> bool:
-        """Write ``batch``; False if the database is unreachable (the batch is not lost)."""
+    async def _attempt(self, batch: Sequence[CallRecord]) -> Exception | None:
+        """One insert of ``batch``; the exception it raised, if any."""
         try:
             async with self._sessionmaker() as session, session.begin():
                 await write_batch(session, batch)
-        except (IntegrityError, DataError) as exc:
-            log.error("trace batch rejected (%s); writing rows one by one", exc)
-            await self._write_one_by_one(batch)
-            self.last_flush_at = time.time()
-            self._landed_or_lost(batch)
-            return True
         except Exception as exc:
-            self.write_errors += 1
-            self.db_ok = False
-            self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("trace write failed: %s", self.last_error)
-            return False
+            if not record_fault(exc):
+                self.write_errors += 1
+                self.db_ok = False
+                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("trace write failed: %s", self.last_error)
+            return exc
         self.db_ok = True
         self.written += len(batch)
         self.last_flush_at = time.time()
+        self._backoff = self._settings.retry_backoff_s
         self._landed_or_lost(batch)
-        return True
+        return None
 
-    async def _write_one_by_one(self, batch: Sequence[CallRecord]) -> None:
-        for rec in batch:
-            try:
-                async with self._sessionmaker() as session, session.begin():
-                    await write_batch(session, [rec])
-                self.written += 1
-            except (IntegrityError, DataError) as exc:
-                self.rejected += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+    async def _spill(self, records: list[CallRecord], *, final: bool = False) -> bool:
+        """Move ``records`` to the spool; what it cannot take stays in memory, retried
+        before the queue (``final``, at a stop: is counted lost). True if all moved."""
+        refused: list[CallRecord] = records
+        error: str | None = "no spool"
+        if self._spool is not None:
+            out = await asyncio.to_thread(self._spool.append, records)
+            self.spooled += out.kept
+            refused, error = out.refused, out.error
+            self._settle(len(records) - len(refused))
+            self._landed_or_lost(out.quarantined)
+        self.spool_error = error if refused else None
+        if not refused:
+            return True
+        if final:
+            self._settle(len(refused))
+            self._landed_or_lost(refused)
+            self.lose("stopped", len(refused))
+            return False
+        if self._spool is not None and self._spool_log.ready(time.monotonic()):
+            log.error("the spool refused %d records (%s); holding them in memory (%d held, "
+                      "at most %d)", len(refused), error, len(self._held) + len(refused),
+                      self._overflow_max)
+        self._held.extendleft(reversed(refused))
+        return False
 
-    async def _spill(self, records: list[CallRecord]) -> None:
-        """Move records to the spool (or, without one, hold them until the DB is back)."""
-        if self._spool is None:
-            for attempt in itertools.count():
-                if await self._try_write(records):
-                    break
-                await asyncio.sleep(min(self._settings.retry_backoff_s * 2**attempt,
-                                        self._settings.retry_backoff_max_s))
-            self._settle(len(records))
-            return
-        kept = await asyncio.to_thread(self._spool.append, records)
-        self.spooled += kept
-        self._settle(len(records))
-        lost = len(records) - kept
-        if lost:
-            self._landed_or_lost(records[kept:])
-            self.dropped += lost
-            log.error("trace spool full: dropped %d records", lost)
+    async def _wait_before_retry(self) -> None:
+        await asyncio.sleep(self._backoff)
+        self._backoff = min(self._backoff * 2, self._settings.retry_backoff_max_s)
 
-    async def _replay_spool(self) -> None:
-        """Write the spool back in order, spilling the queue while the DB stays down."""
-        spool, backoff = self._spool, self._settings.retry_backoff_s
+    async def _replay_spool(self, spool: Spool | None) -> None:
+        """Write ``spool`` back in order, spilling the queue while the DB stays down."""
+        backoff = self._settings.retry_backoff_s
         if spool is None:
             return
         while spool.pending_bytes:
             records, position = await asyncio.to_thread(spool.read, self._settings.batch_size)
-            if await self._try_write(records):
+            self._replaying = (spool, records, position)
+            rest = await self._write(records)
+            self._replaying = None
+            if not rest:
                 await asyncio.to_thread(spool.commit, position)
                 backoff = self._settings.retry_backoff_s
                 if self._queue.qsize() * 2 >= self._queue.maxsize:

@@ -77,7 +77,8 @@ async def test_outage_spools_and_recovers_without_loss(postgres_url: str, tmp_pa
 
 async def test_spool_survives_a_restart(sqlite_url: str, tmp_path: Path):
     spool_path = tmp_path / "spool.jsonl"
-    assert Spool(spool_path, 10**6).append([_rec(i) for i in range(5)]) == 5
+    with Spool(spool_path, 10**6) as spool:  # what a stopped process left
+        assert spool.append([_rec(i) for i in range(5)]).kept == 5
     engine = make_engine(sqlite_url)
     writer = TraceWriter(make_sessionmaker(engine), TraceSettings(), Spool(spool_path, 10**6))
     writer.start()
@@ -90,11 +91,13 @@ async def test_spool_survives_a_restart(sqlite_url: str, tmp_path: Path):
         await engine.dispose()
 
 
-def test_full_spool_refuses_and_says_how_many(tmp_path: Path):
-    spool = Spool(tmp_path / "s.jsonl", 2500)  # room for a few ~630-byte records, not ten
-    kept = spool.append([_rec(i) for i in range(10)])
-    assert 0 < kept < 10
-    records, pos = spool.read(100)
-    assert [r.id for r in records] == [f"c{i:06d}" for i in range(kept)]
-    spool.commit(pos)
-    assert spool.pending_bytes == 0
+def test_full_spool_refuses_and_says_which(tmp_path: Path):
+    with Spool(tmp_path / "s.jsonl", 2500) as spool:  # room for a few ~630-byte records
+        out = spool.append([_rec(i) for i in range(10)])
+        assert 0 < out.kept < 10 and len(out.refused) == 10 - out.kept
+        assert out.error is not None and "full" in out.error
+        records, pos = spool.read(100)
+        assert [r.id for r in records] == [f"c{i:06d}" for i in range(out.kept)]
+        assert [r.id for r in out.refused] == [f"c{i:06d}" for i in range(out.kept, 10)]
+        spool.commit(pos)
+        assert spool.pending_bytes == 0

@@ -270,8 +270,8 @@ async def test_restore_waits_for_the_spool_an_earlier_process_left(
     engine = make_engine(db_url)
     sm = make_sessionmaker(engine)
     await _store(sm, [_rec(tid, 0)])  # the predecessor wrote one call...
-    spool = Spool(tmp_path / "spool.jsonl", 10**6)
-    assert spool.append([_rec(tid, 1), _rec(tid, 2)]) == 2  # ...and spooled two
+    with Spool(tmp_path / "spool.jsonl", 10**6) as spool:
+        assert spool.append([_rec(tid, 1), _rec(tid, 2)]).kept == 2  # ...and spooled two
     writer = TraceWriter(sm, TraceSettings(flush_interval_s=0.01, retry_backoff_s=0.05),
                          Spool(tmp_path / "spool.jsonl", 10**6))
     restorer = Restorer(Tracker(), sm, settings=RestoreSettings(wait_s=5),

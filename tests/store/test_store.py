@@ -70,10 +70,12 @@ async def test_writer_batches_and_samples_rebuild_the_sequence(db_url: str, tmp_
 
 async def test_writer_counts_drops_when_its_queue_is_full(sqlite_url: str):
     engine = make_engine(sqlite_url)
-    writer = TraceWriter(make_sessionmaker(engine), TraceSettings(queue_size=2))
+    writer = TraceWriter(make_sessionmaker(engine), TraceSettings(queue_size=2,
+                                                                  overflow_size=1))
     try:  # not started: nothing drains the queue
-        results = [writer.submit(_rec("t2", i, 0, [1], [2])) for i in range(3)]
-        assert results == [True, True, False] and writer.dropped == 1
+        results = [writer.submit(_rec("t2", i, 0, [1], [2])) for i in range(4)]
+        assert results == [True, True, True, False] and writer.dropped == 1
+        assert writer.lost == {"memory_full": 1} and writer.memory_full
     finally:
         await engine.dispose()
 
