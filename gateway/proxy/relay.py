@@ -158,6 +158,7 @@ class Proxy:
         self.breaker = CircuitBreaker(rt.settings.upstream)
         server = rt.settings.server
         self.admission = Admission(server.max_in_flight, server.overload_retry_after_s)
+        rt.writer.calls_in_flight = lambda: self.admission.active
         self.memory = ResponseMemory(server.response_store_size, server.response_store_ttl_s)
         self.planner = PromptPlanner(rt.session, rt.settings.capture)
         rt.metrics.add_collector(self.admission.collect)

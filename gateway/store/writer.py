@@ -11,9 +11,10 @@ Nothing accepted is lost silently:
   process's spool file (off the event loop), replayed in order once the database answers
   again, and on the next start if the process stops first;
 - the spool unable to take them (full, a full or read-only disk): they stay in memory
-  (``queue_size + overflow_size`` records) and are retried; once memory is full too, the
-  gateway refuses model calls (:attr:`TraceWriter.refusal`) instead of answering calls it
-  could not record, and the records it could not keep are counted by reason (``lost``);
+  (``queue_size + overflow_size`` records) and are retried; once memory has no room left
+  for the calls in flight, the gateway refuses model calls (:attr:`TraceWriter.refusal`)
+  instead of answering calls it could not record (what still cannot be kept is counted
+  by reason in ``lost``);
 - a record the database rejects, or that cannot be encoded or decoded, is quarantined
   (:mod:`gateway.store.quarantine`): kept on disk, counted, logged, never the reason the
   writer stops;
@@ -39,7 +40,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -82,6 +83,9 @@ class TraceWriter(WriterLedger):
         self._high_water = asyncio.Event()
         self._backoff = settings.retry_backoff_s
         self._spool_log = RateLimit(ERROR_EVERY_S)
+        #: calls admitted and not yet submitted (the proxy's count): refusing new calls
+        #: while memory still has room for theirs means none of them is lost
+        self.calls_in_flight: Callable[[], int] = lambda: 0
 
     @property
     def queue_depth(self) -> int:
@@ -97,8 +101,11 @@ class TraceWriter(WriterLedger):
 
     @property
     def memory_full(self) -> bool:
-        """Records in memory (queued, overflowed, held) are at their bound."""
-        return self.queue_depth >= self._queue.maxsize + self._overflow_max
+        """Records in memory (queued, overflowed, held, in the batch) are at their bound."""
+        return self._in_memory() >= self._queue.maxsize + self._overflow_max
+
+    def _in_memory(self) -> int:
+        return self.queue_depth + len(self._inflight)
 
     @property
     def refusal(self) -> str | None:
@@ -110,7 +117,8 @@ class TraceWriter(WriterLedger):
         if not self.running:
             return (f"the trace writer failed ({self.failure}) and restarts in a moment; "
                     "calls are refused until it records again")
-        if self.memory_full:
+        room = self._queue.maxsize + self._overflow_max - self._in_memory()
+        if room <= self.calls_in_flight():  # each will bring a record: keep room for them
             return ("the trace buffer is full: the database is unreachable and the spool "
                     f"cannot take more ({self.spool_error or self.last_error})")
         return None

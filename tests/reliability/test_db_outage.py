@@ -3,8 +3,9 @@
 The outage is real: the gateway reaches Postgres through a TCP relay that is switched
 off (connections refused and cut) and on again. Serving must not notice; records wait
 in memory, then in the spool file, and all of them are in the database after recovery.
-A spool too small for the outage drops records, and says how many, in /status and
-/metrics.
+A spool too small for the outage fills memory next; then model calls are refused (503
+``recording_unavailable``) rather than answered unrecorded, and /ready, /status and
+/metrics say so.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ async def _load(url: str, prefix: str, stop: asyncio.Event,
     """WORKERS clients calling back to back until ``stop``; (answered, failed).
     ``started`` is set once every client's trajectory has had its first call answered:
     a trajectory's first call needs the store (docs/lifecycle.md, across a restart)."""
-    answered = failed = 0
+    answered = failed = refused = 0
     going: set[int] = set()
 
     async def worker(i: int) -> None:
-        nonlocal answered, failed
+        nonlocal answered, failed, refused
         async with httpx.AsyncClient(timeout=10) as http:
             n = 0
             while not stop.is_set():
@@ -56,6 +57,10 @@ async def _load(url: str, prefix: str, stop: asyncio.Event,
                         "messages": [{"role": "user", "content": f"turn {n}"}]}
                 r = await http.post(f"{url}/t/{prefix}{i}/v1/chat/completions", json=body)
                 ok = r.status_code == 200 and (not body["stream"] or "[DONE]" in r.text)
+                if r.status_code == 503 and "recording_unavailable" in r.text:
+                    refused += 1
+                    await asyncio.sleep(0.05)
+                    continue
                 answered += ok
                 failed += not ok
                 if ok:
@@ -64,7 +69,7 @@ async def _load(url: str, prefix: str, stop: asyncio.Event,
                         started.set()
 
     await asyncio.gather(*(worker(i) for i in range(WORKERS)))
-    return answered, failed
+    return answered, failed, refused
 
 
 def _metric(text: str, name: str) -> float:
@@ -118,8 +123,8 @@ async def test_15s_outage_under_load_loses_nothing(gateway, scripted, loop_threa
             loop_thread.run(relay.up())
             await asyncio.sleep(2)
             stop.set()
-            answered, failed = await load
-            assert failed == 0
+            answered, failed, refused = await load
+            assert failed == refused == 0
             assert answered > 1000  # it really was under load
             assert loop_thread.run(rt.writer.drain(60), timeout=70)
             assert rt.writer.dropped == 0 and rt.writer.db_ok
@@ -131,37 +136,47 @@ async def test_15s_outage_under_load_loses_nothing(gateway, scripted, loop_threa
 
 
 @pytest.mark.postgres
-async def test_full_spool_drops_are_counted_and_visible(gateway, scripted, loop_thread,
-                                                        postgres_url, tmp_path):
+async def test_a_spool_too_small_for_the_outage_refuses_calls_and_loses_none(
+        gateway, scripted, loop_thread, postgres_url, tmp_path):
+    """The spool fills (30 kB), then memory (50 + 100 records): from then on model calls
+    are refused with 503 ``recording_unavailable``, never answered unrecorded; every
+    answered call is stored once the database is back, and calls are taken again."""
     upstream, _ = scripted(Script(tokens=8))
     prefix = "dbfull-"
+    settings = _settings("", upstream, tmp_path, 30_000)
     with _relay(loop_thread) as relay:
-        via = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{relay.port}")
-        with gateway(_settings(via, upstream, tmp_path, 30_000)) as (url, rt):
+        settings.database_url = postgres_url.replace("127.0.0.1:5432",
+                                                     f"127.0.0.1:{relay.port}")
+        settings.traces.queue_size, settings.traces.overflow_size = 50, 100
+        with gateway(settings) as (url, rt):
             stop, started = asyncio.Event(), asyncio.Event()
             load = asyncio.create_task(_load(url, prefix, stop, started))
             await asyncio.wait_for(started.wait(), 60)
             loop_thread.run(relay.down())
-            await asyncio.sleep(3)
-            stop.set()
-            answered, failed = await load
-            assert failed == 0
-            # the last answered calls' records wait in memory until the writer's next
-            # retry, then go to the spool or are dropped: read the counters once every
-            # answered call's record is accounted for one way or the other
-            w, deadline = rt.writer, time.monotonic() + 10
-            while w.spooled + w.dropped + w.written < answered:
-                assert time.monotonic() < deadline, (answered, w.spooled, w.dropped, w.written)
-                await asyncio.sleep(0.1)
-            dropped = w.dropped
+            deadline = time.monotonic() + 30
             async with httpx.AsyncClient() as http:
+                while rt.writer.refusal is None:
+                    assert time.monotonic() < deadline, "memory never filled"
+                    await asyncio.sleep(0.1)
                 status = (await http.get(f"{url}/status")).json()["trace_writer"]
+                ready = await http.get(f"{url}/ready")
+                await asyncio.sleep(1)  # calls meet the refusal
+                loop_thread.run(relay.up())
+                await asyncio.sleep(2)  # recovered: calls are taken again
+                stop.set()
+                answered, failed, refused = await load
+                assert loop_thread.run(rt.writer.drain(60), timeout=70)
                 metrics = (await http.get(f"{url}/metrics")).text
-            assert dropped > 0
-            assert status["dropped"] == dropped
-            assert _metric(metrics, "rollout_gateway_trace_dropped") == dropped
-            loop_thread.run(relay.up())
-            assert loop_thread.run(rt.writer.drain(60), timeout=70)
+            assert status["recording"] is False and "trace buffer is full" in status["refusal"]
+            assert ready.status_code == 503 and "not recording" in ready.json()["reason"]
+            assert failed == 0 and refused > 0
+            assert _metric(metrics, "rollout_gateway_trace_recording") == 1.0
+            lost = rt.writer.lost["memory_full"]
+            assert rt.writer.dropped == lost  # calls in flight as memory filled: counted
+            assert _metric(metrics, 'rollout_gateway_trace_lost_total{reason="memory_full"}') \
+                == lost
         stored = await _count(postgres_url, prefix)
-        assert stored + dropped == answered  # every record is either stored or counted
-        assert stored > 0
+        assert stored + lost == answered  # every answered call stored, or counted
+        assert lost <= 16  # at most the calls that were in flight when memory filled
+        print(f"\nspool full: answered={answered} stored={stored} refused={refused} "
+              f"lost={lost}")
