@@ -6,6 +6,7 @@ the same batch gives the same samples."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -87,11 +88,13 @@ def database() -> Iterator[str]:
 
 @contextmanager
 def gateway(backends: list[str], shards: int, tmp: Path, env: dict[str, str] | None = None,
-            pool: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``serve`` (``shards`` 1) or ``serve --shards N`` on a fresh database, over
-    ``backends`` or the managed pool whose spec is at ``pool``; its URL."""
+            pool: Path | None = None, database_url: str | None = None,
+            ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``serve`` (``shards`` 1) or ``serve --shards N`` on a fresh database (or on
+    ``database_url``), over ``backends`` or the managed pool whose spec is at ``pool``; its
+    URL."""
     port = free_port_block(shards + 2)
-    with database() as db:
+    with contextlib.nullcontext(database_url) if database_url else database() as db:
         cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
                "--database-url", db, "--log-level", "warning",
                *(a for b in backends for a in ("--backend", b)),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from gateway.config import TraceSettings
 from gateway.store.db import make_engine, make_sessionmaker
