@@ -37,6 +37,18 @@ def _sum_dicts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _merge_writers(parts: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The shards' trace writers (by shard) as one: counts added; recording (and the
+    other flags) only when every shard's is; the first shard's reason where one has one,
+    prefixed ``s<shard>:``."""
+    out = _sum_dicts([p for _, p in parts])
+    for flag in ("recording", "running", "db_ok"):
+        out[flag] = all(p.get(flag, True) for _, p in parts)
+    for reason in ("refusal", "failure", "spool_error", "last_error", "quarantine_file"):
+        out[reason] = next((f"s{i}: {p[reason]}" for i, p in parts if p.get(reason)), None)
+    return out
+
+
 def _prefixed(shard: int, value: str | None) -> str | None:
     return None if value is None else f"s{shard}/{value}"
 
@@ -69,9 +81,7 @@ def merge_status(statuses: Sequence[dict[str, Any] | None],
         "backends": backends,
         "trajectories": _sum_dicts([s.get("trajectories", {}) for s in parts]),
         "scheduler": _sum_dicts([s.get("scheduler", {}) for s in parts]),
-        "trace_writer": {**_sum_dicts([s.get("trace_writer", {}) for s in parts]),
-                         "db_ok": all(s.get("trace_writer", {}).get("db_ok", True)
-                                      for s in parts)},
+        "trace_writer": _merge_writers([(i, s.get("trace_writer", {})) for i, s in up]),
         "restore": _sum_dicts([s.get("restore", {}) for s in parts]),
         "relayouts": first.get("relayouts"),
         "speeds": first.get("speeds"),
