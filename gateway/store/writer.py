@@ -330,6 +330,14 @@ class TraceWriter(WriterLedger):
         self._held.extendleft(reversed(refused))
         return False
 
+    async def _spill_queued(self) -> None:
+        """Move what waits in memory to the spool, holding it in ``_inflight`` meanwhile
+        (still counted in memory, and spooled by a stop that cancels this)."""
+        self._inflight = self._take_queued()
+        if self._inflight:
+            await self._spill(self._inflight)
+        self._inflight = []
+
     async def _wait_before_retry(self) -> None:
         await asyncio.sleep(self._backoff)
         self._backoff = min(self._backoff * 2, self._settings.retry_backoff_max_s)
@@ -350,9 +358,9 @@ class TraceWriter(WriterLedger):
                 if self._queue.qsize() * 2 >= self._queue.maxsize:
                     # calls keep coming while the backlog replays: queue them behind it
                     # (order kept) rather than let the memory queue overflow
-                    await self._spill(self._take_queued())
+                    await self._spill_queued()
                 continue
-            await self._spill(self._take_queued())
+            await self._spill_queued()
             await self._spill_while_waiting(backoff)
             backoff = min(backoff * 2, self._settings.retry_backoff_max_s)
 
@@ -366,4 +374,4 @@ class TraceWriter(WriterLedger):
                     await self._high_water.wait()
             except TimeoutError:
                 return
-            await self._spill(self._take_queued())
+            await self._spill_queued()
