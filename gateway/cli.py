@@ -253,8 +253,9 @@ def front(
     from gateway.shards.front import create_front_app
 
     settings = Settings()
-    uvicorn.run(create_front_app(shard, settings.admin_token, settings.shards), host=host,
-                port=port, log_level=log_level)
+    uvicorn.run(create_front_app(shard, settings.admin_token, settings.shards,
+                                 credentials=settings), host=host, port=port,
+                log_level=log_level)
 
 
 @app.command("haproxy-config")

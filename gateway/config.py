@@ -80,6 +80,17 @@ class RestoreSettings(BaseModel):
         "query (a batch start of hundreds of new trajectories costs one query)")
 
 
+class TrajectorySettings(BaseModel):
+    """Live trajectories in memory (gateway/trajectories/expiry.py). In seconds."""
+
+    idle_expire_s: float = Field(
+        1800.0, gt=0, description="a trajectory left unfinished, with no call queued or "
+        "running and none for this long, is forgotten: its memory is freed and the "
+        "policies stop counting it as running (a harness that died never finishes it). "
+        "Nothing recorded is lost: a later call of the id restores it from the store, as "
+        "after a restart")
+
+
 class DispatchSettings(BaseModel):
     """How the dispatcher holds calls it cannot place yet. All in seconds."""
 
@@ -117,9 +128,14 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, description="larger bodies get 413")
+    max_json_depth: int = Field(
+        64, ge=2, le=200, description="nesting of objects and arrays a model call's body may "
+        "have (the body itself is level 1); deeper is answered 400 at the door. Below the "
+        "255 levels the trace writer's JSON encoder takes, so a stored request never fails")
     response_store_size: int = Field(
         10_000, ge=1, description="Responses API: how many responses `previous_response_id` "
-        "can refer to (least recently used forgotten first)")
+        "can refer to (least recently used forgotten first; one sent with `store: false` "
+        "is not kept)")
     response_store_ttl_s: float = Field(
         3600.0, gt=0, description="Responses API: how long a stored response can be chained")
     cors_origins: list[str] = []
@@ -235,6 +251,7 @@ class Settings(BaseSettings):
     dispatch: DispatchSettings = DispatchSettings()
     capture: CaptureSettings = CaptureSettings()
     restore: RestoreSettings = RestoreSettings()
+    trajectories: TrajectorySettings = TrajectorySettings()
     shards: ShardSettings = ShardSettings()
 
     @field_validator("backends", "api_keys", mode="before")

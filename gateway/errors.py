@@ -19,6 +19,8 @@
     +-- PayloadTooLarge               (413)
     +-- Overloaded                    (429 / 503 with Retry-After)
     |   +-- Paused                    (429 while the pool is paused for weight sync)
+    |   +-- QueueTimeout              (503 with Retry-After: the call waited its whole
+    |                                  queue timeout in the gateway; nothing ran it)
     +-- UpstreamError                 (502 bad_gateway: a backend failed)
     |   +-- UpstreamTimeout           (504 gateway_timeout)
     +-- NoBackendAvailable            (503 service_unavailable)
@@ -134,6 +136,14 @@ class Paused(Overloaded):
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message, retry_after_s=retry_after_s, status=429)
+
+
+class QueueTimeout(Overloaded):
+    """The call waited ``queue_timeout_s`` in the gateway's queue without being placed:
+    the pool is too busy for it, and it can be sent again as it was (no engine is running
+    it, nothing was recorded). Not an :class:`UpstreamTimeout`: no engine was slow."""
+
+    code = "queue_timeout"
 
 
 class UpstreamError(GatewayError):

@@ -37,6 +37,7 @@ from gateway.store.ledger import LOSS_REASONS
 from gateway.store.quarantine import KINDS
 from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
+from gateway.trajectories.expiry import Expiry
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
 
@@ -204,7 +205,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         registry = BackendRegistry()
         for i, spec in enumerate(settings.backends):
             registry.add(parse_backend_spec(spec, i))
-        health = HealthChecker(registry, session, settings.upstream)
+        health = HealthChecker(registry, settings.upstream)
         await health.check_all()
         health.start()
         stack.push_async_callback(health.close)
@@ -226,6 +227,9 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         )
         rt.metrics.add_collector(rt.collect)
         stack.push_async_callback(rt.restorer.close)
+        expiry = Expiry(tracker, settings.trajectories)
+        expiry.start()
+        stack.push_async_callback(expiry.close)
         wire_scheduler(rt, scheduler)
         scheduler.start()
         stack.push_async_callback(scheduler.close)

@@ -21,11 +21,14 @@ from starlette.routing import Route
 
 @dataclass
 class Script:
-    mode: str = "ok"  # ok | hang | error500 | error400 | slow
+    mode: str = "ok"  # ok | hang | error500 | error500text | error501 | error400 | slow
     tokens: int = 5
     token_delay_s: float = 0.0
     tail_delay_s: float = 0.0  # between the last token and the end of the stream
     model: str = "scripted"
+    finish_reason: str = "length"
+    error_message: str = "boom"  # what error500 says
+    completions: bool = False  # /v1/completions too, for its error modes (answers chat-shaped)
 
 
 @dataclass
@@ -47,8 +50,15 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
             seen.closed_early += 1
             return Response(status_code=499)
         if script.mode == "error500":
-            return JSONResponse({"error": {"message": "boom", "type": "InternalServerError",
-                                           "param": None, "code": 500}}, status_code=500)
+            return JSONResponse({"error": {"message": script.error_message,
+                                           "type": "InternalServerError", "param": None,
+                                           "code": 500}}, status_code=500)
+        if script.mode == "error500text":  # a crashed server's page, not JSON
+            return Response(b"Internal Server Error", status_code=500, media_type="text/plain")
+        if script.mode == "error501":  # vLLM on a feature it does not implement
+            return JSONResponse({"error": {"message": "logit_bias is not supported",
+                                           "type": "NotImplementedError", "param": None,
+                                           "code": 501}}, status_code=501)
         if script.mode == "error400":  # the engine refusing the request (vLLM's shape)
             return JSONResponse({"object": "error", "message": "max_tokens is too large",
                                  "type": "BadRequestError", "param": None, "code": 400},
@@ -63,7 +73,7 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * len(ids)},
                          "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120],
                                                    "top_logprobs": []} for _ in ids]},
-                         "finish_reason": "length", "token_ids": ids}],
+                         "finish_reason": script.finish_reason, "token_ids": ids}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                       "total_tokens": len(prompt) + len(ids)},
             "prompt_token_ids": prompt,
@@ -79,7 +89,8 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
                 yield _sse({"choices": [{"index": 0, "delta": {"content": "x"},
                                          "logprobs": {"content": [{"token": "x", "logprob": -0.5,
                                                                    "top_logprobs": []}]},
-                                         "finish_reason": "length" if i == len(ids) - 1 else None,
+                                         "finish_reason": (script.finish_reason
+                                                           if i == len(ids) - 1 else None),
                                          "token_ids": [tok]}]})
             if script.tail_delay_s:
                 await asyncio.sleep(script.tail_delay_s)
@@ -95,8 +106,9 @@ def make_upstream(script: Script, seen: Seen) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": script.model, "object": "model"}]})
 
+    completions = [Route("/v1/completions", chat, methods=["POST"])] if script.completions else []
     return Starlette(routes=[
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]), *completions,
         Route("/health", health), Route("/v1/models", models),
     ])
 

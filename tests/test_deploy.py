@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,3 +51,11 @@ def test_compose_sharded_profile_is_valid():
     for service in ("shard0:", "shard1:", "front:", "haproxy-config:", "haproxy:"):
         assert service in out.stdout, service
     assert "http://shard0:8000" in out.stdout and "haproxy:2.6" in out.stdout
+
+
+def test_compose_vllm_has_the_routes_the_gateway_uses_and_keeps_them_private():
+    """Pause and weight updates need vLLM's dev-mode routes; those take no credential, so
+    the engine's port is not published (only the gateway reaches it)."""
+    vllm = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["vllm"]
+    assert str(vllm["environment"].get("VLLM_SERVER_DEV_MODE")) == "1"
+    assert "ports" not in vllm

@@ -175,7 +175,9 @@
       const e = b.engine || {};
       const tr = el("tr");
       const name = el("td");
-      name.append(el("b", {}, b.id), el("span", { class: "url" }, b.url));
+      name.append(el("b", {}, b.id));
+      // the engine's address is in /status for the operator only (docs/status-page.md)
+      if (b.url) name.append(el("span", { class: "url" }, b.url));
       const state = el("td");
       state.append(el("span", { class: "state " + stateClass(b), title: b.last_error || "" },
         b.healthy ? b.state : "unhealthy"));

@@ -26,7 +26,9 @@ _SUFFIX = "/v1/messages/count_tokens"
 
 
 async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
-    body = parse_door(await read_body(request, rt.settings.server.max_body_bytes))
+    server = rt.settings.server
+    body = parse_door(await read_body(request, server.max_body_bytes),
+                      max_depth=server.max_json_depth)
     proxy.resolve_alias(body)
     model = body["model"]
     rt.dispatcher.check_model(model)

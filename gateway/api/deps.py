@@ -7,7 +7,7 @@ Each role includes the ones below it:
   samples, scoped keys) and model calls;
 - **harness**: model calls (``/v1``) only, with a key of ``API_KEYS`` (any trajectory) or
   a key scoped to one trajectory (:mod:`gateway.trajectories.keys`), whose calls can
-  name no other trajectory;
+  name no other trajectory and no group but the key's own;
 - **public**: health, status, metrics, the status page, the OpenAPI document.
 
 With no credential configured (``Settings.auth_enabled`` false; only loopback allows it)
@@ -144,13 +144,9 @@ def authorize(request: Request, role: Role) -> Principal:
 
 
 def check_scope(scope: ScopedKey, trajectory_id: str | None, group_id: str | None) -> None:
-    """403 when a call of a scoped key names another trajectory (or group) in its URL."""
-    if trajectory_id is not None and trajectory_id != scope.trajectory_id:
-        raise Forbidden(f"this key is for trajectory {scope.trajectory_id!r}; the call names "
-                        f"{trajectory_id!r}")
-    if group_id is not None and scope.group_id is not None and group_id != scope.group_id:
-        raise Forbidden(f"this key is for group {scope.group_id!r}; the call names "
-                        f"{group_id!r}")
+    """403 when a call of a scoped key names another trajectory or group in its URL (any
+    group, for a key minted without one): before its body is read."""
+    scope.check(trajectory_id=trajectory_id, group_id=group_id)
 
 
 def is_admin(request: Request) -> bool:

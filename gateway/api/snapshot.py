@@ -21,11 +21,15 @@ EVENTS_SHOWN = 50
 RATE_WINDOW_S = 5.0
 
 
-def backend_row(rt: Runtime, b: Backend) -> dict[str, Any]:
-    """One pool instance: registry facts plus what its engine reported at the last scrape."""
+def backend_row(rt: Runtime, b: Backend, *, with_url: bool) -> dict[str, Any]:
+    """One pool instance: registry facts plus what its engine reported at the last scrape.
+
+    ``url`` only ``with_url`` (the operator's view): an engine's own routes (pause, weight
+    updates, in vLLM's dev mode) take no credential, so its address is not public."""
     stats = rt.monitor.engines.get(b.id)
     return {
-        "id": b.id, "url": b.url, "tp": b.tp or 1, "gpus": list(b.gpus), "state": b.state.value,
+        "id": b.id, **({"url": b.url} if with_url else {}), "tp": b.tp or 1,
+        "gpus": list(b.gpus), "state": b.state.value,
         "healthy": b.healthy, "routable": b.routable, "source": b.source,
         "in_flight": b.in_flight, "served": b.served, "failures": b.failures,
         "models": sorted(b.models), "last_error": b.last_error,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from gateway.api.deps import get_rt
+from gateway.api.deps import get_rt, is_admin
 from gateway.api.snapshot import backend_row, live_view, phase_counts
 from gateway.policies.registry import LIVE_NAMES
 from gateway.readiness import readiness
@@ -40,13 +40,15 @@ async def metrics(rt: Runtime = Depends(get_rt)) -> Response:
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/status", summary="Live state of the pool, trajectories and trace writer")
-async def status(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    return status_body(rt)
+@router.get("/status", summary="Live state of the pool, trajectories and trace writer "
+            "(backend URLs for the operator only)")
+async def status(request: Request, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
+    return status_body(rt, with_urls=is_admin(request))
 
 
-def status_body(rt: Runtime) -> dict[str, Any]:
-    """The status page's data (also sent by ``/status/stream``); shape in docs/status-page.md."""
+def status_body(rt: Runtime, *, with_urls: bool) -> dict[str, Any]:
+    """The status page's data (also sent by ``/status/stream``); shape in docs/status-page.md.
+    ``with_urls``: the engines' addresses too, for the operator (see :func:`backend_row`)."""
     states = list(rt.tracker)
     sched = rt.dispatcher.scheduler
     return {
@@ -54,7 +56,7 @@ def status_body(rt: Runtime) -> dict[str, Any]:
         "policies": list(LIVE_NAMES),  # what PUT /admin/policy accepts (the page offers them)
         "weight_version": rt.weight_version,
         "paused": rt.dispatcher.gate.paused,
-        "backends": [backend_row(rt, b) for b in rt.registry],
+        "backends": [backend_row(rt, b, with_url=with_urls) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},
         "scheduler": {"queued": sched.queue_depth, "dispatched": sched.dispatched,
                       "faults": sched.faults, "stalls": sched.stalls,

@@ -75,7 +75,8 @@ class AbortRequest(BaseModel):
 
 class KeyRequest(BaseModel):
     group_id: str | None = Field(None, max_length=128, description="bind the key to this "
-                                 "GRPO group too (calls naming another group are 403)")
+                                 "GRPO group too; without one its calls have no group. "
+                                 "Either way a call naming another group is 403")
 
 
 def _live(rt: Runtime, trajectory_id: str) -> LiveView | None:

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 
-from gateway.api.deps import get_rt
+from gateway.api.deps import get_rt, is_admin
 from gateway.api.status import status_body
 from gateway.errors import NotFound
 from gateway.runtime import Runtime
@@ -66,17 +66,20 @@ async def asset(name: str) -> Response:
 @router.get("/status/stream", summary="The /status JSON as server-sent events",
             response_class=StreamingResponse)
 async def status_stream(
+    request: Request,
     rt: Runtime = Depends(get_rt),
     interval: float = Query(1.0, ge=0.25, le=10.0, description="seconds between events"),
 ) -> StreamingResponse:
-    return StreamingResponse(status_events(rt, interval), media_type="text/event-stream",
+    events = status_events(rt, interval, with_urls=is_admin(request))
+    return StreamingResponse(events, media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def status_events(rt: Runtime, interval: float,
+async def status_events(rt: Runtime, interval: float, *, with_urls: bool,
                         lifetime: float = STREAM_LIFETIME_S) -> AsyncIterator[bytes]:
     yield b"retry: 1000\n\n"
     deadline = time.monotonic() + lifetime
     while rt.ready and time.monotonic() < deadline:
-        yield b"event: status\ndata: " + orjson.dumps(status_body(rt)) + b"\n\n"
+        body = status_body(rt, with_urls=with_urls)
+        yield b"event: status\ndata: " + orjson.dumps(body) + b"\n\n"
         await asyncio.sleep(interval)

@@ -151,9 +151,10 @@ class RolloutClient:
             time.sleep(self._cfg.poll_interval_s)
 
     def mint_key(self, trajectory_id: str, group_id: str | None = None) -> str:
-        """A harness key for this trajectory only (and ``group_id``, if given): hand the
-        harness ``OPENAI_BASE_URL={gateway}/v1`` and ``OPENAI_API_KEY=<key>``; its calls
-        are tagged with the trajectory, and a call naming another one is refused."""
+        """A harness key for this trajectory only (and ``group_id``, if given: without
+        one its calls have no group): hand the harness ``OPENAI_BASE_URL={gateway}/v1``
+        and ``OPENAI_API_KEY=<key>``; its calls are tagged with the trajectory, and a call
+        naming another trajectory or group is refused."""
         return self._send(Endpoints.mint_key(trajectory_id, group_id))
 
     def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:

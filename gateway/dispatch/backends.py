@@ -20,6 +20,7 @@ import orjson
 
 from backends.base import InstanceState
 from gateway.config import UpstreamSettings
+from gateway.http_session import make_health_session
 from gateway.loops import Periodic
 
 log = logging.getLogger(__name__)
@@ -178,17 +179,17 @@ def model_ids(reply: object) -> set[str]:
 
 
 class HealthChecker:
-    """Polls ``/health`` and ``/v1/models`` of every backend; marks them (un)healthy."""
+    """Polls ``/health`` and ``/v1/models`` of every backend; marks them (un)healthy.
 
-    def __init__(
-        self,
-        registry: BackendRegistry,
-        session: aiohttp.ClientSession,
-        settings: UpstreamSettings,
-    ) -> None:
+    The checks go through connections of their own (:func:`make_health_session`, opened
+    at the first check, closed by :meth:`close`), never the relay's shared pool: a pool
+    full of streams must not make a working backend look down."""
+
+    def __init__(self, registry: BackendRegistry, settings: UpstreamSettings) -> None:
         self._registry = registry
-        self._session = session
         self._settings = settings
+        self._own: aiohttp.ClientSession | None = None
+        self._closed = False
         self.loop = Periodic("health-checker", self.check_all, settings.health_interval_s,
                              immediately=True, logger=log)
 
@@ -196,18 +197,28 @@ class HealthChecker:
         self.loop.start()
 
     async def close(self) -> None:
+        self._closed = True
         await self.loop.close()
+        if self._own is not None:
+            await self._own.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("the health checker is closed")
+        if self._own is None:
+            self._own = make_health_session(self._settings)
+        return self._own
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(b) for b in self._registry))
 
     async def check(self, backend: Backend) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout_s)
+        session = self._session()
         try:
-            async with self._session.get(f"{backend.url}/health", timeout=timeout) as resp:
+            async with session.get(f"{backend.url}/health") as resp:
                 ok = resp.status == 200
             if ok and (not backend.models or not backend.healthy):
-                async with self._session.get(f"{backend.url}/v1/models", timeout=timeout) as r:
+                async with session.get(f"{backend.url}/v1/models") as r:
                     backend.models = model_ids(orjson.loads(await r.read()))
         except GarbledReply as exc:
             ok = False

@@ -40,9 +40,9 @@ from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, traj
 from gateway.errors import (
     NoBackendAvailable,
     Overloaded,
+    QueueTimeout,
     SchedulingFailed,
     TrajectoryFinished,
-    UpstreamTimeout,
 )
 from gateway.loops import Periodic
 from gateway.policies.base import (
@@ -188,9 +188,10 @@ class Scheduler:
                 return await fut
         except TimeoutError:
             self._give_back(fut)
-            raise UpstreamTimeout(
-                f"call waited {self.settings.queue_timeout_s:g}s in the gateway queue"
-            ) from None
+            raise QueueTimeout(
+                f"call waited {self.settings.queue_timeout_s:g}s in the gateway queue "
+                "without being placed; nothing ran it, send it again",
+                retry_after_s=self.settings.overload_retry_after_s) from None
         except asyncio.CancelledError:
             self._give_back(fut)
             raise

@@ -1,25 +1,47 @@
 """Reading and checking request bodies before a call is tagged or queued (a 413 past the
-size limit, a 400 naming the offending field), and the message of an engine's error body."""
+size limit, a 400 naming the offending field or the limit it exceeds), and the message of
+an engine's error body.
+
+What passes here is what the record of the call can hold: no nesting deeper than the
+trace writer's encoder takes (``max_json_depth``) and no model name longer than its
+column, so a call the gateway answers is never one it cannot store.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
+from sqlalchemy import String
 from starlette.requests import Request
 
 from gateway.envelopes import openai_error_body
 from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.store.models import Call
 
 
-def parse_door(raw: bytes) -> dict[str, Any]:
+def stored_chars(column: str) -> int:
+    """The length of the ``calls`` table's string column ``column``: what a call's record
+    can hold of it (Postgres refuses the whole batch for one value that is longer)."""
+    kind = Call.__table__.c[column].type
+    if not isinstance(kind, String) or kind.length is None:
+        raise TypeError(f"calls.{column} is not a string column of bounded length")
+    return kind.length
+
+
+#: the longest model name a call's record holds
+MAX_MODEL_CHARS = stored_chars("model")
+_NESTS = frozenset((dict, list))
+
+
+def parse_door(raw: bytes, *, max_depth: int) -> dict[str, Any]:
     """A front door's body: a JSON object with a model (the door checks the rest)."""
-    body = _json_body(raw)
+    body = _json_body(raw, max_depth)
     _check_stream(body)
     return body
 
 
-def _json_body(raw: bytes) -> dict[str, Any]:
+def _json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     """The body as a JSON object naming a model, or a 400 that says what is wrong."""
     try:
         body = orjson.loads(raw)
@@ -27,9 +49,33 @@ def _json_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
+    if json_depth(body, stop_after=max_depth) > max_depth:
+        raise BadRequest(f"request body nests objects and arrays deeper than {max_depth} "
+                         "levels (ROLLOUT_GATEWAY_SERVER__MAX_JSON_DEPTH)")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise BadRequest(f"'model' is longer than {MAX_MODEL_CHARS} characters",
+                         param="model")
     return body
+
+
+def json_depth(value: Any, *, stop_after: int) -> int:
+    """How deep objects and arrays nest in ``value`` as ``orjson.loads`` makes it (a
+    scalar is 0, ``{}`` is 1), counted one level at a time without recursion; past
+    ``stop_after`` it stops and answers ``stop_after + 1``, so a hostile body costs no
+    more than an allowed one (about 2 ms for 2,000 messages, less than parsing them)."""
+    level = [value] if type(value) in _NESTS else []
+    depth = 0
+    while level and depth <= stop_after:
+        depth += 1
+        below: list[Any] = []
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            below.extend([c for c in children if type(c) in _NESTS])
+        level = below
+    return depth
 
 
 def _check_stream(body: dict[str, Any]) -> None:
@@ -50,9 +96,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def parse_request(raw: bytes, *, chat: bool) -> dict[str, Any]:
+def parse_request(raw: bytes, *, chat: bool, max_depth: int) -> dict[str, Any]:
     """The body as a dict, or a 400 that names the offending field."""
-    body = _json_body(raw)
+    body = _json_body(raw, max_depth)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):

@@ -13,6 +13,7 @@ from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.proxy.admission import Slot
+from gateway.proxy.bodies import stored_chars
 from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
 from gateway.proxy.live import live_calls
@@ -138,9 +139,11 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
         attempt=ctx.state.attempt,
         endpoint=ctx.endpoint, model=str(ctx.body.get("model")),
-        weight_version=ctx.weight_version, started_at=ctx.started_wall,
-        backend_id=ctx.lease.backend.id, backend_url=ctx.lease.backend.url,
-        tp=ctx.lease.backend.tp or 1, status=status, finish_reason=cap.finish_reason,
+        weight_version=_fit(ctx.weight_version, "weight_version"), started_at=ctx.started_wall,
+        backend_id=_fit(ctx.lease.backend.id, "backend_id"),
+        backend_url=_fit(ctx.lease.backend.url, "backend_url"),
+        tp=ctx.lease.backend.tp or 1, status=status,
+        finish_reason=cap.finish_reason and _fit(cap.finish_reason, "finish_reason"),
         error=_describe(error), queued_ms=(dispatched - ctx.arrived) * 1000,
         ttft_ms=(ctx.first_byte - dispatched) * 1000 if ctx.first_byte and ctx.stream else None,
         total_ms=(now - ctx.arrived) * 1000,
@@ -220,6 +223,17 @@ def _attach_text(rt: Runtime, ctx: CallContext, rec: CallRecord) -> None:
 def _usage(usage: dict[str, Any] | None, key: str) -> int | None:
     value = usage.get(key) if usage else None
     return value if isinstance(value, int) else None
+
+
+#: what the ``calls`` columns hold of the strings an engine or the pool decides (the
+#: engine's finish reason and weight label, a backend's id and URL): longer ones are cut
+#: here, since one value too long makes Postgres refuse the record's whole batch
+_COLUMN_CHARS = {name: stored_chars(name)
+                 for name in ("finish_reason", "weight_version", "backend_id", "backend_url")}
+
+
+def _fit(value: str, column: str) -> str:
+    return value[:_COLUMN_CHARS[column]]
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
+from gateway.envelopes import openai_error_body
 from gateway.errors import GatewayError, RecordingUnavailable, UpstreamError
 from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
@@ -215,12 +216,14 @@ class Proxy:
                        path_group: str | None) -> CallContext:
         """Read, check and tag the call: the context it runs with."""
         arrived = time.monotonic()
-        raw = await read_body(request, self.rt.settings.server.max_body_bytes)
+        server = self.rt.settings.server
+        raw = await read_body(request, server.max_body_bytes)
         door: Translation | None = None
         if endpoint.door is None:
-            body = client_body = parse_request(raw, chat=endpoint.chat)
+            body = client_body = parse_request(raw, chat=endpoint.chat,
+                                               max_depth=server.max_json_depth)
         else:
-            client_body = parse_door(raw)
+            client_body = parse_door(raw, max_depth=server.max_json_depth)
             door = (ResponsesCall(client_body, self.memory) if endpoint.door == "responses"
                     else MessagesCall(client_body, self.memory))
             body = door.chat_body
@@ -296,15 +299,19 @@ class Proxy:
         finally:
             upstream.close()
         status = upstream.status if upstream.status < 500 else 502
+        said = upstream_message(data)
         error = UpstreamError(f"upstream answered {upstream.status}: "
-                              f"{data[:300].decode(errors='replace')}")
+                              f"{said or data[:300].decode(errors='replace')}")
         end(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
         if ctx.door is not None:  # the engine's message, in the door's error shape
-            error.message = upstream_message(data) or error.message
+            error.message = said or error.message
             error.status_code = status
             data = ctx.door.error_body(error)
         elif status < 500:  # the engine's message, in OpenAI's shape (vLLM's differs)
             data = openai_4xx_body(data, status)
+        else:  # never the engine's own body, whatever it is: the gateway's 502
+            data = openai_error_body(error.message, error_type=error.error_type,
+                                     code=error.code)
         return Response(data, status_code=status, media_type="application/json",
                         headers=ctx.headers)
 

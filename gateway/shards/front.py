@@ -22,9 +22,12 @@ everything else here. The front keeps no trajectory state; it asks the shards:
 * **Engines move between shards** on request or, with ``shards.rebalance_s`` set, on the
   front's own judgement (:mod:`gateway.shards.moves`, :mod:`gateway.shards.rebalance`).
 
-The front authenticates nothing itself: it forwards the caller's credentials, and each
-shard checks them. Its own lookups (live views, flushes) use the admin token it was
-started with, the shards' own.
+The front forwards the caller's credentials, and each shard checks them. Its own lookups
+(live views, flushes) use the admin token it was started with, the shards' own, so on the
+trajectory and group routes it first checks the caller as a shard would (the same
+settings, :func:`gateway.api.deps.authorize`): a caller without the trainer's credential
+gets its 401 or 403 at once, and never makes every shard flush its writer (a flush waits
+for the store, up to minutes while it is down, and holds the shards' admin API meanwhile).
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.api.deps import Access, Role, authorize
+from gateway.api.errors import error_response
 from gateway.api.web import PAGE_HEADERS, STREAM_LIFETIME_S, asset_path
-from gateway.config import ShardSettings
+from gateway.config import Settings, ShardSettings
+from gateway.errors import GatewayError
 from gateway.shards.fanout import admin_routes
 from gateway.shards.merge import EVENTS_SHOWN, merge_metrics, merge_status
 from gateway.shards.rebalance import Rebalancer, rebalance_routes
@@ -56,10 +62,14 @@ from gateway.shards.shardset import (
 
 def create_front_app(shards: Sequence[str], admin_token: str | None,
                      settings: ShardSettings | None = None,
-                     persist: Persist | None = None) -> FastAPI:
+                     persist: Persist | None = None, *,
+                     credentials: Settings | None = None) -> FastAPI:
     """The front's app over ``shards`` (their base URLs, in shard order); ``settings``
     say when it moves engines between shards on its own (default: never); ``persist``
-    records a shard's pool after engines moved (``serve --shards``: its spec file)."""
+    records a shard's pool after engines moved (``serve --shards``: its spec file);
+    ``credentials``: the shards' settings, whose tokens and keys the front checks callers
+    against (default: the admin token alone)."""
+    access = Access(credentials or Settings(admin_token=admin_token))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -68,7 +78,7 @@ def create_front_app(shards: Sequence[str], admin_token: str | None,
         app.state.front, app.state.rebalancer = front, rebalancer
         front.tasks.add(asyncio.create_task(rebalancer.run(), name="rebalancer"))
         try:
-            yield {"front": front}
+            yield {"front": front, "access": access}
         finally:
             await front.close()
 
@@ -149,9 +159,21 @@ def _status_routes(app: FastAPI) -> None:
                         headers=PAGE_HEADERS)
 
 
+def _denied(request: Request) -> Response | None:
+    """The shards' 401 or 403 for a caller without the trainer's credential, answered by
+    the front before it asks the shards anything with its own token; None if allowed."""
+    try:
+        authorize(request, Role.TRAINER)
+    except GatewayError as exc:
+        return error_response(request, exc)
+    return None
+
+
 def _trajectory_routes(app: FastAPI) -> None:
     @app.get("/trajectories")
     async def list_all(request: Request) -> Response:
+        if (denied := _denied(request)) is not None:
+            return denied
         front = front_of(request)
         await front.flush()
         answers = await front.every("GET", "/trajectories", headers=forwarded_headers(request),
@@ -167,6 +189,8 @@ def _trajectory_routes(app: FastAPI) -> None:
     @app.get("/groups/{group_id}/samples")
     async def group_samples(request: Request, group_id: str) -> Response:
         """The shards' long poll, with every writer flushed before each look."""
+        if (denied := _denied(request)) is not None:
+            return denied
         front = front_of(request)
         params = dict(request.query_params)
         wait = min(float(params.pop("timeout_s", 30.0)), 300.0)
@@ -195,6 +219,8 @@ def _trajectory_routes(app: FastAPI) -> None:
 async def _on_owner(request: Request, trajectory_id: str, suffix: str) -> Response:
     """Forward to the shard that holds the trajectory (after a flush when it reads the
     store); the first shard when none does."""
+    if (denied := _denied(request)) is not None:
+        return denied
     front = front_of(request)
     owner = await front.owner(trajectory_id)
     if request.method == "GET":

@@ -143,10 +143,18 @@ def record_pool(plan: ShardPlan, shard: int, pool: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def shard_env(plan: ShardPlan) -> dict[str, str]:
+SPOOL_ENV = "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH"
+
+
+def shard_env(plan: ShardPlan, shard: int) -> dict[str, str]:
+    """Shard ``shard``'s environment. Each shard owns its spool file (a second process
+    is refused one another holds): a configured spool path becomes one per shard."""
     env = dict(os.environ)
     env["ROLLOUT_GATEWAY_DATABASE_URL"] = plan.database_url
     env["ROLLOUT_GATEWAY_AUTO_MIGRATE"] = "false"  # applied once, here
+    if env.get(SPOOL_ENV):
+        path = Path(env[SPOOL_ENV])
+        env[SPOOL_ENV] = str(path.with_name(f"{path.stem}.shard{shard}{path.suffix}"))
     return env
 
 
@@ -209,11 +217,11 @@ async def run(plan: ShardPlan) -> int:
     from gateway.store.db import upgrade
 
     await asyncio.to_thread(upgrade, plan.database_url)
-    env = shard_env(plan)
     cmds = shard_commands(plan)
     for i, cmd in enumerate(cmds):  # how to restart one by hand
         log.info("shard %d: %s", i, " ".join(cmd))
-    procs = [await asyncio.create_subprocess_exec(*cmd, env=env) for cmd in cmds]
+    procs = [await asyncio.create_subprocess_exec(*cmd, env=shard_env(plan, i))
+             for i, cmd in enumerate(cmds)]
     urls = [f"http://127.0.0.1:{plan.shard_port(i)}" for i in range(plan.shards)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -224,9 +232,10 @@ async def run(plan: ShardPlan) -> int:
     proxy: asyncio.subprocess.Process | None = None
     try:
         await _wait_healthy(urls, procs)
-        token = Settings().admin_token
+        shared = Settings()  # the shards' own environment: their tokens and keys
         persist = functools.partial(record_pool, plan) if plan.pool is not None else None
-        config = uvicorn.Config(create_front_app(urls, token, plan.front, persist),
+        config = uvicorn.Config(create_front_app(urls, shared.admin_token, plan.front,
+                                                 persist, credentials=shared),
                                 host="127.0.0.1",
                                 port=plan.front_port, log_level="warning", lifespan="on")
         front = _front_server()(config)

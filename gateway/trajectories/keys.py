@@ -10,6 +10,11 @@ while the secret stays the same), and a harness needs nothing but the base URL a
 key: the key names its trajectory. Parsing (:func:`parse_key`) and verifying
 (:meth:`KeySigner.verify`) are separate on purpose: what a key *names* may only narrow a
 call (tagging binds the call to it), while what it *grants* is decided by the signature.
+
+A key binds its group as it binds its trajectory: minted with a group, its calls are in
+that group; minted without one, they are in none. The group decides whose samples a
+trainer compares a trajectory's reward with (GRPO), so a harness that could choose it
+could put its trajectory beside any other group's (:meth:`ScopedKey.check`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from gateway.errors import Forbidden
+
 PREFIX = "rgk-"
 _DOMAIN = b"rollout-gateway trajectory key v1\x00"
 
@@ -28,6 +35,18 @@ _DOMAIN = b"rollout-gateway trajectory key v1\x00"
 class ScopedKey:
     trajectory_id: str
     group_id: str | None
+
+    def check(self, *, trajectory_id: str | None = None, group_id: str | None = None) -> None:
+        """403 unless what a call names (None: names nothing) is this key's own trajectory
+        and group; a key minted without a group lets a call name none."""
+        if trajectory_id is not None and trajectory_id != self.trajectory_id:
+            raise Forbidden(f"this key is for trajectory {self.trajectory_id!r}; the call "
+                            f"names {trajectory_id!r}", param="trajectory_id")
+        if group_id is not None and group_id != self.group_id:
+            owned = (f"group {self.group_id!r}" if self.group_id is not None
+                     else "no group (it was minted without one)")
+            raise Forbidden(f"this key is for {owned}; the call names group {group_id!r}",
+                            param="group_id")
 
 
 def _b64(data: bytes) -> str:

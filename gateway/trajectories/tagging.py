@@ -12,10 +12,16 @@ Sources, first match wins:
 A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` header.
 
 A harness key scoped to one trajectory (:mod:`gateway.trajectories.keys`) names its
-trajectory (and group, when minted with one) itself: the call belongs to it, and a path,
-header or ``metadata`` that names another is a 403 (``user``, a free-form field many SDKs
-fill, is then ignored). The key's signature was checked by the route's credential check
-before the call got here; what it names can only narrow a call, never widen it.
+trajectory and its group itself: the call belongs to them, and a path, header or
+``metadata`` that names another trajectory or group is a 403 (``user``, a free-form field
+many SDKs fill, is then ignored). A key minted without a group gives its calls none, so a
+call that names one is refused too: the harness does not choose its GRPO group. The key's
+signature was checked by the route's credential check before the call got here; what it
+names can only narrow a call, never widen it.
+
+Each id header (and each credential header) is read once: a request carrying one twice
+is a 400, since a proxy in front (HAProxy in a sharded gateway) may read the other copy
+and send the trajectory's calls to two places (:mod:`gateway.shards.haproxy`).
 """
 
 from __future__ import annotations
@@ -24,13 +30,22 @@ import hashlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.errors import Forbidden, InvalidTrajectoryId
+from gateway.errors import BadRequest, InvalidTrajectoryId
 from gateway.schema.ids import ID_PATTERN
 from gateway.trajectories.keys import ScopedKey, named_by
 
 PLACEHOLDER_KEYS = frozenset({"", "empty", "none", "null", "dummy", "fake", "x", "token-abc123"})
+#: headers a request may carry once: the ids, and the credentials a scoped key comes in
+SINGLE_HEADERS = ("x-trajectory-id", "x-session-id", "x-group-id", "authorization",
+                  "x-api-key")
+
+
+class HeaderList(Protocol):
+    """Request headers as Starlette's ``Headers`` holds them: every value of a name."""
+
+    def getlist(self, key: str) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +65,20 @@ def validate_id(value: str, *, what: str = "trajectory_id") -> str:
             param=what,
         )
     return value
+
+
+def single_headers(headers: HeaderList) -> dict[str, str]:
+    """The value of each of :data:`SINGLE_HEADERS` the request carries; 400 for one it
+    carries twice (see the module docstring)."""
+    out = {}
+    for name in SINGLE_HEADERS:
+        values = headers.getlist(name)
+        if len(values) > 1:
+            raise BadRequest(f"the request carries {len(values)} {name} headers: send one",
+                             param=name)
+        if values:
+            out[name] = values[0]
+    return out
 
 
 def _presented_key(headers: Mapping[str, str]) -> str | None:
@@ -86,7 +115,7 @@ def identify(
     *,
     path_trajectory: str | None,
     path_group: str | None,
-    headers: Mapping[str, str],
+    headers: HeaderList,
     body: Mapping[str, Any],
     api_keys_enabled: bool = False,
 ) -> Identity:
@@ -94,21 +123,22 @@ def identify(
 
     ``api_keys_enabled``: credentials are configured, so the bearer is a credential and
     never a session id."""
+    one = single_headers(headers)
     body_traj, body_group = _body_ids(body)
-    key = _presented_key(headers)
+    key = _presented_key(one)
     scoped = named_by(key) if key else None
     if scoped is not None:
-        return _bound(scoped, [path_trajectory, headers.get("x-trajectory-id"),
-                               headers.get("x-session-id"), _metadata_session(body)],
-                      [path_group, headers.get("x-group-id"), body_group])
+        return _bound(scoped, [path_trajectory, one.get("x-trajectory-id"),
+                               one.get("x-session-id"), _metadata_session(body)],
+                      [path_group, one.get("x-group-id"), body_group])
     traj = (
         path_trajectory
-        or headers.get("x-trajectory-id")
-        or headers.get("x-session-id")
+        or one.get("x-trajectory-id")
+        or one.get("x-session-id")
         or _bearer_session(key, api_keys_enabled)
         or body_traj
     )
-    group = path_group or headers.get("x-group-id") or body_group
+    group = path_group or one.get("x-group-id") or body_group
     if group is not None:
         validate_id(group, what="group_id")
     if traj is None:
@@ -124,22 +154,15 @@ def _metadata_session(body: Mapping[str, Any]) -> str | None:
 
 def _bound(scoped: ScopedKey, trajectories: list[str | None],
            groups: list[str | None]) -> Identity:
-    """The identity of a scoped key's call: its own trajectory, or 403 when the call
-    names another (or another group, for a key minted with one)."""
+    """The identity of a scoped key's call: its own trajectory and group (none for a key
+    minted without one), or 403 when the call names another."""
     for named in trajectories:
-        if named is not None and named != scoped.trajectory_id:
-            raise Forbidden(f"this key is for trajectory {scoped.trajectory_id!r}; the call "
-                            f"names {named!r}", param="trajectory_id")
-    group = next((g for g in groups if g is not None), None)
+        scoped.check(trajectory_id=named)
+    for named in groups:
+        scoped.check(group_id=named)
     if scoped.group_id is not None:
-        for named in groups:
-            if named is not None and named != scoped.group_id:
-                raise Forbidden(f"this key is for group {scoped.group_id!r}; the call "
-                                f"names {named!r}", param="group_id")
-        group = scoped.group_id
-    if group is not None:
-        validate_id(group, what="group_id")
-    return Identity(validate_id(scoped.trajectory_id), group)
+        validate_id(scoped.group_id, what="group_id")
+    return Identity(validate_id(scoped.trajectory_id), scoped.group_id)
 
 
 def prompt_identity(body: Mapping[str, Any]) -> str:

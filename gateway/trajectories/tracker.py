@@ -129,7 +129,9 @@ class Tracker:
     ``live`` holds the trajectories a policy should consider: seen, not finished, and not
     a one-call untagged trajectory whose call is over. Retired trajectories (finished, or
     untagged and done) are kept for the status page, the ``retain_retired`` most recent
-    only, so a gateway serving for days holds memory for its live batch, not its history.
+    only, so a gateway serving for days holds memory for its live batch, not its history;
+    live ones left idle are forgotten by :meth:`expire` (a harness that died never
+    finishes its trajectory).
     """
 
     def __init__(self, capacity: int = 100_000, retain_retired: int = 2_000) -> None:
@@ -215,6 +217,16 @@ class Tracker:
             old = self._states.get(victim)
             if old is not None and not old.in_flight and not old.queued:
                 self._forget(victim)
+
+    def expire(self, idle_since: float) -> list[str]:
+        """Forget the unfinished trajectories with no call queued or running and none
+        ended (without one: none started) after ``idle_since``; returns their ids. A
+        later call of one restores it from the store (gateway/trajectories/expiry.py)."""
+        gone = [tid for tid, s in self.live.items() if not s.in_flight and not s.queued
+                and (s.created_at if s.last_call_end is None else s.last_call_end) < idle_since]
+        for tid in gone:
+            self._forget(tid)
+        return gone
 
     def _forget(self, victim: str) -> None:
         gone = self._states.pop(victim)

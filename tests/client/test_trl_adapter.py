@@ -91,7 +91,8 @@ def test_rows_are_the_gateway_samples(gateway: GatewayFactory, sqlite_url: str,
         push = gw.push(_Model())
         assert push.version == "1" == gw.version and Path(push.path, "config.json").exists()
         assert set(push.phases) >= {"pause", "update", "resume"}
-        status = httpx.get(f"{gw_url}/status", timeout=10).json()
+        status = httpx.get(f"{gw_url}/status", timeout=10,  # URLs for the operator only
+                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
         assert status["weight_version"] == "1"
         for b in status["backends"]:
             info = httpx.get(f"{b['url']}/weight_info", timeout=10).json()

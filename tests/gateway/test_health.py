@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from gateway.config import UpstreamSettings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, model_ids
+from tests.scripted_upstream import Script
 from tests.servers import free_port, serve_app, stop_app
 
 
@@ -54,22 +57,21 @@ async def test_a_models_reply_that_is_a_list_marks_the_backend_unhealthy_and_che
     registry = BackendRegistry()
     backend = registry.add(Backend(id="b0", url=url))
     settings = UpstreamSettings(health_interval_s=0.05, health_timeout_s=2.0)
-    async with aiohttp.ClientSession() as session:
-        checker = HealthChecker(registry, session, settings)
-        checker.start()
-        try:
-            await until(lambda: backend.consecutive_failures >= 3)
-            assert checker.loop.running and checker.loop.failures == 0
-            assert not backend.healthy and not backend.models
-            assert backend.last_error is not None and "JSON list" in backend.last_error
-            garbled = [r for r in caplog.records if "/v1/models answered" in r.getMessage()]
-            assert len(garbled) == 1 and "b0" in garbled[0].getMessage()  # once, not per round
+    checker = HealthChecker(registry, settings)
+    checker.start()
+    try:
+        await until(lambda: backend.consecutive_failures >= 3)
+        assert checker.loop.running and checker.loop.failures == 0
+        assert not backend.healthy and not backend.models
+        assert backend.last_error is not None and "JSON list" in backend.last_error
+        garbled = [r for r in caplog.records if "/v1/models answered" in r.getMessage()]
+        assert len(garbled) == 1 and "b0" in garbled[0].getMessage()  # once, not per round
 
-            reply["models"] = {"object": "list", "data": [{"id": "m", "object": "model"}]}
-            await until(lambda: backend.healthy)
-            assert backend.models == {"m"} and backend.consecutive_failures == 0
-        finally:
-            await checker.close()
+        reply["models"] = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        await until(lambda: backend.healthy)
+        assert backend.models == {"m"} and backend.consecutive_failures == 0
+    finally:
+        await checker.close()
     assert not checker.loop.running
 
 
@@ -84,3 +86,31 @@ def test_replies_not_shaped_like_a_model_list_are_garbled(reply: object) -> None
 def test_model_ids_of_openai_shaped_replies() -> None:
     assert model_ids({"data": [{"id": "a"}, {"id": "b"}, {"object": "model"}]}) == {"a", "b"}
     assert model_ids({}) == set()  # an object without data lists no model, as before
+
+
+def test_health_checks_pass_while_the_relays_pool_is_full(scripted, gateway_at, sqlite_url):
+    """The relay's pool (2 connections here, 4,096 by default) full of long streams: the
+    checks have connections of their own, so a working backend stays healthy and one added
+    now is found healthy (sharing the pool, each check would time out waiting for it)."""
+    busy, seen = scripted(Script(tokens=5, token_delay_s=0.8))
+    other, _ = scripted(Script())
+    upstream = {"max_connections": 2, "health_timeout_s": 0.5}
+    with gateway_at(sqlite_url, [busy], upstream=upstream) as gw:
+        body = {"model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        streams = [threading.Thread(target=httpx.post, args=(f"{gw}/v1/chat/completions",),
+                                    kwargs={"json": body, "timeout": 30}) for _ in range(2)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(seen.bodies) < 2:  # both connections of the pool are streaming
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        added = httpx.post(f"{gw}/admin/backends", json={"url": other}, timeout=10).json()
+        time.sleep(1.2)  # six rounds of the busy backend's checks (every 0.2 s)
+        rows = {b["id"]: b for b in httpx.get(f"{gw}/status").json()["backends"]}
+        assert seen.completed == 0  # still streaming: the pool is still full
+        assert added["healthy"] is True, added
+        assert rows["b0"]["healthy"] is True, rows["b0"]
+        for t in streams:
+            t.join(30)

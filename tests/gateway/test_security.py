@@ -207,6 +207,61 @@ def test_a_key_for_one_trajectory(gateway_at, scripted, sqlite_url):
         assert r.status_code == 401
 
 
+def test_a_key_minted_without_a_group_puts_its_calls_in_none(gateway_at, scripted,
+                                                              sqlite_url):
+    """A harness does not choose its GRPO group: a key minted without one gives its calls
+    none, and a call that names one anywhere is refused before anything runs."""
+    upstream, seen = scripted(Script())
+    with gateway_at(sqlite_url, [upstream], trainer_token=TRAINER) as url, \
+            httpx.Client(base_url=url) as http:
+        victim = http.post("/trajectories/victim/key", json={"group_id": "vg"},
+                           headers=_auth(TRAINER)).json()["key"]
+        attacker = http.post("/trajectories/attacker/key", headers=_auth(TRAINER)).json()["key"]
+        assert http.post("/v1/chat/completions", json=CHAT,
+                         headers=_auth(victim)).status_code == 200
+        sent = len(seen.bodies)
+        for path, headers, body in [
+            ("/g/vg/t/attacker/v1/chat/completions", {}, CHAT),  # the raw route
+            ("/g/vg/t/attacker/v1/responses", {}, BODIES["responses"]),
+            ("/g/vg/t/attacker/v1/models", {}, None),
+            ("/v1/chat/completions", {"X-Group-Id": "vg"}, CHAT),
+            ("/v1/messages", {"X-Group-Id": "vg"}, BODIES["messages"]),
+            ("/v1/chat/completions", {}, {**CHAT, "metadata": {"group_id": "vg"}}),
+        ]:
+            method = "GET" if path.endswith("/models") else "POST"
+            r = http.request(method, path, json=body, headers={**_auth(attacker), **headers})
+            assert r.status_code == 403, (path, headers, body, r.text)
+            err = r.json()["error"]  # (Anthropic's envelope, on /messages, has no param)
+            assert err.get("param", "group_id") == "group_id" and "'vg'" in err["message"]
+        assert len(seen.bodies) == sent
+        r = http.post("/v1/chat/completions", json=CHAT, headers=_auth(attacker))
+        assert r.status_code == 200 and r.headers["x-trajectory-id"] == "attacker"
+        for tid in ("victim", "attacker"):
+            assert http.post(f"/trajectories/{tid}/finish", json={"reward": 1.0},
+                             headers=_auth(TRAINER)).status_code == 200
+        group = http.get("/groups/vg/samples", headers=_auth(TRAINER)).json()
+        assert group["trajectory_ids"] == ["victim"], group["trajectory_ids"]
+        got = http.get("/trajectories/attacker", headers=_auth(TRAINER)).json()
+        assert got["group_id"] is None
+
+
+def test_an_id_header_sent_twice_is_refused(gateway_at, scripted, sqlite_url):
+    """Two copies of an id header: a proxy in front may route on the other one (HAProxy
+    reads the last), so the call is refused before it is tagged or run."""
+    upstream, seen = scripted(Script())
+    with gateway_at(sqlite_url, [upstream]) as url, httpx.Client(base_url=url) as http:
+        for name in ("X-Trajectory-Id", "X-Session-ID", "X-Group-Id"):
+            for path in ("/v1/chat/completions", "/v1/responses"):
+                body = BODIES[path.removeprefix("/v1/")]
+                r = http.post(path, json=body, headers=[(name, "t-a"), (name, "t-b")])
+                assert r.status_code == 400, (name, path, r.text)
+                assert r.json()["error"]["param"] == name.lower()
+        assert seen.bodies == []
+        assert http.get("/trajectories", params={"limit": 10}).json()["data"] == []
+        r = http.post("/v1/chat/completions", json=CHAT, headers=[("X-Trajectory-Id", "t-a")])
+        assert r.status_code == 200 and r.headers["x-trajectory-id"] == "t-a"
+
+
 def test_the_bearer_is_never_a_session_id_once_credentials_exist(gateway_at, scripted,
                                                                   sqlite_url):
     upstream, _ = scripted(Script())

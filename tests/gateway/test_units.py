@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from starlette.datastructures import Headers
 
-from gateway.errors import InvalidTrajectoryId
+from gateway.errors import BadRequest, InvalidTrajectoryId
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.sse import SSEDecoder
 from gateway.trajectories.tagging import identify
@@ -13,7 +14,9 @@ from gateway.trajectories.tools import parse_outcomes
 
 
 def _id(path=None, group=None, headers=None, body=None, keys=False):
-    return identify(path_trajectory=path, path_group=group, headers=headers or {},
+    raw = headers.items() if isinstance(headers, dict) else headers or []
+    return identify(path_trajectory=path, path_group=group,
+                    headers=Headers(raw=[(k.lower().encode(), v.encode()) for k, v in raw]),
                     body=body or {}, api_keys_enabled=keys)
 
 
@@ -32,6 +35,18 @@ def test_bearer_placeholders_and_api_keys_do_not_tag():
         ident = _id(headers={"authorization": f"Bearer {key}"})
         assert ident.generated and ident.trajectory_id.startswith("auto-")
     assert _id(headers={"authorization": "Bearer traj-7"}, keys=True).generated
+
+
+@pytest.mark.parametrize("name", ["X-Trajectory-Id", "X-Session-ID", "X-Group-Id",
+                                  "Authorization", "x-api-key"])
+def test_an_id_or_key_header_sent_twice_is_refused(name):
+    """A proxy in front may read the other copy (HAProxy reads the last): refused."""
+    _id(headers=[(name, "one")])  # once is fine
+    with pytest.raises(BadRequest, match=f"2 {name.lower()} headers") as err:
+        _id(headers=[(name, "one"), (name, "two")])
+    assert err.value.status_code == 400 and err.value.param == name.lower()
+    with pytest.raises(BadRequest):  # the same value twice too: one is the rule
+        _id(path="t1", headers=[(name, "t1"), (name, "t1")])
 
 
 @pytest.mark.parametrize("bad", ["has space", "x" * 129, "-lead", "ü", "a/b"])

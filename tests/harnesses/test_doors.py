@@ -61,6 +61,35 @@ def test_responses_tool_turn_then_text(scripted_gateway, chain, closing):
     check_exact_trace(scripted_gateway, traj, [_responses_seen(first), _responses_seen(second)])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_with_store_false_are_not_kept(scripted_gateway, stream, closing):
+    """``store: false``: the gateway keeps nothing of the response, so a later call cannot
+    chain to it, and is answered as OpenAI answers an unknown previous response (404)."""
+    traj = _traj()
+    client = closing(openai.OpenAI(base_url=f"{scripted_gateway}/t/{traj}/v1", api_key="EMPTY"))
+    if stream:
+        with client.responses.stream(model=MODEL, input="list the files", store=False) as s:
+            first = s.get_final_response()
+    else:
+        first = client.responses.create(model=MODEL, input="list the files", store=False)
+    assert first.status == "completed" and first.store is False and first.output_text
+    unknown = _post(scripted_gateway, traj, input="go on", previous_response_id="resp_unknown")
+    forgotten = _post(scripted_gateway, traj, input="go on", previous_response_id=first.id)
+    assert forgotten.status_code == unknown.status_code == 404, forgotten.text
+    want = unknown.json()["error"]
+    assert forgotten.json()["error"] == {
+        **want, "message": want["message"].replace("resp_unknown", first.id)}
+    assert want["param"] == "previous_response_id"
+    # stored by default (or when asked): chained
+    for store in ({}, {"store": True}):
+        kept = client.responses.create(model=MODEL, input="list the files", **store)
+        assert kept.store is True
+        assert client.responses.create(model=MODEL, input="go on",
+                                       previous_response_id=kept.id).status == "completed"
+    calls = httpx.get(f"{scripted_gateway}/trajectories/{traj}").json()["calls"]
+    assert len(calls) == 5  # the unkept response's call is recorded like any other
+
+
 def test_responses_streaming_events(scripted_gateway, closing):
     traj = _traj()
     client = closing(openai.OpenAI(base_url=f"{scripted_gateway}/v1", api_key="EMPTY",

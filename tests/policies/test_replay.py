@@ -181,6 +181,27 @@ def test_a_live_pool_is_relaid_out_once_idle_and_never_mid_step() -> None:
     assert change is not None and "TP1" in change.reason
 
 
+def test_a_step_closes_once_its_abandoned_trajectory_expired() -> None:
+    """A harness that died leaves its trajectory in a tool gap for good. The driver
+    forgets it after an idle time (gateway/trajectories/expiry.py) and the policy learns
+    that from the snapshot alone, where it is no longer: the step closes without it, and
+    its partial turns are no part of the sample the next layout is chosen on."""
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
+    _run_step(policy, 128, POOR)
+    abandoned = _with(traj("gone", turns=1, context=60_000), last_output_tokens=50_000,
+                      phase=Phase.TOOL)
+    policy.observe(abandoned, {}, 4.0)  # type: ignore[arg-type]
+    pool = [inst("a", tp=8, cap=256), inst("b", tp=8, cap=256)]
+    for now in (10.0, 1e4, 1e6):  # not yet expired: it may come back, however long
+        waiting = snapshot(now, pool, [abandoned])  # type: ignore[list-item]
+        assert policy.plan(_speeds(waiting, POOR)) is None
+    expired = snapshot(1e6, pool, [])
+    change = policy.plan(_speeds(expired, POOR))
+    assert change is not None and change.launch == (1,) * 16, change
+    assert len(policy.planner.recorder.sample) == 128  # the finished ones only
+
+
 def test_the_decode_step_follows_the_fitted_curve_where_the_straight_line_misses() -> None:
     from backends.sim.profiles import load_profile
     from gateway.dispatch.speeds import fit_speed

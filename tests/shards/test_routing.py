@@ -1,7 +1,8 @@
 """The generated HAProxy configuration routes as documented, checked against real HAProxy
-with two stand-in shards and a stand-in front that answer their own names: a call goes by
-its group wherever it carries it (path, header, scoped key), else by its trajectory, and
-everything that is not a model call goes to the front."""
+with three stand-in shards and a stand-in front that answer their own names: a call goes
+by its trajectory wherever it carries it (path with or without a group, header, scoped
+key), else by its group header; an id header sent twice is refused; everything that is
+not a model call goes to the front."""
 
 from __future__ import annotations
 
@@ -67,41 +68,59 @@ def b64(text: str) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
 
-def where(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[str, str]:
+def where(url: str, path: str, headers: dict[str, str] | list[tuple[str, str]] | None = None
+          ) -> tuple[str, str]:
     r = httpx.post(f"{url}{path}", headers=headers or {}, json={}, timeout=10)
+    assert r.headers.get("x-shard", r.text) == r.text  # the shard that answered, named
     return r.text, r.headers.get("x-shard-key", "")
 
 
-def test_a_group_routes_alike_wherever_the_call_carries_it(proxy: str) -> None:
-    for g in (f"grp-{k}" for k in range(12)):
+def test_a_trajectory_routes_alike_wherever_the_call_carries_it(proxy: str) -> None:
+    """A harness may mix the forms call by call (with and without its group, a header, a
+    key): every call of the trajectory must reach the one shard that holds it."""
+    for t in (f"traj-{k}" for k in range(12)):
         ways = [
-            where(proxy, f"/g/{g}/t/traj-a/v1/chat/completions"),
-            where(proxy, "/v1/chat/completions", {"x-group-id": g, "x-trajectory-id": "b"}),
-            where(proxy, "/t/traj-c/v1/chat/completions", {"x-group-id": g}),
-            where(proxy, "/v1/chat/completions",
-                  {"authorization": f"Bearer rgk-{b64('traj-d')}.{b64(g)}.{b64('mac')}"}),
-            where(proxy, "/v1/messages", {"x-api-key": f"rgk-{b64('e')}.{b64(g)}.{b64('m')}"}),
-        ]
-        assert {key for _, key in ways} == {g}, ways
-        assert len({shard for shard, _ in ways}) == 1, ways
-
-
-def test_without_a_group_the_trajectory_routes(proxy: str) -> None:
-    t = "traj-77"
-    ways = [where(proxy, f"/t/{t}/v1/completions"),
-            where(proxy, "/v1/chat/completions", {"x-trajectory-id": t}),
+            where(proxy, f"/g/grp-a/t/{t}/v1/chat/completions"),
+            where(proxy, f"/g/grp-b/t/{t}/v1/responses", {"x-group-id": "grp-c"}),
+            where(proxy, f"/t/{t}/v1/chat/completions"),
+            where(proxy, f"/t/{t}/v1/messages", {"x-group-id": "grp-a"}),
+            where(proxy, f"/t/{t.replace('-', '%2D')}/v1/completions"),  # as Starlette decodes
+            where(proxy, "/v1/chat/completions", {"x-trajectory-id": t, "x-group-id": "g"}),
             where(proxy, "/v1/chat/completions", {"x-session-id": t}),
             where(proxy, "/v1/chat/completions", {"authorization": f"Bearer {t}"}),
             where(proxy, "/v1/chat/completions",
-                  {"authorization": f"Bearer rgk-{b64(t)}..{b64('mac')}"})]
-    assert {key for _, key in ways} == {t} and len({s for s, _ in ways}) == 1, ways
+                  {"authorization": f"Bearer rgk-{b64(t)}.{b64('grp-a')}.{b64('mac')}"}),
+            where(proxy, "/v1/messages", {"x-api-key": f"rgk-{b64(t)}..{b64('m')}"}),
+        ]
+        assert {key for _, key in ways} == {t}, ways
+        assert len({shard for shard, _ in ways}) == 1, ways
     for placeholder in ("EMPTY", "sk-proj-123", "dummy"):  # never a routing key
         assert where(proxy, "/v1/chat/completions",
                      {"authorization": f"Bearer {placeholder}"})[1] == ""
 
 
-def test_groups_spread_over_the_shards(proxy: str) -> None:
-    shards = [where(proxy, f"/g/grp-{k}/t/x/v1/chat/completions")[0] for k in range(60)]
+def test_without_a_trajectory_the_group_header_routes(proxy: str) -> None:
+    """A trajectory tagged only in the body: the proxy sees its group header alone."""
+    assert where(proxy, "/v1/chat/completions", {"x-group-id": "grp-9"})[1] == "grp-9"
+    assert where(proxy, "/v1/chat/completions",
+                 {"x-group-id": "grp-9", "authorization": "Bearer EMPTY"})[1] == "grp-9"
+
+
+def test_an_id_or_key_header_sent_twice_is_refused_at_the_proxy(proxy: str) -> None:
+    """HAProxy would route on the last copy and the gateway read the first: a 400 in
+    OpenAI's envelope, as the gateway answers, and no shard sees the call."""
+    for name in ("x-trajectory-id", "X-Session-ID", "x-group-id", "authorization",
+                 "x-api-key"):
+        r = httpx.post(f"{proxy}/v1/chat/completions", json={}, timeout=10,
+                       headers=[(name, "Bearer t-a"), (name, "Bearer t-b")])
+        assert r.status_code == 400, (name, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    # one of each is fine, and the comma is no separator: the whole value is the id
+    assert where(proxy, "/v1/chat/completions", [("x-trajectory-id", "a,b")])[1] == "a,b"
+
+
+def test_trajectories_spread_over_the_shards(proxy: str) -> None:
+    shards = [where(proxy, f"/g/grp-1/t/traj-{k}/v1/chat/completions")[0] for k in range(60)]
     assert {"s0", "s1", "s2"} == set(shards)
     assert min(shards.count(s) for s in ("s0", "s1", "s2")) >= 8, shards
 

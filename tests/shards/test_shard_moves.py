@@ -117,21 +117,16 @@ def inventories(http: httpx.Client) -> list[list[int]]:
 ADMIN = {"authorization": "Bearer adm-secret"}
 
 
-async def _owners(url: str, shard_urls: list[str], gids: list[str]) -> dict[str, int]:
-    """The shard each group is routed to, found with one call per group."""
-    out = {}
-    async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as http, \
-            httpx.AsyncClient(timeout=10, headers=ADMIN) as probe:
-        for gid in gids:
-            await agent(http, gid, f"{gid}-probe", turns=1)
-            for i, s in enumerate(shard_urls):
-                if (await probe.get(f"{s}/trajectories/{gid}-probe/live")).status_code == 200:
-                    out[gid] = i
-    return out
+def owners(url: str, tids: list[str]) -> dict[str, int]:
+    """The shard each trajectory is routed to, as HAProxy names it (``x-shard``), asked
+    with a call that starts nothing (``GET /t/{id}/v1/models``)."""
+    with httpx.Client(base_url=url, timeout=30, headers=ADMIN) as http:
+        return {t: int(http.get(f"/t/{t}/v1/models").headers["x-shard"].removeprefix("s"))
+                for t in tids}
 
 
 def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(tmp_path: Path) -> None:
-    """A batch whose groups all hash to shard 0: the front moves shard 1's managed
+    """A batch whose trajectories all hash to shard 0: the front moves shard 1's managed
     instances there on its own (release, adopt), and every sample stays exact."""
     spec = tmp_path / "pool.yaml"
     spec.write_text(yaml.safe_dump({
@@ -149,11 +144,10 @@ def test_the_rebalancer_moves_engines_to_the_shard_whose_calls_wait(tmp_path: Pa
             assert anonymous.get("/admin/rebalance").status_code == 401
             assert anonymous.put("/admin/rebalance", json={"ratio": 0.5}).status_code == 401
         assert http.get("/admin/rebalance").json()["enabled"] is True
-        shard_urls = [s["url"] for s in http.get("/status").json()["shards"]]
-        owners = asyncio.run(_owners(url, shard_urls, [f"grp-{k}" for k in range(16)]))
-        heavy = sorted(g for g, s in owners.items() if s == 0)[:5]
-        assert len(heavy) >= 3, owners
-        ids = {g: [f"{g}-{m}" for m in range(4)] for g in heavy}  # all on shard 0
+        routed = owners(url, [f"heavy-{k}" for k in range(60)])
+        heavy = sorted(t for t, s in routed.items() if s == 0)[:20]
+        assert len(heavy) >= 12, routed
+        ids = {f"grp-{g}": heavy[g::5] for g in range(5)}  # all on shard 0
 
         async def skewed() -> None:
             async with httpx.AsyncClient(base_url=url, timeout=120, headers=ADMIN) as c:

@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.web.conftest import ADMIN_TOKEN
+from gateway.app import create_app
+from tests.servers import app_in_thread
+from tests.web.conftest import ADMIN_TOKEN, gateway_settings
 
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,3 +147,27 @@ def test_every_exposed_metric_is_documented(scripted_gateway):
     missing = sorted(n for n in families if n.startswith("rollout_gateway_") and n not in doc)
     assert not missing
     assert len(families) >= 20
+
+
+def _stream_first(gw: str, headers: dict[str, str]) -> dict:
+    with httpx.stream("GET", f"{gw}/status/stream", params={"interval": 0.25}, headers=headers,
+                      timeout=10) as r:
+        return next(json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: "))
+
+
+def test_backend_urls_are_shown_to_the_operator_only(scripted_gateway, loop_thread,
+                                                     sqlite_url):
+    """An engine's dev-mode routes take no credential: its address is not public."""
+    gw, _ = scripted_gateway
+    for headers in ({}, {"authorization": "Bearer not-the-token"}):
+        for status in (httpx.get(f"{gw}/status", headers=headers).json(),
+                       _stream_first(gw, headers)):
+            (row,) = status["backends"]
+            assert "url" not in row and row["id"] == "b0", row
+    for status in (httpx.get(f"{gw}/status", headers=AUTH).json(), _stream_first(gw, AUTH)):
+        assert status["backends"][0]["url"].startswith("http://127.0.0.1:")
+    # no credential configured (loopback only): every caller is the operator, as on /admin
+    up = next(b["url"] for b in httpx.get(f"{gw}/admin/backends", headers=AUTH).json()["data"])
+    settings = gateway_settings(sqlite_url, [up], admin_token=None)
+    with app_in_thread(loop_thread, lambda: create_app(settings)) as open_gw:
+        assert httpx.get(f"{open_gw}/status").json()["backends"][0]["url"] == up

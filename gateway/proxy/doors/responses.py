@@ -7,9 +7,12 @@ are dropped: see ``responses_tools``), ``tool_choice``, ``previous_response_id``
 the gateway's bounded memory), ``max_output_tokens``, sampling fields, ``text.format``
 json_schema, logprobs on ``output_text`` parts (``include:
 ["message.output_text.logprobs"]`` or ``top_logprobs``), and streaming with the SDK's
-event sequence. ``store``, ``reasoning``, ``prompt_cache_key`` and the other fields that
-only steer OpenAI's own servers are accepted and echoed or ignored. Non-text inputs
-answer 400 naming what is missing.
+event sequence. ``store: false`` is honoured: the response is not kept, so no later
+``previous_response_id`` finds it (the answer is that of an unknown id, as OpenAI gives
+it), and a client that sends its whole input each turn holds no gateway memory.
+``reasoning``, ``prompt_cache_key`` and the other fields that only steer OpenAI's own
+servers are accepted and echoed or ignored. Non-text inputs answer 400 naming what is
+missing.
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ class ResponsesCall:
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "text": b.get("text") or {"format": {"type": "text"}},
             "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-            "truncation": "disabled", "store": b.get("store", True) is not False,
+            "truncation": "disabled", "store": self.stored,
             "usage": _usage(usage),
         }
 
@@ -228,7 +231,15 @@ class ResponsesCall:
             items.append(self.tools.item(c, _new_id("fc")))
         return items
 
+    @property
+    def stored(self) -> bool:
+        """Whether the client lets the response be kept (``store``, true by default)."""
+        return self.request.get("store", True) is not False
+
     def _remember(self, text: str, calls: list[dict[str, Any]]) -> None:
+        """Keep the conversation for ``previous_response_id``, unless ``store: false``;
+        the raw argument strings of its tool calls either way (small, and a client that
+        does not store sends the calls back in its next input)."""
         msg: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             msg["tool_calls"] = [{"id": c.get("id"), "type": "function",
@@ -237,7 +248,8 @@ class ResponsesCall:
                 args = (c.get("function") or {}).get("arguments")
                 if isinstance(args, str) and c.get("id"):
                     self.memory.put_arguments(str(c["id"]), args)
-        self.memory.put(self.id, [*self.messages, msg])
+        if self.stored:
+            self.memory.put(self.id, [*self.messages, msg])
 
     def _keep_logprobs(self, lp: Any, text_chars: int) -> list[dict[str, Any]]:
         """The entries of a chat ``logprobs`` that cover output text up to ``text_chars``
