@@ -204,15 +204,17 @@ def export(
     group_id: Annotated[str | None, typer.Option(help="only this group")] = None,
     branches: Annotated[str, typer.Option(
         help="which branches of a trajectory become rows: all (every generated token once, "
-        "under loss mask 1), main (the branch of its last call) or longest")] = "all",
+        "under loss mask 1), main (the task's conversation, trained whole), longest, or "
+        "tree (a row per trajectory: its branches as one prefix tree, each token once)")
+    ] = "all",
 ) -> None:
     """Export finished trajectories as training samples (a row per branch)."""
     from gateway.store.export import export_samples
 
     if fmt not in ("jsonl", "parquet"):
         raise typer.BadParameter("--format must be jsonl or parquet")
-    if branches not in ("all", "main", "longest"):
-        raise typer.BadParameter("--branches must be all, main or longest")
+    if branches not in ("all", "main", "longest", "tree"):
+        raise typer.BadParameter("--branches must be all, main, longest or tree")
     url = database_url or Settings().database_url
     count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id,
                                        branches=branches))

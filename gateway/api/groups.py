@@ -1,6 +1,7 @@
 """Group API: wait for a GRPO group to finish and answer all its samples in one response.
 
-``GET /groups/{group_id}/samples?count=N&timeout_s=T`` holds the request (a bounded long
+``GET /groups/{group_id}/samples?count=N&timeout_s=T`` (or ``/trees``, each trajectory
+as one prefix tree: :mod:`gateway.store.trees`) holds the request (a bounded long
 poll) until ``N`` trajectories of the group are finished, then answers the samples of
 every finished trajectory of the group, each trajectory's branches together (as
 ``GET /trajectories/{id}/samples`` gives them). A trainer thus makes one request per
@@ -21,9 +22,10 @@ from fastapi.responses import JSONResponse
 from gateway.api.deps import get_rt, require_trainer
 from gateway.errors import Conflict
 from gateway.runtime import Runtime
-from gateway.schema.samples import GroupSamples, Sample
+from gateway.schema.samples import GroupSamples, GroupTrees, Sample, SampleTree
 from gateway.store import queries
 from gateway.store.samples import build_samples
+from gateway.store.trees import build_tree
 from gateway.trajectories.tagging import validate_id
 
 router = APIRouter(prefix="/groups", tags=["groups"], dependencies=[Depends(require_trainer)])
@@ -62,26 +64,19 @@ async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
     return [tid for _, tid, _ in out], [s for _, _, built in out for s in built]
 
 
-@router.get("/{group_id}/samples", summary="Wait until a group has `count` finished "
-            "trajectories, then every branch of each as a training sample",
-            response_model=GroupSamples, responses={408: _TIMEOUT_DOC})
-async def group_samples(
-    group_id: str,
-    count: int | None = Query(None, ge=1, le=MAX_COUNT, description="wait until this many "
-                              "of the group's trajectories are finished (default: answer "
-                              "at once with those finished)"),
-    timeout_s: float = Query(30.0, ge=0, le=MAX_WAIT_S, description="how long to wait; "
-                             "then 408 with how many were finished"),
-    branches: Literal["all", "main", "longest"] = Query(
-        "all", description="all branches, the main one, or the one with the most "
-        "generated tokens (docs/token-capture.md)"),
-    max_staleness: int | None = Query(None, ge=0, description="answer 409 if a "
-                                      "generated token is more versions behind than this"),
-    current_version: str | None = Query(None, max_length=128, description="staleness is "
-                                        "measured against this (default: the gateway's "
-                                        "weight version)"),
-    rt: Runtime = Depends(get_rt),
-) -> GroupSamples | JSONResponse:  # the 408 is sent as is
+_COUNT = Query(None, ge=1, le=MAX_COUNT, description="wait until this many of the group's "
+               "trajectories are finished (default: answer at once with those finished)")
+_TIMEOUT = Query(30.0, ge=0, le=MAX_WAIT_S, description="how long to wait; then 408 with "
+                 "how many were finished")
+_MAX_STALENESS = Query(None, ge=0, description="answer 409 if a generated token is more "
+                       "versions behind than this")
+_CURRENT = Query(None, max_length=128, description="staleness is measured against this "
+                 "(default: the gateway's weight version)")
+
+
+async def _wait(rt: Runtime, group_id: str, count: int | None,
+                timeout_s: float) -> list[str] | JSONResponse:
+    """The ids of the group's finished trajectories once ``count`` are, or the 408."""
     validate_id(group_id, what="group_id")
     deadline = time.monotonic() + timeout_s
     while len(ids := await _finished(rt, group_id)) < (count or 0):
@@ -92,11 +87,66 @@ async def group_samples(
                 "group_id": group_id, "count": count, "finished": len(ids),
                 "trajectory_ids": ids})
         await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    return ids
+
+
+def _check_staleness(group_id: str, stale: int, bound: int | None) -> None:
+    if bound is not None and stale > bound:
+        raise Conflict(f"group {group_id!r} is {stale} versions stale (bound {bound})",
+                       param="max_staleness")
+
+
+@router.get("/{group_id}/samples", summary="Wait until a group has `count` finished "
+            "trajectories, then every branch of each as a training sample",
+            response_model=GroupSamples, responses={408: _TIMEOUT_DOC})
+async def group_samples(
+    group_id: str,
+    count: int | None = _COUNT,
+    timeout_s: float = _TIMEOUT,
+    branches: Literal["all", "main", "longest"] = Query(
+        "all", description="all branches, the main one, or the one with the most "
+        "generated tokens (docs/token-capture.md)"),
+    max_staleness: int | None = _MAX_STALENESS,
+    current_version: str | None = _CURRENT,
+    rt: Runtime = Depends(get_rt),
+) -> GroupSamples | JSONResponse:  # the 408 is sent as is
+    ids = await _wait(rt, group_id, count, timeout_s)
+    if isinstance(ids, JSONResponse):
+        return ids
     ordered, built = await _group_samples(
         rt, ids, branches=branches, current_version=current_version or rt.weight_version)
-    stale = max((s.max_staleness or 0 for s in built), default=0)
-    if max_staleness is not None and stale > max_staleness:
-        raise Conflict(f"group {group_id!r} is {stale} versions stale (bound "
-                       f"{max_staleness})", param="max_staleness")
+    _check_staleness(group_id, max((s.max_staleness or 0 for s in built), default=0),
+                     max_staleness)
     return GroupSamples(group_id=group_id, finished=len(ordered), trajectory_ids=ordered,
                         data=built)
+
+
+@router.get("/{group_id}/trees", summary="Wait until a group has `count` finished "
+            "trajectories, then each as a prefix tree (each token once)",
+            response_model=GroupTrees, responses={408: _TIMEOUT_DOC})
+async def group_trees(
+    group_id: str,
+    count: int | None = _COUNT,
+    timeout_s: float = _TIMEOUT,
+    max_staleness: int | None = _MAX_STALENESS,
+    current_version: str | None = _CURRENT,
+    rt: Runtime = Depends(get_rt),
+) -> GroupTrees | JSONResponse:
+    ids = await _wait(rt, group_id, count, timeout_s)
+    if isinstance(ids, JSONResponse):
+        return ids
+    rows: list[tuple[Any, SampleTree]] = []
+    async with rt.sessionmaker() as session:
+        for tid in ids:
+            traj = await queries.get_trajectory(session, trajectory_id=tid)
+            if traj is None:
+                continue
+            calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
+            rows.append((traj.created_at, build_tree(
+                traj, calls, current_version=current_version or rt.weight_version)))
+    rows.sort(key=lambda row: (row[0], row[1].trajectory_id))
+    trees = [t for _, t in rows]
+    _check_staleness(group_id, max((t.max_staleness or 0 for t in trees), default=0),
+                     max_staleness)
+    return GroupTrees(group_id=group_id, finished=len(trees),
+                      trajectory_ids=[t.trajectory_id for t in trees], data=trees)

@@ -16,7 +16,7 @@ from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
 from gateway.errors import Conflict, Forbidden, NotFound
 from gateway.proxy.aborts import abort_trajectory
 from gateway.runtime import Runtime
-from gateway.schema.samples import Sample, SampleList
+from gateway.schema.samples import Sample, SampleList, SampleTree
 from gateway.schema.trajectories import (
     CallTrace,
     FinishedTrajectory,
@@ -29,8 +29,9 @@ from gateway.schema.trajectories import (
 )
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
-from gateway.store.models import Call, Trajectory
+from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 from gateway.store.samples import build_samples
+from gateway.store.trees import build_tree
 from gateway.trajectories.tagging import validate_id
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"],
@@ -253,20 +254,31 @@ _CURRENT = Query(None, max_length=128, description="staleness is measured agains
                  "(default: the gateway's weight version)")
 
 
-async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branches: str,
-                   current_version: str | None, max_staleness: int | None) -> list[Sample]:
+async def _attempt(rt: Runtime, trajectory_id: str, attempt: int | None
+                   ) -> tuple[Trajectory, Sequence[Call], TrajectoryAttempt | None]:
+    """:func:`_load`, and the record of ``attempt`` when it is not the latest."""
     traj, calls = await _load(rt, trajectory_id, attempt)
     record = None
     if attempt is not None and attempt != traj.attempt:
         async with rt.sessionmaker() as session:
             record = await queries.get_attempt(session, trajectory_id=trajectory_id,
                                                attempt=attempt)
+    return traj, calls, record
+
+
+def _check_staleness(trajectory_id: str, stale: int, bound: int | None) -> None:
+    if bound is not None and stale > bound:
+        raise Conflict(f"trajectory {trajectory_id!r} is {stale} versions stale (bound "
+                       f"{bound})", param="max_staleness")
+
+
+async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branches: str,
+                   current_version: str | None, max_staleness: int | None) -> list[Sample]:
+    traj, calls, record = await _attempt(rt, trajectory_id, attempt)
     built = build_samples(traj, calls, attempt=attempt, record=record, branches=branches,
                           current_version=current_version or rt.weight_version)
-    stale = max((s.max_staleness or 0 for s in built), default=0)
-    if max_staleness is not None and stale > max_staleness:
-        raise Conflict(f"trajectory {trajectory_id!r} is {stale} versions stale (bound "
-                       f"{max_staleness})", param="max_staleness")
+    _check_staleness(trajectory_id, max((s.max_staleness or 0 for s in built), default=0),
+                     max_staleness)
     return built
 
 
@@ -276,7 +288,7 @@ async def sample(
     trajectory_id: str,
     attempt: int | None = _ATTEMPT,
     branch: int | None = Query(None, ge=0, le=2**31 - 1, description="default: the main "
-                               "branch (the one of the attempt's last call)"),
+                               "branch (the task's conversation, trained whole)"),
     max_staleness: int | None = _MAX_STALENESS,
     current_version: str | None = _CURRENT,
     rt: Runtime = Depends(get_rt),
@@ -305,3 +317,20 @@ async def samples(
     built = await _samples(rt, trajectory_id, attempt, branches, current_version,
                            max_staleness)
     return SampleList(data=built)
+
+
+@router.get("/{trajectory_id}/tree", summary="One attempt of the trajectory as a prefix "
+            "tree: each token of its branches once, every generated token trained once "
+            "(docs/token-capture.md)")
+async def tree(
+    trajectory_id: str,
+    attempt: int | None = _ATTEMPT,
+    max_staleness: int | None = _MAX_STALENESS,
+    current_version: str | None = _CURRENT,
+    rt: Runtime = Depends(get_rt),
+) -> SampleTree:
+    traj, calls, record = await _attempt(rt, trajectory_id, attempt)
+    built = build_tree(traj, calls, attempt=attempt, record=record,
+                       current_version=current_version or rt.weight_version)
+    _check_staleness(trajectory_id, built.max_staleness or 0, max_staleness)
+    return built

@@ -26,14 +26,16 @@ from gateway.client.types import (
     TrajectoryInfo,
     finished_from_json,
     group_samples_from_json,
+    group_trees_from_json,
     infos_from_json,
     job_from_json,
     sample_from_json,
     samples_from_json,
+    tree_from_json,
 )
 from gateway.schema.ids import ID_PATTERN
 from gateway.schema.jobs import JobRef
-from gateway.schema.samples import Branches, Sample
+from gateway.schema.samples import Branches, Sample, SampleTree
 from gateway.schema.trajectories import HarnessKey
 from gateway.schema.weights import WeightVersionChange
 
@@ -149,6 +151,22 @@ class Endpoints:
             params["count"] = count
         return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/samples",
                        group_samples_from_json, params=params,
+                       timeout=wait_s + DEFAULT_TIMEOUT_S)
+
+    @staticmethod
+    def tree(trajectory_id: str) -> Request[SampleTree]:
+        return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/tree",
+                       tree_from_json)
+
+    @staticmethod
+    def group_trees(group_id: str, count: int | None, *, wait_s: float
+                    ) -> Request[list[SampleTree]]:
+        """One long poll of ``GET /groups/{id}/trees`` (answers 408 after ``wait_s``)."""
+        params: dict[str, Any] = {"timeout_s": round(wait_s, 3)}
+        if count is not None:
+            params["count"] = count
+        return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/trees",
+                       group_trees_from_json, params=params,
                        timeout=wait_s + DEFAULT_TIMEOUT_S)
 
     @staticmethod

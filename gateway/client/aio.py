@@ -36,7 +36,7 @@ from gateway.client.types import (
     detail_info,
     waiting_for_weights,
 )
-from gateway.schema.samples import Branches, Sample
+from gateway.schema.samples import Branches, Sample, SampleTree
 
 T = TypeVar("T")
 
@@ -171,12 +171,31 @@ class AsyncRolloutClient:
                           timeout_s: float = 600.0, branches: Branches = "all"
                           ) -> SampleBatch:
         """See :meth:`gateway.client.RolloutClient.fetch_group` (one long poll at a time)."""
+        return SampleBatch(await self._poll_group(
+            lambda wait: Endpoints.group_samples(group_id, count, branches=branches,
+                                                 wait_s=wait), group_id, count, timeout_s))
+
+    async def tree(self, trajectory_id: str) -> SampleTree:
+        """A trajectory's branches as one prefix tree: each token once, every generated
+        token under loss mask 1 once (docs/token-capture.md); score it in one forward
+        pass with :func:`gateway.client.trees.tree_logprobs`."""
+        return await self._send(Endpoints.tree(trajectory_id))
+
+    async def fetch_group_trees(self, group_id: str, count: int | None = None, *,
+                          timeout_s: float = 600.0) -> list[SampleTree]:
+        """:meth:`fetch_group`, each trajectory as one prefix tree
+        (``GET /groups/{id}/trees``)."""
+        return await self._poll_group(
+            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait),
+            group_id, count, timeout_s)
+
+    async def _poll_group(self, request: Callable[[float], Request[T]], group_id: str,
+                    count: int | None, timeout_s: float) -> T:
+        """Long polls of a group route until it answers or ``timeout_s`` passes."""
         deadline = _now() + timeout_s
         while True:
-            req = Endpoints.group_samples(group_id, count, branches=branches,
-                                          wait_s=long_poll_s(deadline, _now()))
             try:
-                return SampleBatch(await self._send(req))
+                return await self._send(request(long_poll_s(deadline, _now())))
             except GatewayHTTPError as exc:
                 timeout = group_timeout(exc, group_id, count, timeout_s)
                 if timeout is None:

@@ -36,7 +36,7 @@ from gateway.client.types import (
     detail_info,
     waiting_for_weights,
 )
-from gateway.schema.samples import Branches, Sample
+from gateway.schema.samples import Branches, Sample, SampleTree
 
 T = TypeVar("T")
 
@@ -177,12 +177,31 @@ class RolloutClient:
         creation time); with ``count``, wait until that many are finished. The gateway
         waits and answers the whole group at once (``GET /groups/{id}/samples``).
         Raises :class:`WaitTimeout` (``finished``: the ids) when ``timeout_s`` passes."""
+        return SampleBatch(self._poll_group(
+            lambda wait: Endpoints.group_samples(group_id, count, branches=branches,
+                                                 wait_s=wait), group_id, count, timeout_s))
+
+    def tree(self, trajectory_id: str) -> SampleTree:
+        """A trajectory's branches as one prefix tree: each token once, every generated
+        token under loss mask 1 once (docs/token-capture.md); score it in one forward
+        pass with :func:`gateway.client.trees.tree_logprobs`."""
+        return self._send(Endpoints.tree(trajectory_id))
+
+    def fetch_group_trees(self, group_id: str, count: int | None = None, *,
+                          timeout_s: float = 600.0) -> list[SampleTree]:
+        """:meth:`fetch_group`, each trajectory as one prefix tree
+        (``GET /groups/{id}/trees``)."""
+        return self._poll_group(
+            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait),
+            group_id, count, timeout_s)
+
+    def _poll_group(self, request: Callable[[float], Request[T]], group_id: str,
+                    count: int | None, timeout_s: float) -> T:
+        """Long polls of a group route until it answers or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while True:
-            req = Endpoints.group_samples(group_id, count, branches=branches,
-                                          wait_s=long_poll_s(deadline, time.monotonic()))
             try:
-                return SampleBatch(self._send(req))
+                return self._send(request(long_poll_s(deadline, time.monotonic())))
             except GatewayHTTPError as exc:
                 timeout = group_timeout(exc, group_id, count, timeout_s)
                 if timeout is None:

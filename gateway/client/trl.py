@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import shutil
 import statistics
 import time
@@ -60,6 +61,7 @@ __all__ = ["LOGPROB_TOL", "Agent", "GatewayGRPO", "LogprobCheck", "Push", "Rollo
            "StepRecord", "check_logprobs", "to_trl_row"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 #: what to do with a trajectory that forked into branches (side calls, compaction): TRL
 #: trains one sequence per generation
 MultiBranch = Literal["error", "main", "longest"]
@@ -144,10 +146,14 @@ class GatewayGRPO:
     ``gateway`` is the gateway's root URL; ``admin_token`` (weight updates) and any other
     keyword go to its clients (``self.client`` is the blocking one). ``weights_dir``
     holds the pushed checkpoints; every engine must be able to read it (one machine, or
-    a shared filesystem). ``multi_branch``: TRL trains one sequence per generation, so a
-    trajectory that forked (side calls, compaction) is an error naming it, unless
-    ``"main"`` or ``"longest"`` picks one branch (the others' tokens are counted in
-    ``dropped_tokens``). ``mode`` is each push's pause mode (nothing is in flight
+    a shared filesystem). ``multi_branch``: TRL trains one sequence per generation; a
+    trajectory that forked (a title call, a memory subagent, a reply the harness
+    dropped) gives its main sample (``"main"``, the default): the task's conversation,
+    trained whole, every generated token in its sequence under ``env_mask`` 1. What only
+    its side branches generated cannot join that row without changing the context the
+    trainer scores it in, so it is counted in ``StepRecord.dropped_tokens`` and logged;
+    ``"longest"`` takes the sample training the most tokens instead, ``"error"`` refuses
+    such a trajectory. ``mode`` is each push's pause mode (nothing is in flight
     between steps here). ``check_logprobs`` recomputes each generated token's logprob
     with the trainer's model (a forward pass per sample): a check that the batch lines
     up token for token and that the engines serve the weights being trained.
@@ -155,7 +161,7 @@ class GatewayGRPO:
 
     def __init__(self, gateway: str, agent: Agent, *, weights_dir: str | Path,
                  admin_token: str | None = None, run_id: str | None = None,
-                 multi_branch: MultiBranch = "error", mode: str = "abort-and-continue",
+                 multi_branch: MultiBranch = "main", mode: str = "abort-and-continue",
                  concurrency: int = 64, fetch_timeout_s: float = 600.0,
                  push_timeout_s: float = 600.0, keep_checkpoints: int = 2,
                  check_logprobs: bool = False, **client_options: Any) -> None:
@@ -270,14 +276,19 @@ class GatewayGRPO:
                     raise ValueError(
                         f"trajectory {tid!r} has {len(found)} branches (side calls or a "
                         "changed history, docs/token-capture.md): TRL trains one sequence "
-                        "per generation; pass multi_branch='main' or 'longest' to train "
-                        "one branch of it")
+                        "per generation; pass multi_branch='main' (the default: its task "
+                        "conversation, trained whole) or 'longest'")
                 if not found:
                     raise ValueError(f"group {group!r} came back without {tid!r}")
                 pick = (next(s for s in found if s.main) if self.multi_branch == "main"
                         else max(found, key=lambda s: (sum(s.loss_mask), s.main)))
                 chosen.append(pick)
                 dropped += sum(sum(s.loss_mask) for s in found if s is not pick)
+        if dropped:
+            log.warning("%d generated tokens of side branches (title calls, subagents, "
+                        "dropped replies) are not in TRL's rows: one sequence per "
+                        "generation; each trajectory's task conversation is trained whole",
+                        dropped)
         return chosen, dropped
 
     def _record(self, step: int, groups: list[str], chosen: list[Sample]) -> StepRecord:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from pydantic import TypeAdapter
 
 from gateway.schema.jobs import JobStatus, JobView
-from gateway.schema.samples import GroupSamples, Sample, SampleList
+from gateway.schema.samples import GroupSamples, GroupTrees, Sample, SampleList, SampleTree
 from gateway.schema.table import samples_table
 from gateway.schema.trajectories import (
     FinishedTrajectory,
@@ -30,6 +30,7 @@ from gateway.schema.trajectories import (
 __all__ = ["JobInfo", "SampleBatch", "TrajectoryInfo"]
 
 _SAMPLE = TypeAdapter(Sample)
+_TREE = TypeAdapter(SampleTree)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,16 @@ def samples_from_json(d: Any) -> list[Sample]:
 def group_samples_from_json(d: Any) -> list[Sample]:
     """The samples of ``GET /groups/{id}/samples``, each trajectory's branches together."""
     return GroupSamples.model_validate(d).data
+
+
+def tree_from_json(d: Any) -> SampleTree:
+    """The ``SampleTree`` of ``GET /trajectories/{id}/tree``."""
+    return _TREE.validate_python(d)
+
+
+def group_trees_from_json(d: Any) -> list[SampleTree]:
+    """The trees of ``GET /groups/{id}/trees``, by creation time."""
+    return GroupTrees.model_validate(d).data
 
 
 def infos_from_json(d: Any) -> list[TrajectoryInfo]:

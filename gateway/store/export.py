@@ -4,18 +4,29 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.progress import Progress
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.schema.table import SAMPLE_SCHEMA, sample_record, samples_table
+from gateway.schema.samples import SampleTree
+from gateway.schema.table import (
+    SAMPLE_SCHEMA,
+    TREE_SCHEMA,
+    sample_record,
+    samples_table,
+    tree_record,
+)
 from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
 from gateway.store.samples import Sample, build_samples
+from gateway.store.trees import build_tree
 
-__all__ = ["SAMPLE_SCHEMA", "export_samples", "iter_samples", "sample_record", "samples_table"]
+__all__ = ["SAMPLE_SCHEMA", "TREE_SCHEMA", "export_samples", "iter_samples", "iter_trees",
+           "sample_record", "samples_table", "tree_record"]
 
 async def iter_samples(
     sessionmaker: async_sessionmaker[AsyncSession], ids: list[str], branches: str = "all"
@@ -32,32 +43,51 @@ async def iter_samples(
             yield sample
 
 
+async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[str]
+                     ) -> AsyncIterator[SampleTree]:
+    """``ids`` (latest attempt) as prefix trees (:mod:`gateway.store.trees`)."""
+    for trajectory_id in ids:
+        async with sessionmaker() as session:
+            traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
+            if traj is None:
+                continue
+            calls = await queries.get_calls(session, trajectory_id=trajectory_id,
+                                            attempt=traj.attempt)
+        yield build_tree(traj, calls)
+
+
 async def export_samples(
     url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True,
     branches: str = "all",
 ) -> int:
     """Write every finished trajectory (optionally of one group) to ``out``, a row per
-    branch (``branches``: all, main or longest); the number of trajectories written."""
+    branch (``branches``: all, main or longest), or a row per trajectory as its prefix
+    tree (``tree``); the number of trajectories written."""
     engine = make_engine(url)
     try:
         sm = make_sessionmaker(engine)
         async with sm() as session:
             ids = await queries.finished_trajectory_ids(session, group_id=group_id)
-        samples: list[Sample] = []
+        rows: list[dict[str, Any]] = []
+        trees = branches == "tree"
+        items = iter_trees(sm, ids) if trees else iter_samples(sm, ids, branches)
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("exporting", total=len(ids))
             with out.open("wb") if fmt == "jsonl" else _null() as fh:
                 seen: str | None = None
-                async for s in iter_samples(sm, ids, branches):
+                async for item in items:
+                    row = tree_record(item) if isinstance(item, SampleTree) else \
+                        sample_record(item)
                     if fh is not None:
-                        fh.write(orjson.dumps(sample_record(s)) + b"\n")
+                        fh.write(orjson.dumps(row) + b"\n")
                     else:
-                        samples.append(s)
-                    if s.trajectory_id != seen:
-                        seen = s.trajectory_id
+                        rows.append(row)
+                    if item.trajectory_id != seen:
+                        seen = item.trajectory_id
                         bar.advance(task)
         if fmt == "parquet":
-            pq.write_table(samples_table(samples), out)
+            pq.write_table(pa.Table.from_pylist(rows, schema=TREE_SCHEMA if trees
+                                                else SAMPLE_SCHEMA), out)
         return len(ids)
     finally:
         await engine.dispose()

@@ -3,10 +3,16 @@
 A trajectory's calls form a tree (``gateway.trajectories.branches``): each call is stored
 on a branch, as the tokens its prompt adds at ``prompt_offset`` on that branch, and a
 branch's first call names the branch it forked from. The calls are replayed in order:
-a branch's sample starts as its parent's tokens up to the fork (context: loss mask 0,
-since those generated tokens are trained in the parent's sample), then each call appends
-its new prompt tokens (loss mask 0) and its completion (loss mask 1, with logprobs). Every
-generated token is under loss mask 1 in exactly one sample.
+a branch's sample starts as its parent's tokens up to the fork, then each call appends
+its new prompt tokens and its completion (with logprobs).
+
+Which sample trains which generated token (loss mask 1): the *main* sample, the task's
+conversation (:func:`_main`: not a title call, a memory subagent or a fallback answer
+with its own system prompt, nor a reply the harness dropped or the history before a
+compaction), trains every generated token in its sequence, inherited ones included;
+every other generated token is trained in the sample of the branch that generated it.
+So each generated token is under loss mask 1 in exactly one sample, and the sample a
+trainer takes by default is the conversation the harness ended on, trained whole.
 
 Rows written before branches existed are all on branch 0; a call among them whose
 prompt left the sequence (``prompt_offset`` short of its length) cuts the sample back to
@@ -18,7 +24,9 @@ what the routes answer and the trainer client reads.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from gateway.schema.samples import CallSpan, Mismatch, Sample
 from gateway.store.codec import unpack_floats, unpack_ids
@@ -95,17 +103,90 @@ def staleness(versions: Sequence[str], current: str | None) -> int | None:
 BRANCH_CHOICES = ("all", "main", "longest")
 
 
-def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
-                  record: TrajectoryAttempt | None = None,
-                  current_version: str | None = None, branches: str = "all") -> list[Sample]:
-    """The training samples of one attempt of a trajectory (successful calls, in order),
-    one per branch; by default its latest attempt. ``record`` gives an older attempt's
-    reward. ``branches``: ``all`` (by branch id), ``main`` (the branch of the last call)
-    or ``longest`` (the branch with the most generated tokens).
+@dataclass(slots=True)
+class BranchBuild:
+    """A sample being built, with what its loss mask is decided from at the end: which
+    of its positions the model generated, and which branch appended each."""
 
-    ``weight_versions`` has one entry per token (``""`` for prompt tokens), split inside a
-    call where it ran across a weight update; ``max_staleness`` (over the generated
-    tokens) is measured against ``current_version`` (default: the newest version there)."""
+    sample: Sample
+    generated: bytearray = field(default_factory=bytearray)
+    origin: array[int] = field(default_factory=lambda: array("i"))
+    last_seq: int = -1
+
+
+def _fork_from(built: BranchBuild, parent: BranchBuild, position: int) -> None:
+    _fork(built.sample, parent.sample, position)
+    built.generated = parent.generated[:position]
+    built.origin = parent.origin[:position]
+
+
+def _add_call(built: BranchBuild, call: Call) -> None:
+    if call.prompt_offset < len(built.sample.token_ids):  # a legacy cut (``_truncate``)
+        del built.generated[call.prompt_offset:], built.origin[call.prompt_offset:]
+    _append_call(built.sample, call)
+    span = built.sample.calls[-1]
+    built.generated += bytes(span.completion_start - len(built.generated))  # its prompt
+    built.generated += b"\x01" * (span.completion_end - span.completion_start)
+    built.origin.extend([built.sample.branch] * (span.completion_end - len(built.origin)))
+    built.last_seq = call.seq
+
+
+#: a branch sharing at most this many tokens with the branch it forked from started a
+#: conversation of its own (a chat template's first header is a few tokens: a title call,
+#: a subagent with its own system prompt); one sharing more goes on with the same one
+#: (a restart from a summary under the same system prompt, a reply the harness dropped)
+OWN_CONVERSATION_MAX_SHARED = 16
+
+
+def _main(branches: Sequence[BranchBuild]) -> BranchBuild:
+    """The task's conversation. Branches that go on with one conversation (each forked
+    past the first few tokens of its parent) form a family; the family with the most
+    calls (then generated tokens) is the task's, and its main branch is the one of its
+    latest call: where the harness went on after a compaction, or after a reply it
+    dropped. A title call, a memory subagent or a fallback answer with its own system
+    prompt is a family of its own, so it is not main however late it comes."""
+    root: dict[int, int] = {}
+    for b in branches:  # by branch id: a parent is always before its child
+        parent, fork = b.sample.parent_branch, b.sample.fork_position
+        joins = parent in root and fork > OWN_CONVERSATION_MAX_SHARED
+        root[b.sample.branch] = root[parent] if joins and parent is not None \
+            else b.sample.branch
+    families: dict[int, list[BranchBuild]] = {}
+    for b in branches:
+        families.setdefault(root[b.sample.branch], []).append(b)
+
+    def weight(family: list[BranchBuild]) -> tuple[int, int, int]:
+        calls = sum(len(b.sample.calls) for b in family)
+        return calls, sum(sum(b.generated) for b in family), max(b.last_seq for b in family)
+
+    task = max(families.values(), key=weight)
+    return max(task, key=lambda b: b.last_seq)
+
+
+def _own(branches: Sequence[BranchBuild], main: BranchBuild) -> None:
+    """Set each sample's loss mask so that every generated token is trained exactly once
+    over the samples, and the main sample trains every generated token in its sequence.
+
+    A generated token is known by the branch that appended it and its position (a fork
+    shares its parent's positions). The main sample owns those in its sequence; any other
+    is owned by the branch that generated it, and is context (loss mask 0) elsewhere."""
+    in_main = {(main.origin[p], p) for p in range(len(main.generated)) if main.generated[p]}
+    for b in branches:
+        if b is main:
+            b.sample.loss_mask = list(b.generated)
+            continue
+        mine = b.sample.branch
+        b.sample.loss_mask = [
+            1 if g and b.origin[p] == mine and (mine, p) not in in_main else 0
+            for p, g in enumerate(b.generated)]
+
+
+def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
+                   attempt: int | None = None, record: TrajectoryAttempt | None = None
+                   ) -> tuple[list[BranchBuild], BranchBuild | None]:
+    """Every branch of one attempt (successful calls, in order; by default the latest
+    attempt), built with its loss mask decided (:func:`_own`), by branch id; and the main
+    one (None without a successful call). ``record`` gives an older attempt's reward."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
@@ -113,36 +194,54 @@ def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int
     else:
         reward = record.reward if record is not None else None
         meta = record.meta if record is not None else None
-    samples: dict[int, Sample] = {}
-    last: Sample | None = None
+    built: dict[int, BranchBuild] = {}
     for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):
         if call.status != "ok" or (call.attempt or 0) != attempt:
             continue
         branch = call.branch or 0
-        last = samples.get(branch)
-        if last is None:
-            last = samples[branch] = Sample(
+        this = built.get(branch)
+        if this is None:
+            this = built[branch] = BranchBuild(Sample(
                 trajectory.id, trajectory.group_id, reward, metadata=meta, attempt=attempt,
-                branch=branch, parent_branch=call.parent_branch)
-            parent = samples.get(call.parent_branch) if call.parent_branch is not None else None
+                branch=branch, parent_branch=call.parent_branch))
+            parent = built.get(call.parent_branch) if call.parent_branch is not None else None
             if parent is not None:
-                _fork(last, parent, call.prompt_offset)
+                _fork_from(this, parent, call.prompt_offset)
                 if call.mismatch_pos is not None:  # drift: the harness's re-rendering
-                    last.mismatches.append(Mismatch(call.seq, call.mismatch_pos,
-                                                    len(parent.token_ids)))
-        _append_call(last, call)
-    if not samples:
-        return [Sample(trajectory.id, trajectory.group_id, reward, metadata=meta,
-                       attempt=attempt)]
-    out = [samples[b] for b in sorted(samples)]
+                    this.sample.mismatches.append(Mismatch(call.seq, call.mismatch_pos,
+                                                           len(parent.sample.token_ids)))
+        _add_call(this, call)
+    if not built:
+        return [BranchBuild(Sample(trajectory.id, trajectory.group_id, reward,
+                                   metadata=meta, attempt=attempt))], None
+    ordered = [built[b] for b in sorted(built)]
+    main = _main(ordered)
+    _own(ordered, main)
+    for b in ordered:
+        b.sample.main = b is main
+        b.sample.num_branches = len(ordered)
+    return ordered, main
+
+
+def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
+                  record: TrajectoryAttempt | None = None,
+                  current_version: str | None = None, branches: str = "all") -> list[Sample]:
+    """The training samples of one attempt of a trajectory, one per branch
+    (:func:`build_branches`). ``branches``: ``all`` (by branch id; every generated token
+    trained in exactly one), ``main`` (the task's conversation, :func:`_main`, trained
+    whole) or ``longest`` (the sample training the most generated tokens).
+
+    ``weight_versions`` has one entry per token (``""`` for prompt tokens), split inside a
+    call where it ran across a weight update; ``max_staleness`` (over the generated
+    tokens) is measured against ``current_version`` (default: the newest version there)."""
+    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record)
+    out = [b.sample for b in ordered]
     for s in out:
-        s.main = s is last
-        s.num_branches = len(out)
         s.max_staleness = staleness(
             [v for v, m in zip(s.weight_versions, s.loss_mask, strict=True) if m],
             current_version)
-    if branches == "main":
-        return [s for s in out if s.main]
+    if branches == "main" and main is not None:
+        return [main.sample]
     if branches == "longest":
         return [max(out, key=lambda s: (sum(s.loss_mask), s.main))]
     return out
@@ -151,8 +250,8 @@ def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int
 def build_sample(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
                  record: TrajectoryAttempt | None = None,
                  current_version: str | None = None, branch: int | None = None) -> Sample:
-    """One branch's sample (default: the main branch, the one of the attempt's last call);
-    see :func:`build_samples`."""
+    """One branch's sample (default: the main branch, the task's conversation trained
+    whole); see :func:`build_samples`."""
     built = build_samples(trajectory, calls, attempt=attempt, record=record,
                           current_version=current_version)
     if branch is None:

@@ -284,7 +284,8 @@ def _state_of(point: queries.RestorePoint) -> TrajectoryState:
         state.backend_id, state.model = calls[-1].backend_id, calls[-1].model
     samples = build_samples(traj, calls, attempt=point.attempt)
     state.mismatches = sum(len(s.mismatches) for s in samples)
-    for s in sorted(samples, key=lambda s: s.main):  # the main branch last: it stays main
+    # the branch of the last call adopted last: the live tree's current branch again
+    for s in sorted(samples, key=lambda s: s.calls[-1].seq if s.calls else -1):
         state.tree.adopt(Branch(s.branch, s.parent_branch, array("i", s.token_ids)))
     if point.finished and traj.finished_at is not None:
         state.finished_at, state.reward = traj.finished_at.timestamp(), traj.reward

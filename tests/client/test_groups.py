@@ -97,3 +97,30 @@ def test_fetch_group_sync_and_async(gateway: GatewayFactory, sqlite_url: str) ->
                 return [s.trajectory_id for s in got]
 
         assert asyncio.run(run()) == ids
+
+
+def test_trees_of_a_group_and_of_a_trajectory(gateway: GatewayFactory,
+                                              sqlite_url: str) -> None:
+    """``/groups/{id}/trees`` waits as ``/samples`` does; each tree holds its trajectory's
+    branches (a side call included) as paths, every generated token once."""
+    group = f"grp-{uuid.uuid4().hex[:8]}"
+    with gateway(sqlite_url) as gw, RolloutClient(gw) as client:
+        ids = _run(gw, group, 2)
+        with openai.OpenAI(base_url=f"{gw}/g/{group}/t/{ids[0]}/v1", api_key="EMPTY",
+                           max_retries=0) as llm:  # a title call: a second branch
+            llm.chat.completions.create(model=MODEL, max_tokens=5,
+                                        messages=[{"role": "user", "content": "title?"}])
+        with pytest.raises(WaitTimeout):
+            client.fetch_group_trees(group, 2, timeout_s=0.3)
+        for tid in ids:
+            client.finish(tid, 1.0, group_id=group)
+        trees = client.fetch_group_trees(group, 2, timeout_s=20)
+        assert [t.trajectory_id for t in trees] == ids
+        forked = client.tree(ids[0])
+        assert forked == trees[0] and len(forked.branches) == 2
+        samples = client.branch_samples(ids[0])
+        for b, s in zip(forked.branches, samples, strict=True):
+            assert [forked.token_ids[i] for i in forked.path(b.leaf)] == s.token_ids
+        generated = sum(sum(s.loss_mask) for s in samples)
+        assert sum(forked.loss_mask) == generated
+        assert len(forked.token_ids) < sum(len(s.token_ids) for s in samples)

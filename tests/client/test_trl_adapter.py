@@ -104,10 +104,22 @@ def test_rows_are_the_gateway_samples(gateway: GatewayFactory, sqlite_url: str,
         assert rows["trajectory_id"] == ["t1-s1-p0-0", "t1-s1-p0-1"]
 
 
-def test_a_forked_trajectory_is_refused_or_one_branch_kept(
+def test_a_forked_trajectory_gives_its_task_conversation_whole(
         gateway: GatewayFactory, sqlite_url: str, tmp_path: Path) -> None:
+    """Two turns, then a title call (a branch of its own): by default the row is the
+    two-turn conversation, every token it generated under ``env_mask`` 1; the title's
+    tokens are counted as left out. ``"error"`` still refuses, ``"longest"`` still picks."""
     with gateway(sqlite_url) as gw_url, ExitStack() as closing:
-        strict = GatewayGRPO(gw_url, _with_side_call, weights_dir=tmp_path, run_id="t2")
+        whole = GatewayGRPO(gw_url, _with_side_call, weights_dir=tmp_path, run_id="t4")
+        closing.callback(whole.close)
+        rows = whole.rollout_func(["x", "x"], _trainer(2))
+        for tid, mask in zip(rows["trajectory_id"], rows["env_mask"], strict=True):
+            calls = httpx.get(f"{gw_url}/trajectories/{tid}", timeout=10).json()["calls"]
+            task = [c for c in calls if c["branch"] == calls[0]["branch"]]
+            assert len(task) == 2 and sum(mask) == sum(len(c["completion_ids"]) for c in task)
+        assert whole.steps[-1].dropped_tokens > 0  # the title calls' tokens
+        strict = GatewayGRPO(gw_url, _with_side_call, weights_dir=tmp_path, run_id="t2",
+                             multi_branch="error")
         closing.callback(strict.close)
         with pytest.raises(ValueError, match=r"has 2 branches.*multi_branch"):
             strict.rollout_func(["x", "x"], _trainer(2))
@@ -116,4 +128,3 @@ def test_a_forked_trajectory_is_refused_or_one_branch_kept(
         closing.callback(longest.close)
         rows = longest.rollout_func(["x", "x"], _trainer(2))
         assert len(rows["completion_ids"]) == 2
-        assert longest.steps[-1].dropped_tokens > 0  # the title calls' tokens

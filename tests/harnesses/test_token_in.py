@@ -110,9 +110,13 @@ def test_token_in_off_reports_the_drift_as_a_branch_with_a_mismatch(
     assert first["prompt_len"] < second["mismatch_pos"] == second["prompt_offset"]
     assert [s["branch"] for s in samples] == [0, 1]
     assert samples[1]["mismatches"][0]["seq"] == 1
-    # nothing lost: each turn is under loss mask 1 in its own branch's sample
-    assert sum(samples[0]["loss_mask"]) == len(first["completion_ids"])
-    assert sum(samples[1]["loss_mask"]) == len(second["completion_ids"])
+    # nothing lost: the drifted branch is where the harness went on (main), and trains
+    # the first turn's tokens up to the drift with its own; the first branch trains the
+    # rest of its turn
+    inherited = second["mismatch_pos"] - first["prompt_len"]
+    assert samples[1]["main"] and not samples[0]["main"]
+    assert sum(samples[1]["loss_mask"]) == inherited + len(second["completion_ids"])
+    assert sum(samples[0]["loss_mask"]) == len(first["completion_ids"]) - inherited
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])

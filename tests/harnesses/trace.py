@@ -57,25 +57,49 @@ class Kept:
                 f"{self.branches} branches, {self.on_record} calls ran on the record")
 
 
+def lineage(calls: list[dict[str, Any]], branch: int) -> list[dict[str, Any]]:
+    """The calls whose completions lie in ``branch``'s sequence, in sequence order: its
+    own, and its ancestors' before the forks that lead to it (computed from the calls'
+    trace alone, apart from the gateway's sample code)."""
+    first: dict[int, dict[str, Any]] = {}
+    for c in sorted(calls, key=lambda c: c["seq"]):
+        first.setdefault(c["branch"], c)
+    out: list[dict[str, Any]] = []
+    limit, b = None, branch
+    while b is not None:
+        own = [c for c in calls if c["branch"] == b
+               and (limit is None or c["prompt_len"] + len(c["completion_ids"]) <= limit)]
+        out = sorted(own, key=lambda c: c["seq"]) + out
+        limit = first[b]["prompt_offset"] if limit is None else min(
+            limit, first[b]["prompt_offset"])
+        b = first[b]["parent_branch"]
+    return out
+
+
 def assert_every_token_kept(gw: str, traj: str) -> Kept:
     """Every token the trajectory's calls generated is in exactly one of its exported
     samples (``/samples``, every branch), under loss mask 1, with the engine's logprob,
-    in the order it was generated; the samples are also the export's rows."""
+    in the order it was generated; the main sample (also ``/sample``) trains every
+    generated token in its sequence, those it inherited from the branches it forked from
+    included; the others train what their own calls generated that main does not hold."""
     calls = httpx.get(f"{gw}/trajectories/{traj}", timeout=10).json()["calls"]
     ok = [c for c in calls if c["status"] == "ok" and c["attempt"] == calls[-1]["attempt"]]
     samples = httpx.get(f"{gw}/trajectories/{traj}/samples", timeout=10).json()["data"]
-    by_branch: dict[int, list[dict[str, Any]]] = {}
-    for c in ok:
-        by_branch.setdefault(c["branch"], []).append(c)
-    assert sorted(by_branch) == [s["branch"] for s in samples]
+    assert sorted({c["branch"] for c in ok}) == [s["branch"] for s in samples]
+    [main] = [s for s in samples if s["main"]]
+    in_main = {c["id"] for c in lineage(ok, main["branch"])}
+    default = httpx.get(f"{gw}/trajectories/{traj}/sample", timeout=10).json()
+    assert default["branch"] == main["branch"] and default["loss_mask"] == main["loss_mask"]
     kept = 0
     for s in samples:
         own = [(t, lp) for t, lp, m in zip(s["token_ids"], s["logprobs"], s["loss_mask"],
                                             strict=True) if m]
-        want = [(t, lp) for c in sorted(by_branch[s["branch"]], key=lambda c: c["seq"])
+        mine = (lineage(ok, s["branch"]) if s["main"] else
+                [c for c in sorted(ok, key=lambda c: c["seq"])
+                 if c["branch"] == s["branch"] and c["id"] not in in_main])
+        want = [(t, lp) for c in mine
                 for t, lp in zip(c["completion_ids"], c["completion_logprobs"], strict=True)]
         assert own == want, f"branch {s['branch']} of {traj}"
-        assert sum(1 for m in s["loss_mask"][:s["fork_position"]] if m) == 0
         kept += len(own)
     generated = sum(len(c["completion_ids"]) for c in ok)
     assert kept == generated

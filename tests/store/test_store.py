@@ -136,3 +136,36 @@ async def test_drain_waits_for_what_was_submitted_not_for_an_idle_writer(sqlite_
         await feeder
         await writer.close()
         await engine.dispose()
+
+
+async def test_export_as_trees_holds_each_token_once(db_url: str, tmp_path: Path):
+    """``export --branches tree``: a row per trajectory; each branch's sequence is a path
+    of its tree and the tree's loss mask holds every generated token once."""
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    writer = TraceWriter(sm, TraceSettings(flush_interval_s=0.01))
+    writer.start()
+    tid, group = f"tree-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:6]}"
+    try:
+        side = _rec(tid, 1, 1, [7], [20, 21])  # a side call forked after one token
+        side.branch, side.parent_branch, side.group_id = 1, 0, group
+        for rec in (_rec(tid, 0, 0, [1, 2, 3], [10, 11]), side,
+                    _rec(tid, 2, 5, [4, 5], [12, 13])):
+            rec.group_id = group
+            assert writer.submit(rec)
+        assert await writer.drain(10)
+        async with sm() as session, session.begin():
+            await queries.finish_trajectory(session, trajectory_id=tid, group_id=group,
+                                            reward=1.0, metadata=None, now=time.time())
+        out = tmp_path / "trees.parquet"
+        assert await export_samples(db_url, out, fmt="parquet", progress=False,
+                                    group_id=group, branches="tree") == 1
+        [row] = pq.read_table(out).to_pylist()
+        assert row["token_ids"] == [1, 2, 3, 10, 11, 4, 5, 12, 13, 7, 20, 21]
+        assert row["parents"] == [-1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10]
+        assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 1, 1]
+        assert row["branches"] == [0, 1] and row["branch_leaves"] == [8, 11]
+        assert row["main_branch"] == 0 and row["reward"] == 1.0
+    finally:
+        await writer.close()
+        await engine.dispose()

@@ -1,0 +1,53 @@
+"""A trajectory's branches as one prefix tree: each token once (the tree export).
+
+The samples of ``branches=all`` repeat every shared prefix in each branch's row (a
+mini-swe-agent run with 11 branches: 6.3 sequence tokens per token of its final
+conversation). A prefix tree holds each token any branch holds once, with the node
+before it; a trainer that scores the tree in one forward pass (a tree attention mask and
+position ids: :mod:`gateway.client.trees`) computes each shared prefix once, as TreePO
+amortises tree-structured sampling over shared prefixes. Each generated token is trained
+once there, in the context it was generated in.
+
+Nodes are known as the samples know tokens (:mod:`gateway.store.samples`): by the branch
+that appended a position and the position (a fork shares its parent's positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.schema.samples import SampleTree, TreeBranch
+from gateway.store.models import Call, Trajectory, TrajectoryAttempt
+from gateway.store.samples import build_branches, staleness
+
+
+def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
+               record: TrajectoryAttempt | None = None,
+               current_version: str | None = None) -> SampleTree:
+    """One attempt (by default the latest) of a trajectory as a :class:`SampleTree`;
+    ``max_staleness`` as :func:`gateway.store.samples.build_samples` measures it."""
+    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record)
+    first = ordered[0].sample
+    tree = SampleTree(trajectory.id, trajectory.group_id, first.reward, attempt=first.attempt,
+                      metadata=first.metadata)
+    nodes: dict[tuple[int, int], int] = {}
+    for b in ordered:
+        s, leaf = b.sample, -1
+        for p, token in enumerate(s.token_ids):
+            key = (b.origin[p], p)
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = len(tree.token_ids)
+                tree.token_ids.append(token)
+                tree.parents.append(leaf)
+                tree.positions.append(p)
+                tree.loss_mask.append(b.generated[p])
+                tree.logprobs.append(s.logprobs[p])
+                tree.weight_versions.append(s.weight_versions[p])
+            leaf = node
+        tree.branches.append(TreeBranch(s.branch, s.parent_branch, leaf, len(s.token_ids),
+                                        b is main))
+    tree.max_staleness = staleness(
+        [v for v, m in zip(tree.weight_versions, tree.loss_mask, strict=True) if m],
+        current_version)
+    return tree
