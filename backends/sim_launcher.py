@@ -23,12 +23,16 @@ from backends.sim.state import SimServerConfig
 class SimLauncher(_SimLauncher):
     """Servers with the latency of (``profile``, ``gpu``, ``spec.tp``), answering to
     ``spec.model``; ``options`` are further ``SimServerConfig`` fields; ``startup_s``
-    simulated seconds of start-up (divided by ``speed``; a real vLLM needs 10-60 s)."""
+    simulated seconds of start-up (divided by ``speed``; a real vLLM needs 10-60 s);
+    ``max_model_len`` each server's context (None: the profile model's own)."""
 
     def __init__(self, *, profile: str = "qwen3-14b", gpu: str = "H100", speed: float = 1.0,
                  seed: int = 0, options: Mapping[str, Any] | None = None,
-                 startup_s: float = 0.0, host: str = "127.0.0.1") -> None:
+                 startup_s: float = 0.0, host: str = "127.0.0.1",
+                 max_model_len: int | None = None) -> None:
         opts: dict[str, Any] = {"scheduling_policy": "priority", **(options or {})}
+        if max_model_len is not None:
+            opts["max_model_len"] = max_model_len
         template = SimServerConfig(model=profile, gpu=gpu, speed=speed, seed=seed, **opts)
         super().__init__(template, host=host, startup_s=startup_s)
 

@@ -10,7 +10,17 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api import admin, count_tokens, groups, openai, policy, status, trajectories, web
+from gateway.api import (
+    admin,
+    count_tokens,
+    gemini,
+    groups,
+    openai,
+    policy,
+    status,
+    trajectories,
+    web,
+)
 from gateway.api.browser import BrowserGuard
 from gateway.api.deps import Access
 from gateway.api.errors import BodyLimit, install_error_handlers
@@ -74,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, count_tokens, trajectories, groups, admin, policy, status, web):
+    for module in (openai, count_tokens, gemini, trajectories, groups, admin, policy,
+                   status, web):
         app.include_router(module.router)
     return app

@@ -232,12 +232,16 @@ def sim_backend(
     count: Annotated[int, typer.Option(help="servers on consecutive ports")] = 1,
     seed: Annotated[int, typer.Option()] = 0,
     scheduling_policy: Annotated[str, typer.Option(help="fcfs or priority")] = "priority",
+    max_model_len: Annotated[int | None, typer.Option(
+        min=1, help="context in tokens, prompt and output (default: the model's own, "
+        "40960 for Qwen3; 131072 as Qwen3 serves with YaRN)")] = None,
 ) -> None:
     """Run simulated vLLM servers (one process, consecutive ports)."""
     from backends.sim.runner import run_sim_backends
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
-                     count=count, seed=seed, scheduling_policy=scheduling_policy)
+                     count=count, seed=seed, scheduling_policy=scheduling_policy,
+                     max_model_len=max_model_len)
 
 
 @app.command("front")

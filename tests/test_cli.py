@@ -95,3 +95,10 @@ def test_serve_refuses_a_policy_it_cannot_run_before_starting(
     res = CliRunner().invoke(app, ["serve", "--port", "0", *args])
     assert res.exit_code == 2 and "unknown policy" in res.output, res.output
     assert "straggler-lane" in res.output  # the names it does run
+
+
+def test_sim_backend_takes_a_context_length() -> None:
+    out = CliRunner().invoke(gateway_app, ["sim-backend", "--help"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0 and "--max-model-len" in out.output
+    bad = CliRunner().invoke(gateway_app, ["sim-backend", "--max-model-len", "0"])
+    assert bad.exit_code != 0

@@ -49,6 +49,22 @@ LINK_GBPS = 260.0
 #: (layers, hidden size) per model, for the all-reduce volume.
 ARCH = {"qwen3-14b": (40, 5120), "qwen3-8b": (36, 4096), "llama3.1-8b": (32, 4096),
         "qwen3-32b": (64, 5120), "qwen2.5-32b": (64, 5120), "tiny": (2, 64)}
+#: The context (tokens) a simulated server of each model has unless told otherwise: what
+#: ``vllm serve`` gives the model, its config's ``max_position_embeddings``. Qwen3 8B, 14B
+#: and 32B: 40,960 (32,768 trained natively, plus room to answer; 131,072 with YaRN,
+#: ``--rope-scaling '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":
+#: 32768}' --max-model-len 131072``, which ``sim-backend --max-model-len 131072`` stands
+#: for); Llama 3.1 8B: 131,072; Qwen2.5-32B-Instruct: 32,768 (131,072 with YaRN); the
+#: tiny CPU model: 4,096 (backends/tinymodel.py).
+NATIVE_CONTEXT = {"qwen3-14b": 40960, "qwen3-8b": 40960, "qwen3-32b": 40960,
+                  "llama3.1-8b": 131072, "qwen2.5-32b": 32768, "tiny": 4096}
+#: ... of a model not in :data:`NATIVE_CONTEXT` (a latency profile passed in directly)
+DEFAULT_CONTEXT = 40960
+
+
+def native_context(model: str) -> int:
+    """The context a simulated server of ``model`` has by default (:data:`NATIVE_CONTEXT`)."""
+    return NATIVE_CONTEXT.get(model.lower(), DEFAULT_CONTEXT)
 
 
 @dataclass(frozen=True, slots=True)

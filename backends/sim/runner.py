@@ -43,16 +43,21 @@ async def start_sim_servers(configs: Sequence[SimServerConfig], host: str = "127
 
 def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = "qwen3-14b",
                      gpu: str = "H100", tp: int = 1, speed: float = 1.0, count: int = 1,
-                     seed: int = 0, scheduling_policy: str = "fcfs") -> None:
+                     seed: int = 0, scheduling_policy: str = "fcfs",
+                     max_model_len: int | None = None) -> None:
     """Serve ``count`` simulated servers on ports ``port .. port+count-1`` until SIGINT/TERM.
 
-    Each server gets seed ``seed + i`` so their outputs differ.
+    Each server gets seed ``seed + i`` so their outputs differ; ``max_model_len`` (None:
+    the model's native context) is their context in tokens.
     """
     if scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"scheduling_policy must be fcfs or priority, not {scheduling_policy!r}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len must be positive, not {max_model_len}")
     configs = [SimServerConfig(model=model, gpu=gpu, tp=tp, speed=speed, seed=seed + i,
-                               scheduling_policy=policy) for i in range(count)]
+                               scheduling_policy=policy, max_model_len=max_model_len)
+               for i in range(count)]
     configs[0].profile()  # unknown profile: fail before binding anything
     asyncio.run(_run_forever(configs, host, port))
 
@@ -66,7 +71,8 @@ async def _run_forever(configs: list[SimServerConfig], host: str, port: int) -> 
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(s.serve(sockets=[sock]))
              for s, sock in zip(servers, sockets, strict=True)]
-    print(f"simulated vLLM ({configs[0].profile().key}, speed {configs[0].speed}x) on "
+    print(f"simulated vLLM ({configs[0].profile().key}, speed {configs[0].speed}x, "
+          f"context {configs[0].context_len} tokens) on "
           + ", ".join(f"http://{host}:{port + i}" for i in range(len(configs))), flush=True)
     await stop.wait()
     for s in servers:

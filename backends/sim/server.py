@@ -149,7 +149,10 @@ async def chat_completions(request: Request) -> Response:
         choice, scripted = _tool_choice(sim, body)
         call = scripted or choose_tool_call(body.tools or [], choice, rng, sim.tok,
                                             sim.config.tool_call_prob)
-        comp = plan_completion(sim.tok, rng, natural_len=sim.draw_length(rng),
+        length = sim.draw_length(rng)
+        if call is not None and sim.config.tool_script is not None:
+            length = 0  # a scripted tool turn is the call alone: no words before it
+        comp = plan_completion(sim.tok, rng, natural_len=length,
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                                tool_call=call, stop=body.stop_list)
         choices.append(Choice.plan(sim.tok, i, comp, seed))
@@ -198,7 +201,7 @@ async def tokenize(request: Request) -> Response:
     else:
         raise APIError(400, "either 'messages' or 'prompt' is required", param="messages")
     ids = sim.tok.encode(text)
-    return json_response({"count": len(ids), "max_model_len": sim.config.max_model_len,
+    return json_response({"count": len(ids), "max_model_len": sim.config.context_len,
                           "tokens": ids, "token_strs": None})
 
 
@@ -245,7 +248,7 @@ async def models(request: Request) -> Response:
     sim = _sim(request)
     card = {"id": sim.config.served_name, "object": "model", "created": 0,
             "owned_by": "rollout-gateway-sim", "root": sim.config.served_name,
-            "max_model_len": sim.config.max_model_len}
+            "max_model_len": sim.config.context_len}
     return json_response({"object": "list", "data": [card]})
 
 

@@ -16,7 +16,7 @@ from backends.sim.clock import WallClock
 from backends.sim.driver import SimEngine
 from backends.sim.engine import EngineCore, SchedulingPolicy
 from backends.sim.metrics import ServerMetrics
-from backends.sim.profiles import LatencyProfile, load_profile
+from backends.sim.profiles import LatencyProfile, load_profile, native_context
 from backends.sim.protocol import APIError, _Body
 from backends.sim.request import SimRequest
 from backends.sim.responses import Choice
@@ -42,7 +42,9 @@ class SimServerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int = 40960
+    #: the context in tokens (prompt and output); None: the model's own
+    #: (:data:`backends.sim.profiles.NATIVE_CONTEXT`, 40,960 for Qwen3)
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     output_len_median: float = 200.0
     output_len_sigma: float = 0.9
@@ -52,7 +54,9 @@ class SimServerConfig:
     #: end of the script it answers with text. None: ``tool_call_prob`` decides. A
     #: :class:`ToolCall` entry calls that tool with exactly those arguments when the
     #: request offers it (an agent CLI that runs what it is told, e.g. a shell command),
-    #: and any tool otherwise.
+    #: and any tool otherwise. A scripted tool turn is the call alone, with no words
+    #: before it, so a harness that treats text as its final answer (pydantic-ai's
+    #: ``run_stream``) follows the script.
     tool_script: tuple[bool | ToolCall, ...] | None = None
     tick_real_s: float = 0.01
     #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
@@ -64,6 +68,11 @@ class SimServerConfig:
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def context_len(self) -> int:
+        """``max_model_len``, else the model's native context."""
+        return self.max_model_len or native_context(self.model)
 
     def profile(self) -> LatencyProfile:
         if self.latency is not None:
@@ -112,10 +121,10 @@ class SimState:
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """vLLM's rule: default to the rest of the context; reject what cannot fit."""
-        room = self.config.max_model_len - prompt_len
+        room = self.config.context_len - prompt_len
         if room <= 0 or (requested is not None and requested > room):
             raise APIError(400, f"This model's maximum context length is "
-                           f"{self.config.max_model_len} tokens. However, you requested "
+                           f"{self.config.context_len} tokens. However, you requested "
                            f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the "
                            f"messages, {requested or 0} in the completion).")
         return requested if requested is not None else room

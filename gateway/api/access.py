@@ -13,10 +13,13 @@ from gateway.api.deps import Role
 V1_PREFIXES = ("", "/t/{trajectory_id}", "/g/{group_id}/t/{trajectory_id}")
 _V1_POST = ("chat/completions", "completions", "responses", "messages",
             "messages/count_tokens")
+_GEMINI_POST = ("generateContent", "streamGenerateContent", "countTokens")
 
 ROUTE_ROLES: dict[tuple[str, str], Role] = {
     **{("POST", f"{p}/v1/{s}"): Role.HARNESS for p in V1_PREFIXES for s in _V1_POST},
     **{("GET", f"{p}/v1/models"): Role.HARNESS for p in V1_PREFIXES},
+    **{("POST", f"{p}/{v}/models/{{model:path}}:{m}"): Role.HARNESS
+       for p in V1_PREFIXES for v in ("v1beta", "v1") for m in _GEMINI_POST},
     ("GET", "/trajectories"): Role.TRAINER,
     ("GET", "/trajectories/{trajectory_id}"): Role.TRAINER,
     ("POST", "/trajectories/{trajectory_id}/finish"): Role.TRAINER,

@@ -25,14 +25,13 @@ router = APIRouter(tags=["anthropic"], dependencies=[Depends(require_api_key)])
 _SUFFIX = "/v1/messages/count_tokens"
 
 
-async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
-    server = rt.settings.server
-    body = parse_door(await read_body(request, server.max_body_bytes),
-                      max_depth=server.max_json_depth)
+async def prompt_tokens(rt: Runtime, proxy: Proxy, body: dict[str, Any],
+                        messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
+    """How many tokens the engine would render ``messages`` (with ``tools``) into for
+    ``body``'s model (aliases resolved), asked of one of its engines' ``/tokenize``."""
     proxy.resolve_alias(body)
     model = body["model"]
     rt.dispatcher.check_model(model)
-    messages, tools, _ = chat_messages(body, proxy.memory)
     backends = rt.dispatcher.registry.routable(model)
     if not backends:
         raise NoBackendAvailable(f"no healthy backend serves {model!r} to count tokens")
@@ -41,7 +40,15 @@ async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
     ids = await tok(messages, generation=True)
     if ids is None:
         raise UpstreamError(tok.error or "the engine could not count the tokens")
-    return {"input_tokens": len(ids)}
+    return len(ids)
+
+
+async def _count(request: Request, rt: Runtime, proxy: Proxy) -> dict[str, Any]:
+    server = rt.settings.server
+    body = parse_door(await read_body(request, server.max_body_bytes),
+                      max_depth=server.max_json_depth)
+    messages, tools, _ = chat_messages(body, proxy.memory)
+    return {"input_tokens": await prompt_tokens(rt, proxy, body, messages, tools)}
 
 
 @router.post(_SUFFIX, name="count_tokens")

@@ -95,11 +95,13 @@ def get_access(request: Request) -> Access:
 
 
 def presented_key(request: Request) -> str | None:
-    """The bearer token, or ``x-api-key`` as Anthropic clients send it."""
+    """The bearer token, or ``x-api-key`` as Anthropic clients send it, or
+    ``x-goog-api-key`` as Gemini clients do."""
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip() or None
-    return request.headers.get("x-api-key", "").strip() or None
+    return (request.headers.get("x-api-key", "").strip()
+            or request.headers.get("x-goog-api-key", "").strip() or None)
 
 
 def token_matches(presented: str | None, expected: str) -> bool:

@@ -1,7 +1,8 @@
 """How an error leaves the gateway: one handler map for the whole app, and the body limit.
 
 ``/v1/*`` routes answer in OpenAI's envelope ``{"error": {message, type, param, code}}``
-(the Messages routes in Anthropic's); every other route in FastAPI's ``{"detail": ...}``.
+(the Messages routes in Anthropic's), the Gemini API's in Google's
+``{"error": {code, message, status}}``; every other route in FastAPI's ``{"detail": ...}``.
 The choice is made by path in one place so a route cannot get it wrong. The exceptions
 themselves are :mod:`gateway.errors`.
 """
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.envelopes import anthropic_error_body, openai_error_body
+from gateway.envelopes import anthropic_error_body, google_error_body, openai_error_body
 from gateway.errors import GatewayError, PayloadTooLarge
 
 
@@ -27,6 +28,16 @@ def _is_anthropic_path(request: Request) -> bool:
     return path.endswith("/v1/messages") or "/v1/messages/" in path
 
 
+def _is_gemini_path(request: Request) -> bool:
+    """The Gemini API's routes (``/v1beta/...``, and ``/v1/models/{model}:method`` where the
+    Python SDK asks), under any prefix."""
+    path = request.url.path
+    if "/v1beta/" in path or path.endswith("/v1beta"):
+        return True
+    at = path.find("/v1/models/")
+    return at >= 0 and ":" in path[at + len("/v1/models/"):]
+
+
 def _is_openai_path(request: Request) -> bool:
     return "/v1/" in request.url.path or request.url.path.endswith("/v1")
 
@@ -34,6 +45,8 @@ def _is_openai_path(request: Request) -> bool:
 def error_response(request: Request, exc: GatewayError) -> Response:
     if _is_anthropic_path(request):
         body = anthropic_error_body(exc.status_code, exc.message)
+    elif _is_gemini_path(request):
+        body = google_error_body(exc.status_code, exc.message)
     elif _is_openai_path(request):
         body = openai_error_body(
             exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
@@ -46,6 +59,11 @@ def error_response(request: Request, exc: GatewayError) -> Response:
 
 
 def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+    if _is_gemini_path(request):
+        message = str(exc.detail) if exc.status_code != 404 else \
+            f"{request.method} {request.url.path} is not served by this gateway"
+        return Response(google_error_body(exc.status_code, message),
+                        status_code=exc.status_code, media_type="application/json")
     if not _is_openai_path(request):
         detail: Any = exc.detail
         return Response(
@@ -78,7 +96,7 @@ def _json_safe(error: Any) -> Any:
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    if not _is_openai_path(request):
+    if not _is_openai_path(request) and not _is_gemini_path(request):
         return Response(
             orjson.dumps({"detail": [_json_safe(e) for e in exc.errors()]}, default=str),
             status_code=422,
@@ -88,6 +106,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     if _is_anthropic_path(request):
         return Response(anthropic_error_body(400, f"{loc}: {first.get('msg', 'invalid')}"),
+                        status_code=400, media_type="application/json")
+    if _is_gemini_path(request):
+        return Response(google_error_body(400, f"{loc}: {first.get('msg', 'invalid')}"),
                         status_code=400, media_type="application/json")
     return Response(
         openai_error_body(

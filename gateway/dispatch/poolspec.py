@@ -83,6 +83,9 @@ class SimOptions(_Strict):
     speed: float = Field(1.0, gt=0)
     seed: int = 0
     startup_s: float = Field(0.0, ge=0, description="simulated start-up seconds (/ speed)")
+    max_model_len: int | None = Field(
+        None, ge=1, description="each engine's context in tokens (default: the profile "
+        "model's own, 40960 for Qwen3; 131072 as Qwen3 serves with YaRN)")
     options: dict[str, Any] = Field({}, description="other SimServerConfig fields")
 
 
@@ -253,7 +256,8 @@ def build_launcher(spec: PoolSpec) -> Launcher:
         from backends.sim_launcher import SimLauncher
 
         return SimLauncher(profile=ls.profile, gpu=ls.gpu, speed=ls.speed, seed=ls.seed,
-                           options=ls.options, startup_s=ls.startup_s)
+                           options=ls.options, startup_s=ls.startup_s,
+                           max_model_len=ls.max_model_len)
     if isinstance(ls, VLLMLauncherSpec):
         return vllm_launcher(ls)
     if isinstance(ls, RayLauncherSpec):

@@ -43,8 +43,16 @@ def parse_door(raw: bytes, *, max_depth: int) -> dict[str, Any]:
 
 def _json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     """The body as a JSON object naming a model, or a 400 that says what is wrong."""
+    body = json_object(raw, max_depth)
+    check_model(body.get("model"), "'model'")
+    return body
+
+
+def json_object(raw: bytes, max_depth: int, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The body as a JSON object nested at most ``max_depth`` deep, or a 400 saying what
+    is wrong (``empty_ok``: an empty body is ``{}``)."""
     try:
-        body = orjson.loads(raw)
+        body = orjson.loads(raw) if raw.strip() or not empty_ok else {}
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -52,13 +60,17 @@ def _json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     if json_depth(body, stop_after=max_depth) > max_depth:
         raise BadRequest(f"request body nests objects and arrays deeper than {max_depth} "
                          "levels (ROLLOUT_GATEWAY_SERVER__MAX_JSON_DEPTH)")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    if len(model) > MAX_MODEL_CHARS:
-        raise BadRequest(f"'model' is longer than {MAX_MODEL_CHARS} characters",
-                         param="model")
     return body
+
+
+def check_model(model: Any, what: str) -> str:
+    """``model`` if it is a name a call's record can hold, else a 400 (param ``model``)."""
+    if not isinstance(model, str) or not model:
+        raise BadRequest(f"{what} is required and must be a non-empty string", param="model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise BadRequest(f"{what} is longer than {MAX_MODEL_CHARS} characters",
+                         param="model")
+    return model
 
 
 def json_depth(value: Any, *, stop_after: int) -> int:

@@ -7,7 +7,8 @@ the connector report events here and touch none of those directly.
 
 :func:`end` is the only way out and is idempotent, so every exit path may call it: a call
 that reached a backend is recorded (:func:`gateway.proxy.calls.record_call`), one that did
-not is abandoned (it takes no ``seq``), and either way its admission slot is released.
+not is abandoned (it takes no ``seq``), and either way its admission slot is released; a
+call that failed leaves its one line in the log (:mod:`gateway.proxy.failures`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 from gateway.dispatch.dispatcher import Lease
 from gateway.proxy.calls import CallContext, record_call
+from gateway.proxy.failures import failure_log
 from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.trajectories.tools import ToolOutcome
@@ -71,6 +73,8 @@ def end(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
     if ctx.ended:
         return
     ctx.ended = True
+    if error is not None:
+        failure_log(rt).failed(ctx.state.id, ctx.endpoint, error)
     try:
         if ctx.lease is None:  # never reached a backend: refused, or the client left
             rt.tracker.call_abandoned(ctx.state)

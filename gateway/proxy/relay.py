@@ -31,7 +31,6 @@ from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import (
     openai_4xx_body,
-    parse_door,
     parse_request,
     read_body,
     upstream_message,
@@ -48,8 +47,8 @@ from gateway.proxy.continuation import (
 )
 from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
-from gateway.proxy.doors.messages import MessagesCall
-from gateway.proxy.doors.responses import ResponsesCall
+from gateway.proxy.doors.open import open_door
+from gateway.proxy.failures import refusals_logged
 from gateway.proxy.lifecycle import abandon, arrive, end
 from gateway.proxy.sse import error_event
 from gateway.proxy.tokens import PromptPlanner
@@ -79,6 +78,10 @@ CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
 COMPLETIONS = Endpoint("completions", "/v1/completions", chat=False)
 RESPONSES = Endpoint("responses", "/v1/responses", chat=True, door="responses")
 MESSAGES = Endpoint("messages", "/v1/messages", chat=True, door="messages")
+GEMINI = Endpoint("gemini", "/v1beta/models/{model:path}:generateContent", chat=True,
+                  door="gemini")
+GEMINI_STREAM = Endpoint("gemini", "/v1beta/models/{model:path}:streamGenerateContent",
+                         chat=True, door="gemini_stream")
 
 
 async def _watch_disconnect(receive: Receive, handler: asyncio.Task[Any]) -> None:
@@ -168,7 +171,8 @@ class Proxy:
         self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
         """A call through the FastAPI routes (the front doors): the response to send."""
-        ctx = await self._admit(request, endpoint, path_traj, path_group)
+        with refusals_logged(self.rt, endpoint.name, path_traj, request.headers):
+            ctx = await self._admit(request, endpoint, path_traj, path_group)
         try:
             return await _unless_disconnected(request, self._run(ctx, endpoint))
         except BaseException as exc:
@@ -180,7 +184,8 @@ class Proxy:
         """A call through the raw ASGI route (``gateway.api.openai.serve_raw``): the
         upstream call and the relay of its answer run under one disconnect watcher. A
         :class:`GatewayError` raised before the answer starts is the caller's to send."""
-        ctx = await self._admit(request, endpoint, path_traj, path_group)
+        with refusals_logged(self.rt, endpoint.name, path_traj, request.headers):
+            ctx = await self._admit(request, endpoint, path_traj, path_group)
         try:
             await _unless_disconnected_do(request.receive,
                                           self._answer(ctx, endpoint, request, send))
@@ -223,9 +228,10 @@ class Proxy:
             body = client_body = parse_request(raw, chat=endpoint.chat,
                                                max_depth=server.max_json_depth)
         else:
-            client_body = parse_door(raw, max_depth=server.max_json_depth)
-            door = (ResponsesCall(client_body, self.memory) if endpoint.door == "responses"
-                    else MessagesCall(client_body, self.memory))
+            client_body, door = open_door(
+                endpoint.door, raw, self.memory, max_depth=server.max_json_depth,
+                path_model=request.path_params.get("model"),
+                alt=request.query_params.get("alt"))
             body = door.chat_body
         ident = identify(
             path_trajectory=path_traj, path_group=path_group, headers=request.headers,
@@ -302,10 +308,10 @@ class Proxy:
         said = upstream_message(data)
         error = UpstreamError(f"upstream answered {upstream.status}: "
                               f"{said or data[:300].decode(errors='replace')}")
+        error.status_code = status  # what the client is answered
         end(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
         if ctx.door is not None:  # the engine's message, in the door's error shape
             error.message = said or error.message
-            error.status_code = status
             data = ctx.door.error_body(error)
         elif status < 500:  # the engine's message, in OpenAI's shape (vLLM's differs)
             data = openai_4xx_body(data, status)

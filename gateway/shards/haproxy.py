@@ -20,16 +20,23 @@ the gateway reads it (gateway/trajectories/tagging.py), first found wins:
    fields; the gateway refuses a call of the key that names another one), else a bearer
    key that is not a placeholder (``EMPTY``, ``sk-...``: a per-trajectory session key
    when API keys are off);
-4. only when none of these is there: the ``X-Group-Id`` header.
+4. the session id a harness sends on its own in a header (Codex's ``session-id``, Claude
+   Code's ``x-claude-code-session-id``, the OpenHands SDK's ``x-litellm-session-id``:
+   :data:`gateway.trajectories.harness_ids.HARNESS_HEADERS`, in that order);
+5. only when none of these is there: the ``X-Group-Id`` header.
 
 A request carrying one of those headers (or ``Authorization``, ``x-api-key``) twice is
 answered 400 here, as the gateway answers it: HAProxy reads the last copy, the gateway
 would read the first. Ids carried only in the JSON body (``metadata.session_id``,
-``user``) are not used: the proxy would have to buffer every request body to read them.
-Such a call goes by its ``X-Group-Id``, else by its bearer key, else to any shard, which
-is right only for a one-call (untagged) trajectory; a sharded gateway needs the
-trajectory in the path, a header or the key (``RolloutClient.base_url_for`` puts it in
-the path). A GRPO group's trajectories spread over the shards like any others.
+Claude Code's ``metadata.user_id``, ``user``) are not used: the proxy would have to
+buffer every request body to read them. Such a call goes by its harness header if it has
+one (Claude Code sends its session in both, alike; a trajectory named in
+``metadata.session_id`` stays on one shard as long as its calls carry one harness
+session), else by its ``X-Group-Id``, else to any shard, which is right only for a
+one-call (untagged) trajectory; a sharded gateway needs the trajectory in the path, a
+header or the key (``RolloutClient.base_url_for`` puts it in the path). A harness id the
+gateway maps into the id's characters routes by its raw value, the same on every call.
+A GRPO group's trajectories spread over the shards like any others.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.trajectories.harness_ids import HARNESS_HEADERS
 from gateway.trajectories.tagging import SINGLE_HEADERS
 
 #: the gateway's own placeholder list (gateway/trajectories/tagging.py), lowercased
@@ -95,7 +103,9 @@ def _key_rules() -> list[str]:
         _set("txn.rk", "req.fhdr(x-session-id)", _UNSET, has("x-session-id")),
         _set("txn.rk", f'{_KEY},regsub("^rgk-",""),field(1,.),ub64dec', _UNSET, _SCOPED),
         _set("txn.rk", _KEY, _UNSET, *plain),
-        "    # 4. no trajectory this proxy can see (it is in the body, or none): the group",
+        "    # 4. the session id the harness sends on its own",
+        *(_set("txn.rk", f"req.fhdr({h})", _UNSET, has(h)) for h in HARNESS_HEADERS),
+        "    # 5. no trajectory this proxy can see (it is in the body, or none): the group",
         _set("txn.rk", "req.fhdr(x-group-id)", _UNSET, has("x-group-id")),
         "    # the key it went by, for logs and tests",
         "    http-response set-header x-shard-key %[var(txn.rk)] if { var(txn.rk) -m found }",

@@ -5,19 +5,24 @@ Sources, first match wins:
 1. the path: ``/t/{trajectory}/v1/...`` or ``/g/{group}/t/{trajectory}/v1/...``;
 2. headers ``X-Trajectory-Id``, then ``X-Session-ID`` (and ``X-Group-Id``);
 3. ``Authorization: Bearer <session id>`` (or ``x-api-key``, as Anthropic clients send
-   it) when API keys are off, unless the key is one
-   of the placeholders harnesses send when they have no key (``EMPTY``, ``sk-...``);
-4. the body: ``metadata.session_id`` (and ``metadata.group_id``), then ``user``.
+   it, or ``x-goog-api-key``, as Gemini clients do) when API keys are off, unless the key
+   is one of the placeholders harnesses send when they have no key (``EMPTY``, ``sk-...``);
+4. the body: ``metadata.session_id`` (and ``metadata.group_id``);
+5. the session id the harness sends on its own (Codex's ``session-id`` header, Claude
+   Code's ``x-claude-code-session-id`` and ``metadata.user_id``, the OpenHands SDK's
+   ``x-litellm-session-id``: :mod:`gateway.trajectories.harness_ids`), mapped into the
+   id's characters when it has others;
+6. the body's ``user``.
 
 A call with none of these gets a fresh id, returned in the ``X-Trajectory-Id`` header.
 
 A harness key scoped to one trajectory (:mod:`gateway.trajectories.keys`) names its
 trajectory and its group itself: the call belongs to them, and a path, header or
 ``metadata`` that names another trajectory or group is a 403 (``user``, a free-form field
-many SDKs fill, is then ignored). A key minted without a group gives its calls none, so a
-call that names one is refused too: the harness does not choose its GRPO group. The key's
-signature was checked by the route's credential check before the call got here; what it
-names can only narrow a call, never widen it.
+many SDKs fill, and the harness's own session id are then ignored). A key minted without a
+group gives its calls none, so a call that names one is refused too: the harness does not
+choose its GRPO group. The key's signature was checked by the route's credential check
+before the call got here; what it names can only narrow a call, never widen it.
 
 Each id header (and each credential header) is read once: a request carrying one twice
 is a 400, since a proxy in front (HAProxy in a sharded gateway) may read the other copy
@@ -34,12 +39,14 @@ from typing import Any, Protocol
 
 from gateway.errors import BadRequest, InvalidTrajectoryId
 from gateway.schema.ids import ID_PATTERN
+from gateway.trajectories.harness_ids import HARNESS_HEADERS, harness_session
 from gateway.trajectories.keys import ScopedKey, named_by
 
 PLACEHOLDER_KEYS = frozenset({"", "empty", "none", "null", "dummy", "fake", "x", "token-abc123"})
-#: headers a request may carry once: the ids, and the credentials a scoped key comes in
+#: headers a request may carry once: the ids (harnesses' own too), and the credentials a
+#: scoped key comes in
 SINGLE_HEADERS = ("x-trajectory-id", "x-session-id", "x-group-id", "authorization",
-                  "x-api-key")
+                  "x-api-key", "x-goog-api-key", *HARNESS_HEADERS)
 
 
 class HeaderList(Protocol):
@@ -87,6 +94,8 @@ def _presented_key(headers: Mapping[str, str]) -> str | None:
         return auth[7:].strip()
     if headers.get("x-api-key"):  # how Anthropic clients send their key
         return headers["x-api-key"].strip()
+    if headers.get("x-goog-api-key"):  # how Gemini clients send theirs
+        return headers["x-goog-api-key"].strip()
     return None
 
 
@@ -99,16 +108,19 @@ def _bearer_session(key: str | None, api_keys_enabled: bool) -> str | None:
 
 
 def _body_ids(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """``metadata.session_id`` and ``metadata.group_id``."""
     meta = body.get("metadata")
     traj = group = None
     if isinstance(meta, Mapping):
         sid, gid = meta.get("session_id"), meta.get("group_id")
         traj = sid if isinstance(sid, str) else None
         group = gid if isinstance(gid, str) else None
-    user = body.get("user")
-    if traj is None and isinstance(user, str) and user:
-        traj = user
     return traj, group
+
+
+def _user(body: Mapping[str, Any]) -> str | None:
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
 
 
 def identify(
@@ -137,6 +149,8 @@ def identify(
         or one.get("x-session-id")
         or _bearer_session(key, api_keys_enabled)
         or body_traj
+        or harness_session(one, body)
+        or _user(body)
     )
     group = path_group or one.get("x-group-id") or body_group
     if group is not None:

@@ -156,7 +156,11 @@ def test_changed_tool_list_opens_a_branch(sim_pool, gateway_at, sqlite_url, clos
         first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                                max_tokens=20)
         messages += _tool_reply(first.choices[0].message)
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
+        # it says more than the first did (at most 20), so its conversation is the task's
+        # by the main-branch rule (gateway/store/samples.py: the family with the most
+        # calls, then the most generated tokens), whatever the first turn's length
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                       extra_body={"ignore_eos": True})
         calls = httpx.get(f"{gw}/trajectories/{traj}").json()["calls"]
         assert [c["mismatch_pos"] for c in calls] == [None, None]  # not drift: a branch
         assert [(c["branch"], c["parent_branch"]) for c in calls] == [(0, None), (1, 0)]

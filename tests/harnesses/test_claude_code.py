@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
@@ -51,10 +52,11 @@ def claude_gateway(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFac
     log of the gateway's answers."""
     from backends.sim.state import SimServerConfig
 
-    # Claude Code's first prompt (system prompt, a dozen tool schemas) is ~42k tokens of
-    # the simulated tokenizer (~12k of Qwen3's): a 128k context, as Qwen3 serves with YaRN
+    # Claude Code's first prompt (system prompt, a dozen tool schemas, 48 KB) is ~13k
+    # tokens (~12k of Qwen3's): it fits the model's own 40,960 context, as sim-backend
+    # serves it by default, with the 32,000 max_tokens it asks for clamped by the gateway
     cfg = SimServerConfig(model=MODEL, speed=50, seed=13, output_len_median=20,
-                          max_model_len=131072, tool_script=(BASH_CALL,))
+                          tool_script=(BASH_CALL,))
     with logged_gateway(loop_thread, tmp_path_factory, cfg, model_aliases=ALIASES) as served:
         yield served
 
@@ -118,3 +120,24 @@ def test_claude_code_runs_its_bash_tool_through_the_gateway(claude, claude_gatew
     assert final[0]["result"].strip() == output_text(tok, calls[-1]["completion_ids"]).strip()
     # every generated token is in the trajectory's samples under loss mask 1
     print(assert_every_token_kept(gw, traj).line("claude -p"))
+
+
+def test_claude_code_on_a_plain_base_url_is_one_trajectory(claude, claude_gateway, tmp_path):
+    """No trajectory in the base URL: Claude Code's ``x-claude-code-session-id`` (the
+    ``session_id`` of its events) tags every call, side calls included."""
+    gw, _ = claude_gateway
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "proof.txt").write_text("plain\n")
+    before = {t["id"] for t in httpx.get(f"{gw}/trajectories", timeout=10).json()["data"]}
+
+    proc = run_claude(claude, gw, "Show me what proof.txt says.", tmp_path / "home", work)
+    said = f"rc={proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, said
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (session,) = {e["session_id"] for e in events if "session_id" in e}
+    calls = recorded_calls(gw, session, endpoint="messages", at_least=2)
+    after = {t["id"] for t in httpx.get(f"{gw}/trajectories", timeout=10).json()["data"]}
+    assert after - before == {session}, (after - before, said)
+    assert [c["seq"] for c in calls] == list(range(len(calls)))
+    assert calls[0]["prompt_len"] < 20_000  # ~13k: the model's own context holds it

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from backends.sim.chat import ToolCall, output_text
@@ -114,3 +115,26 @@ def test_codex_exec_runs_its_shell_tool_through_the_gateway(codex, codex_gateway
     assert last.strip() == output_text(tok, calls[1]["completion_ids"]).strip() != ""
     # every generated token is in an exported sample (whichever branch), under loss mask 1
     print(assert_every_token_kept(gw, traj).line("codex exec"))
+
+
+def test_codex_on_a_plain_v1_base_url_is_one_trajectory(codex, codex_gateway, tmp_path):
+    """No trajectory in the base URL: Codex's own ``session-id`` header (its thread id)
+    tags every call, so one run is one trajectory (it was one ``auto-`` per call)."""
+    gw, log = codex_gateway
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "proof.txt").write_text("plain\n")
+    before = {t["id"] for t in httpx.get(f"{gw}/trajectories", timeout=10).json()["data"]}
+
+    proc, _ = run_codex(codex, f"{gw}/v1", "Show me what proof.txt says.",
+                        tmp_path / "home", work)
+    said = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (thread,) = [e["thread_id"] for e in events if e.get("type") == "thread.started"]
+    calls = recorded_calls(gw, thread, endpoint="responses", at_least=2)
+    after = {t["id"] for t in httpx.get(f"{gw}/trajectories", timeout=10).json()["data"]}
+    assert after - before == {thread}, (after - before, said)
+    assert [c["seq"] for c in calls] == list(range(len(calls)))
+    assert [a for a in log.answers if a[1] == "/v1/responses"] == \
+        [("POST", "/v1/responses", 200)] * len(calls)

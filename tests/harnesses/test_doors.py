@@ -247,12 +247,24 @@ def test_responses_namespace_tool_flattened_and_hosted_tools_dropped(scripted_ga
     assert "target" in json.loads(call["arguments"])
     assert final["tools"] == NS_TOOLS and final["store"] is False
     second = _post(scripted_gateway, traj, tools=NS_TOOLS, input=[
-        {"role": "user", "content": "close agent x"}, call,
+        {"role": "user", "content": "close agent x"}, *_said(final),
         {"type": "function_call_output", "call_id": call["call_id"], "output": "closed"}])
     assert second.status_code == 200 and second.json()["output"][0]["type"] == "message"
     text = second.json()["output"][0]["content"][0]["text"]
     check_exact_trace(scripted_gateway, traj,
-                      [("", [("agents__close_agent", call["arguments"])]), (text, [])])
+                      [(_text(final), [("agents__close_agent", call["arguments"])]),
+                       (text, [])])
+
+
+def _said(response: dict) -> list[dict]:
+    """The model's turn as a harness echoes it: its messages and calls (a model may say
+    a few words before it calls a tool)."""
+    return [o for o in response["output"] if o["type"] != "reasoning"]
+
+
+def _text(response: dict) -> str:
+    return "".join(p["text"] for o in response["output"] if o["type"] == "message"
+                   for p in o["content"] if p["type"] == "output_text")
 
 
 def test_responses_custom_tool_round_trip_is_token_exact(scripted_gateway):
@@ -263,16 +275,17 @@ def test_responses_custom_tool_round_trip_is_token_exact(scripted_gateway):
     tools = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
     first = _post(scripted_gateway, traj, input="patch it", tools=tools).json()
-    call = first["output"][0]
+    call = first["output"][-1]
     assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch"
     assert isinstance(call["input"], str) and call["input"]
     second = _post(scripted_gateway, traj, tools=tools, input=[
-        {"role": "user", "content": "patch it"}, call,
+        {"role": "user", "content": "patch it"}, *_said(first),
         {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "done"}])
     assert second.status_code == 200, second.text
     text = second.json()["output"][0]["content"][0]["text"]
     args = json.dumps({"input": call["input"]})  # what the simulated model generated
-    check_exact_trace(scripted_gateway, traj, [("", [("apply_patch", args)]), (text, [])])
+    check_exact_trace(scripted_gateway, traj,
+                      [(_text(first), [("apply_patch", args)]), (text, [])])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -474,7 +487,8 @@ def test_context_overflow_reaches_the_client_in_anthropic_shape(scripted_gateway
     """A prompt the engine's context cannot hold: the engine's own message, as Anthropic's
     invalid_request_error, streamed or not."""
     body = {"model": MODEL, "max_tokens": 64, "stream": stream,
-            "messages": [{"role": "user", "content": "hello " * 7000}]}
+            # a token per digit, as Qwen3 counts them: 48k tokens over the 40,960 context
+            "messages": [{"role": "user", "content": "12345 " * 8000}]}
     r = httpx.post(f"{scripted_gateway}/t/{_traj()}/v1/messages", json=body, timeout=30)
     assert r.status_code == 400
     err = r.json()

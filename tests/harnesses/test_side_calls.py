@@ -20,7 +20,9 @@ from tests.harnesses.trace import assert_every_token_kept
 ANT_TOOL = {"name": "bash", "description": "run a shell command",
             "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
                              "required": ["cmd"]}}
-AGENT = "You are a coding agent."
+# an agent's system prompt is long; a short one must still outlast the few tokens a side
+# call's own system prompt shares with it (gateway/store/samples.py, 16 tokens)
+AGENT = "You are a coding agent. Work in the repository, run its tests and fix what fails."
 
 
 def _samples(gw: str, traj: str) -> list[dict]:

@@ -57,23 +57,40 @@ class Kept:
                 f"{self.branches} branches, {self.on_record} calls ran on the record")
 
 
-def lineage(calls: list[dict[str, Any]], branch: int) -> list[dict[str, Any]]:
-    """The calls whose completions lie in ``branch``'s sequence, in sequence order: its
-    own, and its ancestors' before the forks that lead to it (computed from the calls'
-    trace alone, apart from the gateway's sample code)."""
+Slice = tuple[dict[str, Any], int, int]  # a call, and the part of its completion: [a, b)
+
+
+def _limits(calls: list[dict[str, Any]], branch: int) -> dict[int, int | None]:
+    """For ``branch`` and each branch it descends from: how many leading tokens of that
+    branch's sequence are in ``branch``'s (None: all of them), from the calls' trace
+    alone, apart from the gateway's sample code."""
     first: dict[int, dict[str, Any]] = {}
     for c in sorted(calls, key=lambda c: c["seq"]):
         first.setdefault(c["branch"], c)
-    out: list[dict[str, Any]] = []
-    limit, b = None, branch
+    out: dict[int, int | None] = {}
+    limit: int | None = None
+    b: int | None = branch
     while b is not None:
-        own = [c for c in calls if c["branch"] == b
-               and (limit is None or c["prompt_len"] + len(c["completion_ids"]) <= limit)]
-        out = sorted(own, key=lambda c: c["seq"]) + out
-        limit = first[b]["prompt_offset"] if limit is None else min(
-            limit, first[b]["prompt_offset"])
+        out[b] = limit
+        fork = first[b]["prompt_offset"]
+        limit = fork if limit is None else min(limit, fork)
         b = first[b]["parent_branch"]
     return out
+
+
+def _part(c: dict[str, Any], limit: int | None, inside: bool) -> Slice:
+    """The part of ``c``'s completion before ``limit`` (``inside``) or from it on."""
+    n = len(c["completion_ids"])
+    cut = n if limit is None else max(0, min(n, limit - c["prompt_len"]))
+    return (c, 0, cut) if inside else (c, cut, n)
+
+
+def lineage(calls: list[dict[str, Any]], branch: int) -> list[Slice]:
+    """The completion tokens in ``branch``'s sequence, in order: its own calls' and its
+    ancestors' before the forks that lead to it (a fork may fall inside a completion)."""
+    limits = _limits(calls, branch)
+    ordered = sorted(calls, key=lambda c: (c["prompt_len"], c["seq"]))
+    return [_part(c, limits[c["branch"]], True) for c in ordered if c["branch"] in limits]
 
 
 def assert_every_token_kept(gw: str, traj: str) -> Kept:
@@ -87,18 +104,22 @@ def assert_every_token_kept(gw: str, traj: str) -> Kept:
     samples = httpx.get(f"{gw}/trajectories/{traj}/samples", timeout=10).json()["data"]
     assert sorted({c["branch"] for c in ok}) == [s["branch"] for s in samples]
     [main] = [s for s in samples if s["main"]]
-    in_main = {c["id"] for c in lineage(ok, main["branch"])}
+    in_main = _limits(ok, main["branch"])
     default = httpx.get(f"{gw}/trajectories/{traj}/sample", timeout=10).json()
     assert default["branch"] == main["branch"] and default["loss_mask"] == main["loss_mask"]
     kept = 0
     for s in samples:
         own = [(t, lp) for t, lp, m in zip(s["token_ids"], s["logprobs"], s["loss_mask"],
                                             strict=True) if m]
-        mine = (lineage(ok, s["branch"]) if s["main"] else
-                [c for c in sorted(ok, key=lambda c: c["seq"])
-                 if c["branch"] == s["branch"] and c["id"] not in in_main])
-        want = [(t, lp) for c in mine
-                for t, lp in zip(c["completion_ids"], c["completion_logprobs"], strict=True)]
+        if s["main"]:
+            mine = lineage(ok, s["branch"])
+        else:  # its own calls' tokens past what main inherits of this branch
+            limit = in_main.get(s["branch"], 0)
+            mine = [_part(c, limit, False) for c in sorted(ok, key=lambda c: c["seq"])
+                    if c["branch"] == s["branch"]]
+        want = [(t, lp) for c, a, b in mine
+                for t, lp in list(zip(c["completion_ids"], c["completion_logprobs"],
+                                      strict=True))[a:b]]
         assert own == want, f"branch {s['branch']} of {traj}"
         kept += len(own)
     generated = sum(len(c["completion_ids"]) for c in ok)

@@ -100,3 +100,22 @@ def test_spec_files_yaml_json_and_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", sorted(Path(__file__).parents[2].glob("examples/pool*.yaml")))
 def test_example_specs_are_valid(path: Path) -> None:
     load_pool_spec(path)
+
+
+def test_a_simulated_pool_sets_its_engines_context() -> None:
+    """``max_model_len`` under a ``sim`` launcher: each engine's context (default: the
+    profile model's own, Qwen3's 40,960)."""
+    from gateway.dispatch.poolspec import build_launcher
+
+    def context(launcher: dict[str, Any]) -> int:
+        spec = parse_pool_spec({"model": "policy-a", "inventory": {"gpus": 1},
+                                "launcher": {"kind": "sim", **launcher}})
+        built: Any = build_launcher(spec)
+        return int(built.config_for(InstanceSpec(id="i0", model="policy-a", tp=1,
+                                                 gpus=(0,))).context_len)
+
+    assert context({}) == 40960
+    assert context({"max_model_len": 131072}) == 131072
+    assert context({"profile": "llama3.1-8b"}) == 131072
+    with pytest.raises(PoolSpecError, match="max_model_len"):
+        parse_pool_spec({"model": "m", "launcher": {"kind": "sim", "max_model_len": 0}})

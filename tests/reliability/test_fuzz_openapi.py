@@ -3,8 +3,9 @@
 At least 2000 generated requests over every operation (admin ones with the admin token,
 so their validation is exercised too), against a gateway whose backend is a fast
 scripted upstream. No answer may be a 5xx that is not an upstream failure, and every
-4xx must come in its route's wire shape: ``{"error": {...}}`` under ``/v1``,
-``{"detail": ...}`` elsewhere.
+4xx must come in its route's wire shape: ``{"error": {...}}`` under ``/v1`` (Google's
+``{"error": {code, message, status}}`` on the Gemini routes), ``{"detail": ...}``
+elsewhere.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ ADMIN = "fuzz-admin-token"
 MIN_CASES = 2000
 PER_OPERATION = 60  # per operation and generation mode (valid, then invalid data)
 # an endless event stream; a long poll (each case could wait its timeout_s, up to minutes)
-SKIP = {"/status/stream", "/groups/{group_id}/samples"}
+SKIP = {"/status/stream", "/groups/{group_id}/samples", "/groups/{group_id}/trees"}  # long polls
 UPSTREAM_CODES = {"upstream_error", "upstream_timeout", "no_backend", "overloaded"}
+GEMINI_METHODS = (":generateContent", ":streamGenerateContent", ":countTokens")
 
 
 def _check(path: str, status: int, body: bytes) -> None:
@@ -43,7 +45,12 @@ def _check(path: str, status: int, body: bytes) -> None:
     if status < 400 or path == "/metrics":
         return
     doc = orjson.loads(body)
-    if openai:
+    if path.endswith(GEMINI_METHODS):  # Google's envelope
+        err = doc["error"]
+        assert err["code"] == status and isinstance(err["message"], str), doc
+        assert isinstance(err["status"], str), doc
+        assert status < 500 or status in (502, 503, 504), (status, doc)
+    elif openai:
         err = doc["error"]
         assert isinstance(err["message"], str) and isinstance(err["type"], str), doc
         if status >= 500:

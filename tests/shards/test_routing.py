@@ -1,7 +1,7 @@
 """The generated HAProxy configuration routes as documented, checked against real HAProxy
 with three stand-in shards and a stand-in front that answer their own names: a call goes
 by its trajectory wherever it carries it (path with or without a group, header, scoped
-key), else by its group header; an id header sent twice is refused; everything that is
+key, the session id a harness sends on its own), else by its group header; an id header sent twice is refused; everything that is
 not a model call goes to the front."""
 
 from __future__ import annotations
@@ -117,6 +117,37 @@ def test_an_id_or_key_header_sent_twice_is_refused_at_the_proxy(proxy: str) -> N
         assert r.json()["error"]["type"] == "invalid_request_error"
     # one of each is fine, and the comma is no separator: the whole value is the id
     assert where(proxy, "/v1/chat/completions", [("x-trajectory-id", "a,b")])[1] == "a,b"
+
+
+def test_a_harness_session_header_routes_like_the_gateway_reads_it(proxy: str) -> None:
+    """Codex's ``session-id``, Claude Code's ``x-claude-code-session-id``, the OpenHands
+    SDK's ``x-litellm-session-id``: every call of a session reaches one shard (with a
+    placeholder key, a group, on any door), after the explicit ids, before the group."""
+    sessions = [f"01a2207b-9cbc-7822-a47f-{k:012d}" for k in range(12)]
+    for sid in sessions:
+        for header in ("session-id", "x-claude-code-session-id", "x-litellm-session-id"):
+            ways = [
+                where(proxy, "/v1/responses", {header: sid, "authorization": "Bearer EMPTY"}),
+                where(proxy, "/v1/messages", {header: sid, "x-api-key": "sk-none"}),
+                where(proxy, "/v1/chat/completions", {header: sid, "x-group-id": "grp-a"}),
+                where(proxy, "/v1/chat/completions", {header: sid}),
+            ]
+            assert {key for _, key in ways} == {sid}, ways
+            assert len({shard for shard, _ in ways}) == 1, ways
+    assert len({where(proxy, "/v1/responses", {"session-id": s})[0] for s in sessions}) > 1
+    both = {"session-id": "codex-s", "x-claude-code-session-id": "claude-s",
+            "x-litellm-session-id": "lite-s"}
+    assert where(proxy, "/v1/chat/completions", both)[1] == "claude-s"  # the gateway's order
+    assert where(proxy, "/v1/chat/completions",
+                 {"session-id": "codex-s", "x-litellm-session-id": "l"})[1] == "codex-s"
+    for explicit, key in (({"x-trajectory-id": "t"}, "t"), ({"x-session-id": "s"}, "s"),
+                          ({"authorization": "Bearer traj-9"}, "traj-9")):
+        assert where(proxy, "/v1/chat/completions", {**both, **explicit})[1] == key
+    assert where(proxy, "/t/path-t/v1/responses", both)[1] == "path-t"
+    for name in both:  # sent twice: refused, as the gateway refuses it
+        r = httpx.post(f"{proxy}/v1/chat/completions", json={}, timeout=10,
+                       headers=[(name, "a"), (name, "b")])
+        assert r.status_code == 400, (name, r.text)
 
 
 def test_trajectories_spread_over_the_shards(proxy: str) -> None:

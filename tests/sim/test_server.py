@@ -159,3 +159,23 @@ async def _ignore_eos_n_and_stop(client: AsyncOpenAI) -> None:
         stop=[word], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.find(word)]
+
+
+async def test_the_context_is_the_models_unless_given() -> None:
+    """Qwen3's 40,960 by default (vLLM's max_model_len for it), Llama 3.1's 131,072; a
+    given ``max_model_len`` (``sim-backend --max-model-len``, a pool's ``max_model_len``)
+    wins, and the engine refuses what does not fit it, as vLLM does."""
+    configs = [SimServerConfig(speed=50), SimServerConfig(speed=50, max_model_len=131072),
+               SimServerConfig(model="llama3.1-8b", speed=50),
+               SimServerConfig(speed=50, max_model_len=64)]
+    async with start_sim_servers(configs) as found, httpx.AsyncClient(timeout=10) as http:
+        lens = [(await http.get(f"{u}/v1/models")).json()["data"][0]["max_model_len"]
+                for u in found]
+        assert lens == [40960, 131072, 131072, 64]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 100}
+        refused = await http.post(f"{found[3]}/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and "maximum context length is 64" in refused.text
+        ok = await http.post(f"{found[1]}/v1/chat/completions",
+                             json={**body, "max_tokens": 100_000})
+        assert ok.status_code == 200, ok.text

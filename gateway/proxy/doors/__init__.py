@@ -10,6 +10,7 @@ captures exactly; see docs/real-vllm-wire-format.md for why not the engine's own
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import orjson
@@ -111,3 +112,17 @@ def text_of(content: Any, *, kinds: tuple[str, ...]) -> str:
 def unsupported(kind: Any) -> None:
     raise BadRequest(f"content part type {kind!r} is not supported by this gateway "
                      "(text only)", param="content")
+
+
+def failed_results(outcomes: list[ToolOutcome], chat_body: dict[str, Any],
+                   error_ids: set[str]) -> list[ToolOutcome]:
+    """``outcomes`` (of the call's fresh tool results) with those the door's format
+    marked as errors (``error_ids``: their tool call ids) made failures, whatever their
+    text says."""
+    if not error_ids:
+        return outcomes
+    fresh = [m for m in chat_body["messages"] if m.get("role") == "tool"]
+    errs = [m.get("tool_call_id") in error_ids for m in fresh[-len(outcomes):]]
+    return [dataclasses.replace(o, outcome="failure") if bad else o
+            for o, bad in zip(outcomes, errs + [False] * (len(outcomes) - len(errs)),
+                              strict=False)]

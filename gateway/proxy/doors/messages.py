@@ -45,7 +45,7 @@ import orjson
 
 from gateway.envelopes import anthropic_error_body
 from gateway.errors import BadRequest, GatewayError
-from gateway.proxy.doors import sse
+from gateway.proxy.doors import failed_results, sse
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.trajectories.tools import ToolOutcome
 
@@ -254,13 +254,7 @@ class MessagesCall:
 
     def adjust_outcomes(self, outcomes: list[ToolOutcome]) -> list[ToolOutcome]:
         """``is_error`` tool results are failures whatever their text says."""
-        if not self.error_ids:
-            return outcomes
-        fresh = [m for m in self.chat_body["messages"] if m.get("role") == "tool"]
-        errs = [m.get("tool_call_id") in self.error_ids for m in fresh[-len(outcomes):]]
-        return [dataclasses.replace(o, outcome="failure") if bad else o
-                for o, bad in zip(outcomes, errs + [False] * (len(outcomes) - len(errs)),
-                                  strict=False)]
+        return failed_results(outcomes, self.chat_body, self.error_ids)
 
     def _message(self, content: list[dict[str, Any]], stop: str | None,
                  input_tokens: int, output_tokens: int) -> dict[str, Any]:
