@@ -21,7 +21,7 @@ Processes needed = peak demand / one process's saturation rate (rounded up).
 
 3. **What splitting costs.** Several gateway processes (docs/scaling.md) each own a
    share of the GPUs and the trajectories of whole groups. The simulator runs one batch
-   on ``2 x gpus`` GPUs under one scheduler, then the same batch split by group hash
+   on ``2 x gpus`` GPUs under one scheduler, then the same batch split by trajectory hash
    into ``shards`` halves, each on its own ``gpus`` GPUs; the batch ends when the slowest
    shard does. The makespan ratio is the price of scheduling in shards.
 """
@@ -105,7 +105,8 @@ def _simulator(specs: list[Any], bench: Bench, gpus: int, opts: HeadroomOptions)
 
 def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
     """One scheduler over ``shards x gpus`` GPUs vs ``shards`` schedulers over ``gpus``
-    GPUs each, the batch split by group (a group stays in one shard)."""
+    GPUs each, the batch split by trajectory hash, as HAProxy splits it (a group's
+    members land on several shards)."""
     table = load_workloads()[workload]
     n = opts.shards
     whole = Bench(Scenario(workload, gpus=n * opts.gpus, seed=opts.seed,
@@ -113,7 +114,7 @@ def sharding(workload: str, opts: HeadroomOptions) -> dict[str, Any]:
     one = _simulator(whole.specs, whole, n * opts.gpus, opts).run()
     parts: list[list[Any]] = [[] for _ in range(n)]
     for spec in whole.specs:
-        parts[zlib.crc32(spec.group_id.encode()) % n].append(spec)
+        parts[zlib.crc32(spec.id.encode()) % n].append(spec)
     shard = Bench(Scenario(workload, gpus=opts.gpus, seed=opts.seed, prompts=1))
     each = [_simulator(part, shard, opts.gpus, opts).run() if part else 0.0 for part in parts]
     out = {"workload": workload, "shards": n, "gpus_per_shard": opts.gpus,

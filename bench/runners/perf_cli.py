@@ -240,7 +240,7 @@ def split(
     jobs: Annotated[int, typer.Option(help="processes")] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
-    """What scheduling in shards costs: one scheduler vs the batch split by group hash,
+    """What scheduling in shards costs: one scheduler vs the batch split by trajectory hash,
     and split with the front's rebalancer moving instances between the shards."""
     from bench.runners.headroom import HeadroomOptions
     from bench.runners.split import run_split

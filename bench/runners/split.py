@@ -2,7 +2,7 @@
 
 A sharded gateway (docs/scaling.md) places a call only on its own shard's GPUs. Per seed
 and workload, the simulator runs one batch under one scheduler over ``shards x gpus``
-GPUs, and the same batch split by group hash (as HAProxy splits it) into ``shards``
+GPUs, and the same batch split by trajectory hash (as HAProxy splits it) into ``shards``
 schedulers of ``gpus`` GPUs each; the batch ends when the slowest shard does. The ratio
 (sharded over one scheduler) is reported as the geometric mean over seeds with a 95%
 interval, seeds paired (the same batch on both sides).
