@@ -10,7 +10,7 @@ trainer batches of ``batch`` complete groups of ``group_size`` samples each::
                        mode=StepMode("async", max_staleness=1)) as steps:
         for step in range(100):
             batch = await steps.next_batch()          # StepBatch: samples + staleness
-            train_on(batch.samples)
+            train_on(batch.samples)                   # + steps.report_mismatch(batch, ...)
             await gw.update_weights(str(step + 1), push=push_weights,
                                     mode="abort-and-continue")
 
@@ -48,12 +48,13 @@ import itertools
 import math
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from gateway.client.aio import AsyncRolloutClient
 from gateway.client.errors import ConflictError, GatewayClientError
+from gateway.client.mismatch import MismatchLimits, MismatchReport, measure_mismatch
 from gateway.client.types import SampleBatch
 
 Mode = Literal["sync", "overprovisioned", "async", "tail-batching"]
@@ -128,7 +129,10 @@ class StepRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
         self._round: set[str] = set()  # sync and long rounds: the groups behind the barrier
-        self._live_started = 0  # groups started and not dropped (async admission)
+        #: groups ever started and not dropped, trained ones included: AReaL's admission
+        #: rule bounds this by ``(steps taken + max_staleness + 1) * batch``, so at most
+        #: ``(max_staleness + 1) * batch`` groups are ever started and not yet trained
+        self._admitted = 0
         self._taken = 0
         self.restarts = self.aborted = 0
 
@@ -198,7 +202,7 @@ class StepRunner:
         """Stop a whole group (not trained): its running members are aborted."""
         if self._groups.pop(g.gid, None) is None:
             return
-        self._live_started -= 1
+        self._admitted -= 1
         self._round.discard(g.gid)
         if g.gid in self._ready:
             self._ready.remove(g.gid)
@@ -214,7 +218,7 @@ class StepRunner:
         gid = f"{self.run_id}-g{next(self._n)}"
         g = _Group(gid, prompt, [f"{gid}-{m}" for m in range(members)], self.size)
         self._groups[gid] = g
-        self._live_started += 1
+        self._admitted += 1
         for tid in g.members:
             self._spawn(self._run(tid, g))
         return gid
@@ -254,7 +258,7 @@ class StepRunner:
         elif m.mode == "async":
             room = ((self._taken + m.max_staleness + 1) * b if m.max_staleness is not None
                     else self._taken * b + extra)
-            self._start_new(max(0, room - self._live_started))
+            self._start_new(max(0, room - self._admitted))
         elif not self._groups:  # tail-batching: a short round
             self._start_new(extra, math.ceil(self.size * (1 + m.over_members)))
         return lambda: len(self._ready) >= b
@@ -277,7 +281,6 @@ class StepRunner:
                 self._set_aside(take, stale)
         groups = {gid: list(self._groups.pop(gid).done) for gid in take}
         self._round -= set(take)
-        self._live_started -= len(take)
         self._after_take()
         self._taken += 1
         return StepBatch(self._taken, groups, samples, version,
@@ -315,6 +318,16 @@ class StepRunner:
             for g in list(self._groups.values()):
                 self._deferred.append(g.prompt)
                 self._drop(g)
+
+    async def report_mismatch(self, batch: StepBatch, logprobs: Sequence[Sequence[float]], *,
+                              limits: MismatchLimits | None = None) -> MismatchReport:
+        """The batch's training-inference mismatch, given the trainer's logprob of every
+        token of every sample (:func:`gateway.client.mismatch.trainer_logprobs` computes
+        them with a transformers model), tagged with this runner's step mode and run, and
+        posted to the gateway (status page, Prometheus); the report as judged there."""
+        report = measure_mismatch(batch.samples.samples, logprobs, mode=self.mode.mode,
+                                  step=batch.step, run_id=self.run_id, limits=limits)
+        return await self.gw.report_mismatch(report)
 
     async def close(self) -> None:
         """Abort every trajectory still running and wait for the runner's tasks."""
