@@ -163,11 +163,15 @@ class AfterPush(TrainerCallback):  # type: ignore[misc]
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._after_push(kwargs["model"])
         r = self.gw.steps[-1]
-        lp, push = r.logprobs, r.push
+        lp, mm, push = r.logprobs, r.mismatch, r.push
         print(f"step {r.step}: v{r.version}, {len(r.rewards)} trajectories, mean reward "
               f"{r.mean_reward:.3f}, {r.completion_tokens} generated tokens {r.versions}, "
               f"staleness {r.max_staleness}"
               + (f", logprobs {lp.matched}/{lp.tokens} match" if lp else "")
+              + (f", mismatch KL {mm.overall.kl:.2g} ratio p1-p99 "
+                 f"{mm.overall.ratio_percentiles['p1']:.2f}-"
+                 f"{mm.overall.ratio_percentiles['p99']:.2f}"
+                 + (f" ALARM: {'; '.join(mm.alarms)}" if mm.alarms else "") if mm else "")
               + f"; rollout {r.rollout_s:.2f} s, fetch {r.fetch_s:.2f} s, train "
               f"{r.train_s:.2f} s"
               + (f", save {push.save_s:.2f} s, push {push.push_s:.2f} s {push.phases} -> "

@@ -18,6 +18,7 @@ from gateway.api import (
     openai,
     policy,
     status,
+    training,
     trajectories,
     web,
 )
@@ -84,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, count_tokens, gemini, trajectories, groups, admin, policy,
-                   status, web):
+    for module in (openai, count_tokens, gemini, trajectories, groups, training, admin,
+                   policy, status, web):
         app.include_router(module.router)
     return app

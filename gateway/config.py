@@ -91,6 +91,19 @@ class TrajectorySettings(BaseModel):
         "after a restart")
 
 
+class TrainingSettings(BaseModel):
+    """The trainer's training-inference mismatch reports (gateway/mismatch.py): a report
+    past any one limit raises the alarm (a warning, an event, a counter)."""
+
+    mismatch_kl: float = Field(
+        0.01, gt=0, description="k3 estimate of KL(engine || trainer) per trained token")
+    mismatch_outside_share: float = Field(
+        0.05, gt=0, le=1, description="share of trained tokens whose importance ratio "
+        "exp(trainer - engine logprob) is outside [0.8, 1.25]")
+    mismatch_abs_diff: float = Field(
+        0.1, gt=0, description="mean |trainer logprob - engine logprob| per trained token")
+
+
 class DispatchSettings(BaseModel):
     """How the dispatcher holds calls it cannot place yet. All in seconds."""
 
@@ -252,6 +265,7 @@ class Settings(BaseSettings):
     capture: CaptureSettings = CaptureSettings()
     restore: RestoreSettings = RestoreSettings()
     trajectories: TrajectorySettings = TrajectorySettings()
+    training: TrainingSettings = TrainingSettings()
     shards: ShardSettings = ShardSettings()
 
     @field_validator("backends", "api_keys", mode="before")

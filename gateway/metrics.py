@@ -25,7 +25,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
                    300, 600)
 RECONFIG_RESULTS = ("ok", "failed", "cancelled")
 EVENT_KINDS = ("backend", "weight_version", "policy", "pause", "resume", "pool",
-               "reconfiguration", "migration")
+               "reconfiguration", "migration", "mismatch")
 
 
 SCHEDULER_FAULT_STAGES = ("stale", "policy", "observe", "plan", "stall")
@@ -128,7 +128,9 @@ class EventLog(deque[dict[str, Any]]):
     **fields}``. Kinds in use: ``backend`` (added, removed, state or health changed),
     ``weight_version``, ``policy`` (both detected by the status monitor), ``pause``,
     ``resume``, ``pool`` (resize requested), ``reconfiguration`` (started/finished, with
-    ``job`` and ``result``), ``migration`` (``trajectory``, ``source``, ``target``).
+    ``job`` and ``result``), ``migration`` (``trajectory``, ``source``, ``target``),
+    ``mismatch`` (a trainer's mismatch report raised the alarm: ``step``, ``mode``,
+    ``run_id``).
     Components call :meth:`emit`; ``counts`` keeps totals by kind beyond the ring.
     """
 

@@ -30,8 +30,10 @@ from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
 from gateway.http_session import make_session
 from gateway.metrics import EventLog, GatewayMetrics, gauge
+from gateway.mismatch import MismatchBoard, mismatch_limits
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
+from gateway.schema.mismatch import MismatchLimits
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.ledger import LOSS_REASONS
 from gateway.store.quarantine import KINDS
@@ -65,6 +67,8 @@ class Runtime:
     jobs: JobBook = field(default_factory=JobBook)
     relayouts: RelayoutLog = field(default_factory=RelayoutLog)  # the policy's proposals
     pool: PoolManager | None = None  # the managed pool (``settings.pool``), if any
+    #: the trainers' training-inference mismatch reports (``POST /training/mismatch``)
+    mismatch: MismatchBoard = field(default_factory=lambda: MismatchBoard(MismatchLimits()))
 
     def registry_mark_down(self, backend: Backend) -> None:
         """A call could not reach ``backend``: take it out of rotation until it recovers."""
@@ -226,6 +230,8 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
                               written=lambda tid, t: writer.stored(tid, timeout_s=t)),
         )
         rt.metrics.add_collector(rt.collect)
+        rt.mismatch = MismatchBoard(mismatch_limits(settings), rt.events)
+        rt.metrics.add_collector(rt.mismatch.collect)
         stack.push_async_callback(rt.restorer.close)
         expiry = Expiry(tracker, settings.trajectories)
         expiry.start()

@@ -93,6 +93,7 @@
     renderGantt(s.gantt);
     renderLengths(s.lengths);
     renderEvents(s.events);
+    renderMismatch(s.training_mismatch);
     renderPolicies(s);
   }
 
@@ -220,6 +221,36 @@
       return tr;
     });
     $("speeds").tBodies[0].replaceChildren(...rows);
+  }
+
+  // One row per (report, weight version), newest report first; alarms in red.
+  function renderMismatch(m) {
+    if (!m) return;
+    const sci = (x) => (x === 0 ? "0" : x < 0.001 ? x.toExponential(1) : x.toFixed(4));
+    setText("mismatch-summary", `${num(m.reports)} reports, ${num(m.alarms)} alarms; limits KL ${m.limits.kl}, ` +
+      `outside ${pct(m.limits.outside_share)}, |Δ| ${m.limits.mean_abs_diff}`);
+    const rows = [];
+    for (const r of m.recent) {
+      const parts = Object.keys(r.by_version).length ? Object.entries(r.by_version) : [["?", r.overall]];
+      for (const [version, st] of parts) {
+        const tr = el("tr", { "data-step": String(r.step), "data-version": version });
+        const alarm = el("td", { class: "alarm" }, r.alarms.length ? "⚠ " + r.alarms.join("; ") : "–");
+        tr.classList.toggle("bad", r.alarms.length > 0);
+        tr.append(
+          el("td", { class: "num" }, r.step === null ? "–" : String(r.step)),
+          el("td", {}, r.mode), el("td", {}, version),
+          el("td", { class: "num" }, num(st.tokens)),
+          el("td", { class: "num" }, sci(st.mean_abs_diff)),
+          el("td", { class: "num" }, sci(st.kl)),
+          el("td", { class: "num" }, st.ratio_percentiles.p1.toFixed(3)),
+          el("td", { class: "num" }, st.ratio_percentiles.p50.toFixed(3)),
+          el("td", { class: "num" }, st.ratio_percentiles.p99.toFixed(3)),
+          el("td", { class: "num" }, pct(st.outside_share)), alarm);
+        rows.push(tr);
+      }
+    }
+    $("mismatch").tBodies[0].replaceChildren(...rows);
+    $("mismatch-empty").hidden = rows.length > 0;
   }
 
   function renderThroughput(h) {

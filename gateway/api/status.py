@@ -17,6 +17,7 @@ from gateway.runtime import Runtime
 from gateway.store.writer import TraceWriter
 
 router = APIRouter(tags=["status"])
+MISMATCH_SHOWN = 8  # the latest training-inference mismatch reports on /status
 
 
 @router.get("/health", summary="Liveness: 200 while serving (engines up or not), 503 while "
@@ -66,6 +67,7 @@ def status_body(rt: Runtime, *, with_urls: bool) -> dict[str, Any]:
                     "existence_queries": rt.restorer.existence_queries},
         "relayouts": rt.relayouts.summary(),
         "speeds": {"profile": rt.settings.dispatch.speed_profile, "by_tp": sched.meter.table()},
+        "training_mismatch": rt.mismatch.view(MISMATCH_SHOWN),
     } | live_view(rt, time.time())
 
 

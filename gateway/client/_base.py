@@ -35,6 +35,7 @@ from gateway.client.types import (
 )
 from gateway.schema.ids import ID_PATTERN
 from gateway.schema.jobs import JobRef
+from gateway.schema.mismatch import MismatchReport
 from gateway.schema.samples import Branches, Sample, SampleTree
 from gateway.schema.trajectories import HarnessKey
 from gateway.schema.weights import WeightVersionChange
@@ -251,6 +252,11 @@ class Endpoints:
     @staticmethod
     def backends() -> Request[list[dict[str, Any]]]:
         return Request("GET", "/admin/backends", lambda b: list(_dict(b)["data"]))
+
+    @staticmethod
+    def report_mismatch(report: MismatchReport) -> Request[MismatchReport]:
+        return Request("POST", "/training/mismatch", MismatchReport.model_validate,
+                       json=report.model_dump(mode="json", exclude={"received_at"}))
 
     @staticmethod
     def status() -> Request[dict[str, Any]]:

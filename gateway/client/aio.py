@@ -36,6 +36,7 @@ from gateway.client.types import (
     detail_info,
     waiting_for_weights,
 )
+from gateway.schema.mismatch import MismatchReport
 from gateway.schema.samples import Branches, Sample, SampleTree
 
 T = TypeVar("T")
@@ -278,6 +279,10 @@ class AsyncRolloutClient:
 
     async def set_policy(self, name: str) -> dict[str, Any]:
         return await self._send(Endpoints.set_policy(name))
+
+    async def report_mismatch(self, report: MismatchReport) -> MismatchReport:
+        """Post a step's training-inference mismatch (see :meth:`RolloutClient.report_mismatch`)."""
+        return await self._send(Endpoints.report_mismatch(report))
 
     async def job(self, job_id: str) -> JobInfo:
         return await self._send(Endpoints.job(job_id))

@@ -36,6 +36,7 @@ from gateway.client.types import (
     detail_info,
     waiting_for_weights,
 )
+from gateway.schema.mismatch import MismatchReport
 from gateway.schema.samples import Branches, Sample, SampleTree
 
 T = TypeVar("T")
@@ -303,6 +304,11 @@ class RolloutClient:
     def set_policy(self, name: str) -> dict[str, Any]:
         """Switch the scheduling policy at run time (queued calls are rescheduled)."""
         return self._send(Endpoints.set_policy(name))
+
+    def report_mismatch(self, report: MismatchReport) -> MismatchReport:
+        """Post a step's training-inference mismatch (:mod:`gateway.client.mismatch`); the
+        answer is the report as the gateway judged it (``alarms`` against its limits)."""
+        return self._send(Endpoints.report_mismatch(report))
 
     def job(self, job_id: str) -> JobInfo:
         return self._send(Endpoints.job(job_id))

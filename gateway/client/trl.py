@@ -52,9 +52,18 @@ from typing import Any, Literal, Self, TypeVar
 from transformers import TrainerCallback
 
 from gateway.client.aio import AsyncRolloutClient
+from gateway.client.errors import GatewayClientError
+from gateway.client.mismatch import measure_mismatch, trainer_logprobs
 from gateway.client.sync import RolloutClient
-from gateway.client.trl_rows import LOGPROB_TOL, LogprobCheck, check_logprobs, to_trl_row
+from gateway.client.trl_rows import (
+    LOGPROB_TOL,
+    LogprobCheck,
+    check_logprobs,
+    compare_logprobs,
+    to_trl_row,
+)
 from gateway.client.types import SampleBatch
+from gateway.schema.mismatch import MismatchReport
 from gateway.schema.samples import Sample
 
 __all__ = ["LOGPROB_TOL", "Agent", "GatewayGRPO", "LogprobCheck", "Push", "Rollout",
@@ -113,6 +122,9 @@ class StepRecord:
     max_staleness: int | None
     dropped_tokens: int = 0  # generated tokens of branches left out (``multi_branch``)
     logprobs: LogprobCheck | None = None
+    #: training-inference mismatch of the batch (``check_logprobs``), as the gateway
+    #: judged it (or as judged here with the default limits if it could not be posted)
+    mismatch: MismatchReport | None = None
     rollout_s: float = 0.0
     fetch_s: float = 0.0
     train_s: float = 0.0  # batch handed to TRL -> its optimizer step done
@@ -124,7 +136,8 @@ class StepRecord:
         return statistics.fmean(scored) if scored else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mean_reward": self.mean_reward}
+        return {**asdict(self), "mean_reward": self.mean_reward,
+                "mismatch": self.mismatch.model_dump(mode="json") if self.mismatch else None}
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -156,7 +169,10 @@ class GatewayGRPO:
     such a trajectory. ``mode`` is each push's pause mode (nothing is in flight
     between steps here). ``check_logprobs`` recomputes each generated token's logprob
     with the trainer's model (a forward pass per sample): a check that the batch lines
-    up token for token and that the engines serve the weights being trained.
+    up token for token and that the engines serve the weights being trained; the step's
+    training-inference mismatch (``StepRecord.mismatch``: KL, importance-ratio
+    percentiles, per weight version) is posted to the gateway's status page and
+    Prometheus and logged as a warning when it passes a limit.
     """
 
     def __init__(self, gateway: str, agent: Agent, *, weights_dir: str | Path,
@@ -214,7 +230,9 @@ class GatewayGRPO:
         record = self._record(step, groups, chosen)
         record.dropped_tokens, record.rollout_s, record.fetch_s = dropped, t1 - t0, t2 - t1
         if self.check_logprobs:
-            record.logprobs = check_logprobs(trainer.model, chosen)
+            logps = trainer_logprobs(trainer.model, chosen)
+            record.logprobs = compare_logprobs(chosen, logps)
+            record.mismatch = self._mismatch(chosen, logps, step)
         self.steps.append(record)
         rows: dict[str, list[Any]] = {k: [] for k in (
             "prompt_ids", "completion_ids", "logprobs", "env_mask")}
@@ -224,6 +242,20 @@ class GatewayGRPO:
         self._handed_at = time.monotonic()
         return {**rows, "gateway_reward": [s.reward for s in chosen],
                 "trajectory_id": [s.trajectory_id for s in chosen]}
+
+    def _mismatch(self, chosen: list[Sample], logps: list[list[float]],
+                  step: int) -> MismatchReport:
+        """The batch's training-inference mismatch, posted to the gateway (its status
+        page and Prometheus show it) and logged loudly if it passes a limit."""
+        report = measure_mismatch(chosen, logps, mode="sync", step=step, run_id=self.run_id)
+        try:
+            report = self.client.report_mismatch(report)
+        except GatewayClientError as exc:
+            log.warning("step %d: mismatch report not posted to the gateway: %s", step, exc)
+        if report.alarms:
+            log.warning("step %d: training-inference mismatch alarm: %s", step,
+                        "; ".join(report.alarms))
+        return report
 
     def _batch_prefix(self, trainer: Any, step: int) -> str:
         """``{run}-s{step}`` (``-eval{step}`` for evaluation, ``-r{rank}`` with several

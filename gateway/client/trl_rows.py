@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gateway.client.mismatch import trainer_logprobs
 from gateway.schema.samples import Sample
 
 #: a generated token "matches" when the trainer's logprob is this close to the engine's
@@ -43,21 +44,24 @@ def to_trl_row(sample: Sample) -> dict[str, list[Any]]:
 def check_logprobs(model: Any, samples: Sequence[Sample]) -> LogprobCheck:
     """Recompute every generated token's logprob with ``model`` (one forward pass per
     sample) and compare it with the engine's, call by call."""
+    return compare_logprobs(samples, trainer_logprobs(model, samples))
+
+
+def compare_logprobs(samples: Sequence[Sample],
+                     logprobs: Sequence[Sequence[float]]) -> LogprobCheck:
+    """The trainer's ``logprobs`` (aligned with each sample's tokens, see
+    :func:`gateway.client.mismatch.trainer_logprobs`) against the engine's, call by call."""
     tokens = matched = 0
     worst = 0.0
     off: list[str] = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.token_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            for c in s.calls:
-                a, b = c.completion_start, c.completion_end
-                if b <= a or a == 0:
-                    continue
-                own = logp[a - 1:b - 1].gather(1, ids[0, a:b, None])[:, 0]
-                gap = (own - torch.tensor(s.logprobs[a:b])).abs()
-                tokens, matched = tokens + (b - a), matched + int((gap <= LOGPROB_TOL).sum())
-                worst = max(worst, float(gap.max()))
-                if float(gap.max()) > LOGPROB_TOL:
-                    off.append(f"{s.trajectory_id}#{c.seq}")
+    for s, mine in zip(samples, logprobs, strict=True):
+        for c in s.calls:
+            a, b = c.completion_start, c.completion_end
+            if b <= a or a == 0:
+                continue
+            gap = (torch.tensor(mine[a:b]) - torch.tensor(s.logprobs[a:b])).abs()
+            tokens, matched = tokens + (b - a), matched + int((gap <= LOGPROB_TOL).sum())
+            worst = max(worst, float(gap.max()))
+            if float(gap.max()) > LOGPROB_TOL:
+                off.append(f"{s.trajectory_id}#{c.seq}")
     return LogprobCheck(tokens, matched, worst, off)

@@ -215,6 +215,15 @@ def _trajectory_routes(app: FastAPI) -> None:
     async def act(request: Request, trajectory_id: str, action: str) -> Response:
         return await _on_owner(request, trajectory_id, f"/{action}")
 
+    @app.api_route("/training/{path:path}", methods=["GET", "POST"])
+    async def training(request: Request, path: str) -> Response:
+        """The trainer's reports live on the first shard (the merged /status shows its)."""
+        if (denied := _denied(request)) is not None:
+            return denied
+        return as_response(await front_of(request).one(
+            0, request.method, f"/training/{path}", headers=forwarded_headers(request),
+            params=request.query_params, body=await request.body()))
+
 
 async def _on_owner(request: Request, trajectory_id: str, suffix: str) -> Response:
     """Forward to the shard that holds the trajectory (after a flush when it reads the

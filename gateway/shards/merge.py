@@ -83,6 +83,8 @@ def merge_status(statuses: Sequence[dict[str, Any] | None],
         "scheduler": _sum_dicts([s.get("scheduler", {}) for s in parts]),
         "trace_writer": _merge_writers([(i, s.get("trace_writer", {})) for i, s in up]),
         "restore": _sum_dicts([s.get("restore", {}) for s in parts]),
+        # trainers report to the first shard (the front forwards /training there)
+        "training_mismatch": first.get("training_mismatch"),
         "relayouts": first.get("relayouts"),
         "speeds": first.get("speeds"),
         "server_time": max(s.get("server_time", 0.0) for s in parts),

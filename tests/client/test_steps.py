@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from openai import AsyncOpenAI
 
@@ -57,6 +58,10 @@ async def run_mode(url: str, mode: StepMode, steps: int = 3) -> list[Any]:
             for step in range(steps):
                 batch = await steps_.next_batch(timeout_s=120)
                 out.append(batch)
+                # a trainer whose logprobs agree with the engines': the report's plumbing
+                report = await steps_.report_mismatch(
+                    batch, [s.logprobs for s in batch.samples])
+                out.append(report)
                 await asyncio.sleep(0.2)  # the trainer trains; async rollouts go on
                 await gw.pause(mode="abort-and-continue")
                 await gw.resume(weight_version=str(step + 1))
@@ -79,7 +84,18 @@ def test_every_mode_hands_whole_groups_within_its_staleness(
     settings = make_settings(sqlite_url, slow_urls, admin_token="tok", api_keys=[KEY],
                              weight_version="0")
     with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
-        batches = asyncio.run(run_mode(url, mode))
+        both = asyncio.run(run_mode(url, mode))
+        board = httpx.get(f"{url}/status").json()["training_mismatch"]
+    batches, reports = both[::2], both[1::2]
+    assert board["reports"] == len(reports) and board["alarms"] == 0
+    for batch, report in zip(batches, reports, strict=True):
+        # one report per step, in the runner's mode, per version the tokens were made on
+        assert (report.step, report.mode, report.alarms) == (batch.step, mode.mode, [])
+        versions = {s.weight_versions[i] for s in batch.samples
+                    for i, m in enumerate(s.loss_mask) if m}
+        assert set(report.by_version) == versions
+        assert report.overall.tokens == sum(sum(s.loss_mask) for s in batch.samples)
+        assert report.overall.kl == 0.0
     for k, batch in enumerate(batches, start=1):
         assert batch.step == k and batch.version == str(k - 1)
         assert len(batch.groups) == B and all(len(t) == G for t in batch.groups.values())

@@ -109,3 +109,18 @@ def test_the_trainer_is_served_after_a_flush_with_the_fronts_own_token(
     flushes = [auth for m, p, auth in seen if (m, p) == ("POST", "/admin/flush")]
     assert flushes == [f"Bearer {ADMIN}"] * 2  # every shard, with the front's token
     assert ("GET", "/trajectories/x/sample", f"Bearer {TRAINER}") in seen  # the caller's
+
+
+def test_trainer_reports_go_to_one_shard_and_harness_keys_to_none(
+        front: tuple[str, Seen]) -> None:
+    """``/training/mismatch`` lives on the first shard (the merged /status shows its
+    board); a harness key is refused by the front itself."""
+    url, seen = front
+    seen.clear()
+    r = httpx.post(f"{url}/training/mismatch", json={"mode": "sync"}, timeout=30,
+                   headers={"authorization": f"Bearer {HARNESS}"})
+    assert r.status_code == 403 and seen == [], (r.text, seen)
+    r = httpx.post(f"{url}/training/mismatch", json={"mode": "sync"}, timeout=30,
+                   headers={"authorization": f"Bearer {TRAINER}"})
+    assert r.status_code == 200 and r.json()["path"] == "/training/mismatch", r.text
+    assert seen == [("POST", "/training/mismatch", f"Bearer {TRAINER}")]

@@ -12,6 +12,8 @@ Checked from its JSON summary:
 * the engine served the pushed weights: the greedy probe differs after every push, and
   the trainer's recomputed logprobs equal the engine's on every unconstrained call (the
   forced tool calls carry the engine's masked logprobs, so only they may differ);
+* every step's training-inference mismatch covers every trained token, under the step's
+  version, and reached the gateway's status;
 * TRL logged the reward and the gateway's staleness for every step.
 """
 
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from backends.base import InstanceSpec
@@ -77,6 +80,9 @@ async def test_trl_grpo_trains_through_the_gateway(
     server, task = await serve_app(create_app(settings), port)
     try:
         summary = await _example(f"http://127.0.0.1:{port}", tiny_model_dir, tmp_path)
+        async with httpx.AsyncClient() as http:
+            board = (await http.get(f"http://127.0.0.1:{port}/status")).json()[
+                "training_mismatch"]
     finally:
         await stop_app(server, task)
         await launcher.close()
@@ -96,6 +102,12 @@ async def test_trl_grpo_trains_through_the_gateway(
         check = step["logprobs"]
         assert all(c.endswith("#0") for c in check["off_calls"]), check["off_calls"]
         assert check["matched"] >= GROUPS * GROUP_SIZE  # every answer call's tokens
+        mm = step["mismatch"]  # every trained token compared, posted to the gateway
+        assert mm["overall"]["tokens"] == step["completion_tokens"], mm
+        assert list(mm["by_version"]) == [version] and mm["received_at"] is not None
+    # (the forced tool calls' masked logprobs raise its alarm: docs/training-mismatch.md)
+    assert board["reports"] == STEPS
+    assert [r["step"] for r in board["recent"]] == [s["step"] for s in reversed(steps)]
     assert summary["final_version"] == str(first + STEPS)
     assert all(a != b for a, b in itertools.pairwise(sums)), sums
     served = [(p["text"], p["logprob_sum"]) for p in probes]

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
 from gateway.app import create_app
+from gateway.schema.mismatch import report_of
 from tests.servers import LoopThread, app_in_thread
 from tests.web.conftest import ADMIN_TOKEN, Workload, entered, gateway_settings, start_workload
 
@@ -168,6 +170,23 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
 
     # The header says what is true: paused for a weight sync, then serving again.
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    # A trainer's mismatch reports show per step and version; one past a limit in red.
+    expect(page.locator("#mismatch-empty")).to_be_visible()
+    for step, gap in ((1, 0.001), (2, 0.4)):
+        engine = np.log(np.linspace(0.1, 0.9, 64))
+        report = report_of({"7": ([*(engine + gap)], [*engine])}, mode="async", step=step)
+        r = httpx.post(f"{gw}/training/mismatch", headers=admin,
+                       json=report.model_dump(mode="json"))
+        assert r.status_code == 200, r.text
+    expect(page.locator("#mismatch tbody tr")).to_have_count(2, timeout=5_000)
+    expect(page.locator("#mismatch-empty")).to_be_hidden()
+    expect(page.locator("#mismatch tr.bad[data-step='2'] td.alarm")).to_contain_text("KL")
+    expect(page.locator("#mismatch tr[data-step='1'] td.alarm")).to_have_text("\u2013")
+    expect(page.locator("#mismatch-summary")).to_contain_text("2 reports, 1 alarms")
+    page.locator("#mismatch-card").screenshot(path=str(ARTIFACTS / "mismatch-card.png"))
+    expect(page.locator("#events li", has_text="mismatch alarm").first).to_be_visible(
+        timeout=5_000)
     assert httpx.post(f"{gw}/admin/pause", headers=admin, json={}).status_code == 200
     _expect_header(page, gw, paused=True)
     page.screenshot(path=str(ARTIFACTS / "status-paused-header.png"))
@@ -183,7 +202,7 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     expect(narrow.locator("#gantt .row").first).to_be_visible(timeout=15_000)
     overflow = narrow.evaluate("() => document.documentElement.scrollWidth - innerWidth")
     assert overflow <= 0, f"page is {overflow}px wider than a 390px screen"
-    for card in ("#pool-card", "#gantt-card", "#admin-card"):
+    for card in ("#pool-card", "#gantt-card", "#mismatch-card", "#admin-card"):
         box = narrow.locator(card).bounding_box()
         assert box is not None and box["width"] <= 390, card
     narrow.screenshot(path=str(ARTIFACTS / "status-390x844.png"), full_page=True)
