@@ -50,6 +50,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from gateway.client import RolloutClient
 from gateway.client.trl import GatewayGRPO, Rollout
+from gateway.schema.mismatch import MismatchReport, MismatchStats
 
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two integers and return the sum.",
@@ -168,16 +169,23 @@ class AfterPush(TrainerCallback):  # type: ignore[misc]
               f"{r.mean_reward:.3f}, {r.completion_tokens} generated tokens {r.versions}, "
               f"staleness {r.max_staleness}"
               + (f", logprobs {lp.matched}/{lp.tokens} match" if lp else "")
-              + (f", mismatch KL {mm.overall.kl:.2g} ratio p1-p99 "
-                 f"{mm.overall.ratio_percentiles['p1']:.2f}-"
-                 f"{mm.overall.ratio_percentiles['p99']:.2f}"
-                 + (f" ALARM: {'; '.join(mm.alarms)}" if mm.alarms else "") if mm else "")
+              + (f", mismatch {_mismatch(mm)}" if mm else "")
               + f"; rollout {r.rollout_s:.2f} s, fetch {r.fetch_s:.2f} s, train "
               f"{r.train_s:.2f} s"
               + (f", save {push.save_s:.2f} s, push {push.push_s:.2f} s {push.phases} -> "
                  f"v{push.version}" if push else "")
               + f"; probe {self.out['probes'][-1]['logprob_sum']}", file=sys.stderr,
               flush=True)
+
+
+def _mismatch(mm: MismatchReport) -> str:
+    """One step's training-inference mismatch, free and constrained tokens apart."""
+    def one(s: MismatchStats | None) -> str:
+        return "none" if s is None else (
+            f"KL {s.kl:.2g}, ratio p1-p99 {s.ratio_percentiles['p1']:.2f}-"
+            f"{s.ratio_percentiles['p99']:.2f} over {s.tokens} tokens")
+    return (f"free {one(mm.overall)}; constrained {one(mm.constrained)}"
+            + (f" ALARM: {'; '.join(mm.alarms)}" if mm.alarms else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

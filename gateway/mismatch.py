@@ -23,7 +23,7 @@ from gateway.schema.mismatch import MismatchLimits, MismatchReport, MismatchStat
 
 log = logging.getLogger(__name__)
 KEPT = 200  # reports kept in memory (the trainer's own logs keep the rest)
-SERIES = 16  # (version, mode) pairs exported to Prometheus: the latest ones
+SERIES = 16  # (version, mode, sampling) series exported to Prometheus: the latest ones
 
 
 def mismatch_limits(settings: Settings) -> MismatchLimits:
@@ -40,17 +40,19 @@ class MismatchBoard:
         self.received = 0
         self.alarmed = 0
         self.tokens = 0
-        #: the latest stats per (version, mode), oldest first
-        self._latest: dict[tuple[str, str], MismatchStats] = {}
+        #: the latest stats per (version, mode, sampling), oldest first
+        self._latest: dict[tuple[str, str, str], MismatchStats] = {}
 
     def add(self, report: MismatchReport) -> MismatchReport:
         """Judge, keep and export one report; the judged report."""
         report = report.judged(self.limits).model_copy(update={"received_at": time.time()})
         self.reports.append(report)
         self.received += 1
-        self.tokens += report.overall.tokens
-        for version, stats in (report.by_version or {"?": report.overall}).items():
-            key = (version, report.mode)
+        self.tokens += sum(s.tokens for s in (report.overall, report.constrained) if s)
+        series = [((v, report.mode, "free"), s) for v, s in report.by_version.items()]
+        if report.constrained is not None:
+            series.append((("all", report.mode, "constrained"), report.constrained))
+        for key, stats in series:
             self._latest.pop(key, None)
             self._latest[key] = stats
             while len(self._latest) > SERIES:
@@ -76,7 +78,7 @@ class MismatchBoard:
 
     def collect(self) -> Iterator[Metric]:
         """Prometheus families (docs/status-page.md lists them)."""
-        labels = ["version", "mode"]
+        labels = ["version", "mode", "sampling"]
         kl = GaugeMetricFamily("rollout_gateway_train_mismatch_kl", "k3 estimate of "
                                "KL(engine || trainer) per trained token, latest report",
                                labels=labels)
@@ -89,12 +91,12 @@ class MismatchBoard:
         ratio = GaugeMetricFamily("rollout_gateway_train_mismatch_ratio", "Importance "
                                   "ratio exp(trainer - engine logprob) percentiles, latest "
                                   "report", labels=[*labels, "quantile"])
-        for (version, mode), s in self._latest.items():
-            kl.add_metric([version, mode], s.kl)
-            diff.add_metric([version, mode], s.mean_abs_diff)
-            outside.add_metric([version, mode], s.outside_share)
+        for key, s in self._latest.items():
+            kl.add_metric(list(key), s.kl)
+            diff.add_metric(list(key), s.mean_abs_diff)
+            outside.add_metric(list(key), s.outside_share)
             for name, value in s.ratio_percentiles.items():
-                ratio.add_metric([version, mode, f"0.{int(name[1:]):02d}"], value)
+                ratio.add_metric([*key, f"0.{int(name[1:]):02d}"], value)
         yield from (kl, diff, outside, ratio)
         for name, doc, value in (
                 ("reports", "Mismatch reports received from trainers", self.received),

@@ -231,11 +231,16 @@
       `outside ${pct(m.limits.outside_share)}, |Δ| ${m.limits.mean_abs_diff}`);
     const rows = [];
     for (const r of m.recent) {
-      const parts = Object.keys(r.by_version).length ? Object.entries(r.by_version) : [["?", r.overall]];
+      // free tokens per version; a constrained call's tokens (masked logprobs) apart
+      const parts = Object.entries(r.by_version);
+      if (r.constrained) parts.push(["constrained", r.constrained]);
       for (const [version, st] of parts) {
+        const free = version !== "constrained";
         const tr = el("tr", { "data-step": String(r.step), "data-version": version });
-        const alarm = el("td", { class: "alarm" }, r.alarms.length ? "⚠ " + r.alarms.join("; ") : "–");
-        tr.classList.toggle("bad", r.alarms.length > 0);
+        const alarm = el("td", { class: "alarm" }, !free ? "not judged: masked logprobs"
+          : r.alarms.length ? "⚠ " + r.alarms.join("; ") : "–");
+        tr.classList.toggle("bad", free && r.alarms.length > 0);
+        tr.classList.toggle("constrained", !free);
         tr.append(
           el("td", { class: "num" }, r.step === null ? "–" : String(r.step)),
           el("td", {}, r.mode), el("td", {}, version),

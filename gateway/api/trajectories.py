@@ -106,7 +106,7 @@ def _call_trace(call: Call, *, text: bool) -> CallTrace:
         total_ms=call.total_ms, prompt_len=call.prompt_len,
         prompt_offset=call.prompt_offset, mismatch_pos=call.mismatch_pos,
         branch=call.branch, parent_branch=call.parent_branch, kept_len=call.kept_len,
-        requested_model=call.requested_model,
+        requested_model=call.requested_model, constrained=call.constrained,
         prompt_delta_ids=unpack_ids(call.prompt_delta),
         completion_ids=unpack_ids(call.completion_ids),
         completion_logprobs=unpack_floats(call.completion_logprobs),

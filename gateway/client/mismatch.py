@@ -39,15 +39,20 @@ def measure_mismatch(samples: Sequence[Sample], logprobs: Sequence[Sequence[floa
     """The mismatch of one batch. ``logprobs[i][j]`` is the trainer's logprob of token
     ``j`` of ``samples[i]`` given the tokens before it (aligned with ``Sample.logprobs``;
     entry 0 is never read). Every token under loss mask 1 is compared, grouped by the
-    weight version the engine sampled it on; alarms are judged against ``limits``."""
+    weight version the engine sampled it on; tokens of constrained calls (a forced tool
+    call, structured output: ``CallSpan.constrained``) are reported apart, as
+    ``constrained``, and not held against ``limits``."""
     if len(samples) != len(logprobs):
         raise ValueError(f"{len(samples)} samples but {len(logprobs)} logprob rows")
     pairs: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    forced: tuple[list[float], list[float]] = ([], [])
     skipped = 0
     for s, row in zip(samples, logprobs, strict=True):
         if len(row) != len(s.token_ids):
             raise ValueError(f"trajectory {s.trajectory_id!r} branch {s.branch}: "
                              f"{len(row)} logprobs for {len(s.token_ids)} tokens")
+        masked = {j for c in s.calls if c.constrained
+                  for j in range(c.completion_start, c.completion_end)}
         for j, mask in enumerate(s.loss_mask):
             if not mask:
                 continue
@@ -57,11 +62,11 @@ def measure_mismatch(samples: Sequence[Sample], logprobs: Sequence[Sequence[floa
                 skipped += 1
                 continue
             version = s.weight_versions[j] if j < len(s.weight_versions) else ""
-            t, e = pairs[version or "?"]
+            t, e = forced if j in masked else pairs[version or "?"]
             t.append(mine)
             e.append(float(theirs))
-    return report_of(pairs, mode=mode, step=step, run_id=run_id, samples=len(samples),
-                     skipped=skipped, limits=limits)
+    return report_of(pairs, constrained=forced, mode=mode, step=step, run_id=run_id,
+                     samples=len(samples), skipped=skipped, limits=limits)
 
 
 def trainer_logprobs(model: Any, samples: Sequence[Sample]) -> list[list[float]]:

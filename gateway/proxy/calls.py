@@ -56,6 +56,7 @@ class CallContext:
     #: prompt tokens the engine runs from the record (token in), when it does
     kept_len: int | None = None
     requested_model: str | None = None  # the client's model name, when an alias mapped it
+    constrained: str | None = None  # gateway/proxy/constraints.py
     size: int = 0  # the request's bytes as received
 
     def view(self) -> CallView:
@@ -160,6 +161,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
             placed.offset, placed.delta, placed.mismatch_pos)
         rec.branch, rec.parent_branch = placed.branch, placed.parent
     rec.kept_len, rec.requested_model = ctx.kept_len, ctx.requested_model
+    rec.constrained = ctx.constrained
     _attach_text(rt, ctx, rec)
     rt.writer.submit(rec)
     _observe(rt, ctx, rec)

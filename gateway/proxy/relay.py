@@ -38,6 +38,7 @@ from gateway.proxy.bodies import (
 from gateway.proxy.calls import CallContext
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.connect import connect
+from gateway.proxy.constraints import constraint_of
 from gateway.proxy.continuation import (
     HoldingDecoder,
     continue_stream,
@@ -257,7 +258,7 @@ class Proxy:
                 stream=body.get("stream") is True, arrived=arrived, started_wall=time.time(),
                 capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
                 headers={"x-trajectory-id": ident.trajectory_id}, door=door,
-                requested_model=requested, size=len(raw),
+                requested_model=requested, size=len(raw), constrained=constraint_of(body),
             )
             if endpoint.chat:
                 ctx.digests = digest_messages(body["messages"], _render_context(body))

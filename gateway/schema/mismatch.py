@@ -96,14 +96,21 @@ class MismatchReport(BaseModel):
     #: trained tokens left out: no recorded logprob (an engine that did not return one),
     #: or a non-finite logprob on either side
     skipped_tokens: int = Field(0, ge=0)
-    overall: MismatchStats
+    #: the tokens sampled freely (None: every trained token was constrained)
+    overall: MismatchStats | None
     by_version: dict[str, MismatchStats] = Field(default_factory=dict)
+    #: the tokens of constrained calls (a forced tool call, structured output), apart:
+    #: the engine reports the masked distribution's logprobs there, so their gap is
+    #: real and large, and is not held against the limits
+    constrained: MismatchStats | None = None
     #: the limits passed, filled in by whoever judged the report (client or gateway)
     alarms: list[str] = Field(default_factory=list)
     received_at: float | None = None  # set by the gateway
 
     def judged(self, limits: MismatchLimits) -> MismatchReport:
         """This report with ``alarms`` judged against ``limits`` (overall and per version)."""
+        if self.overall is None:
+            return self.model_copy(update={"alarms": []})
         found = alarms(self.overall, limits)
         for version, stats in self.by_version.items():
             found += [f"version {version}: {a}" for a in alarms(stats, limits)
@@ -111,18 +118,27 @@ class MismatchReport(BaseModel):
         return self.model_copy(update={"alarms": found})
 
 
-def report_of(pairs: Mapping[str, tuple[list[float], list[float]]], *, mode: str = "sync",
-              step: int | None = None, run_id: str | None = None, samples: int = 0,
-              skipped: int = 0, limits: MismatchLimits | None = None) -> MismatchReport:
-    """A report from per-version ``(trainer, engine)`` logprob lists."""
+Pairs = tuple[list[float], list[float]]  # (trainer, engine) logprobs of the same tokens
+
+
+def report_of(pairs: Mapping[str, Pairs], *, constrained: Pairs | None = None,
+              mode: str = "sync", step: int | None = None, run_id: str | None = None,
+              samples: int = 0, skipped: int = 0,
+              limits: MismatchLimits | None = None) -> MismatchReport:
+    """A report from per-version ``(trainer, engine)`` logprob lists of freely sampled
+    tokens, and those of constrained calls apart."""
     kept = {v: p for v, p in pairs.items() if p[0]}
-    if not kept:
+    if not kept and not (constrained and constrained[0]):
         raise ValueError("no trained token with a recorded logprob to compare")
-    trainer = np.concatenate([np.asarray(p[0], dtype=np.float64) for p in kept.values()])
-    engine = np.concatenate([np.asarray(p[1], dtype=np.float64) for p in kept.values()])
+    overall = None
+    if kept:
+        overall = MismatchStats.of(np.concatenate([np.asarray(p[0]) for p in kept.values()]),
+                                   np.concatenate([np.asarray(p[1]) for p in kept.values()]))
     report = MismatchReport(
         run_id=run_id, step=step, mode=mode, samples=samples, skipped_tokens=skipped,
-        overall=MismatchStats.of(trainer, engine),
+        overall=overall,
         by_version={v: MismatchStats.of(np.asarray(t), np.asarray(e))
-                    for v, (t, e) in sorted(kept.items())})
+                    for v, (t, e) in sorted(kept.items())},
+        constrained=(MismatchStats.of(np.asarray(constrained[0]), np.asarray(constrained[1]))
+                     if constrained and constrained[0] else None))
     return report.judged(limits or MismatchLimits())

@@ -31,6 +31,9 @@ class CallSpan:
     #: [[start, end, version], ...] relative to the call's completion, when the call ran
     #: across a weight update (``weight_version`` is then the first segment's).
     weight_segments: list[list[Any]] | None = None
+    #: a forced tool call or structured output (``tool_choice``, ``json_schema``, ...):
+    #: its logprobs are those of the distribution the engine masked to the grammar
+    constrained: str | None = None
 
 
 @dataclass(slots=True)

@@ -96,6 +96,7 @@ class CallTrace(BaseModel):
     parent_branch: int | None
     kept_len: int | None
     requested_model: str | None
+    constrained: str | None = None  # a forced tool call or structured output
     prompt_delta_ids: list[int]
     completion_ids: list[int]
     completion_logprobs: list[float] | None

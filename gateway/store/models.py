@@ -110,3 +110,5 @@ class Call(Base):
     kept_len: Mapped[int | None] = mapped_column(Integer)
     # the model name the client asked for, when an alias mapped it to ``model``
     requested_model: Mapped[str | None] = mapped_column(String(256))
+    #: a forced tool call or structured output: its logprobs are of a masked distribution
+    constrained: Mapped[str | None] = mapped_column(String(32))

@@ -46,3 +46,5 @@ class CallRecord:
     parent_branch: int | None = None
     kept_len: int | None = None
     requested_model: str | None = None
+    #: the kind of constraint its sampling ran under (gateway/proxy/constraints.py)
+    constrained: str | None = None

@@ -65,7 +65,7 @@ def _append_call(sample: Sample, call: Call) -> None:
     sample.loss_mask += [1] * len(completion)
     sample.logprobs += logprobs
     span = CallSpan(call.seq, call.id, start, mid, len(sample.token_ids), call.weight_version,
-                    call.backend_id, call.tp, call.weight_segments)
+                    call.backend_id, call.tp, call.weight_segments, call.constrained)
     sample.weight_versions += _span_versions(span)
     sample.calls.append(span)
 

@@ -11,6 +11,7 @@ other weights); each must pass a limit by a wide margin.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import httpx
@@ -150,6 +151,29 @@ def test_engines_on_other_weights_raise_the_alarm(batch) -> None:
     assert report.overall.kl > 0.1 and len(report.alarms) >= 2
 
 
+def test_constrained_calls_are_reported_apart_and_not_held_against_the_limits(batch) -> None:
+    """A forced tool call's engine logprobs are the masked distribution's (higher than the
+    trainer's): reported as ``constrained``, the free tokens judged alone."""
+    _, samples, logps = batch
+    forced = []
+    for s in samples:
+        first = s.calls[0]
+        lp = list(s.logprobs)
+        for j in range(first.completion_start, first.completion_end):
+            lp[j] = min(0.0, lp[j] + 2.0)  # the grammar left fewer tokens to choose from
+        calls = [dataclasses.replace(first, constrained="tool_choice"), *s.calls[1:]]
+        forced.append(Sample(**{**{f: getattr(s, f) for f in s.__slots__},
+                                "logprobs": lp, "calls": calls}))
+    report = measure_mismatch(forced, logps)
+    assert report.alarms == [] and report.overall is not None
+    assert report.overall.tokens == report.constrained.tokens == 6 * 10
+    assert report.constrained.outside_share > 0.5, report.constrained
+    unmarked = measure_mismatch([Sample(**{**{f: getattr(s, f) for f in s.__slots__},
+                                           "calls": samples[i].calls})
+                                 for i, s in enumerate(forced)], logps)
+    assert unmarked.constrained is None and unmarked.alarms  # the same gap, unmarked
+
+
 def test_rows_that_do_not_line_up_are_refused(batch) -> None:
     _, samples, logps = batch
     with pytest.raises(ValueError, match="logprob rows"):
@@ -194,6 +218,6 @@ def test_the_gateway_judges_keeps_and_exports_reports(batch, gateway, sqlite_url
         kl = [line for line in text.splitlines()
               if line.startswith("rollout_gateway_train_mismatch_kl{")]
         assert sorted(kl) == sorted(
-            f'rollout_gateway_train_mismatch_kl{{mode="async",version="{v}"}} '
+            f'rollout_gateway_train_mismatch_kl{{mode="async",sampling="free",version="{v}"}} '
             f'{shifted.by_version[v].kl!r}' for v in ("3", "4")), kl
         assert "rollout_gateway_train_mismatch_alarms_total 1.0" in text

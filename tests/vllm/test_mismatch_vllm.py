@@ -5,7 +5,8 @@ gateway on the real CPU engine (bf16); the trainer is the same checkpoint in flo
 (transformers), scoring each main sample with :func:`trainer_logprobs`. On the free turns
 the clean batch stays inside every limit. The forced call is sampled from a distribution
 the engine masked to valid JSON, so its recorded logprobs are those of another
-distribution: the report shows it (it is a real mismatch a TIS correction must see).
+distribution: the gateway marks the call (``CallSpan.constrained``) and the report shows
+its tokens apart (a real mismatch a TIS correction must see, not held against the limits).
 Planted defects in what reaches the trainer must raise the alarm or move the figures
 far: loss mask 1 on the tool's answer and prompts, and logprobs shifted by one token.
 """
@@ -57,15 +58,6 @@ def _with(s: Sample, **fields: Any) -> Sample:
     return Sample(**{**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, **fields})
 
 
-def _free_turns_only(s: Sample) -> Sample:
-    """The sample with loss mask 0 on the forced (constrained) first call."""
-    mask = list(s.loss_mask)
-    first = s.calls[0]
-    mask[first.completion_start:first.completion_end] = [0] * (
-        first.completion_end - first.completion_start)
-    return _with(s, loss_mask=mask)
-
-
 async def test_mismatch_is_small_when_clean_and_alarms_on_defects_on_real_vllm(
         tp1_server: LaunchedInstance, tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'mm.db'}",
@@ -85,27 +77,33 @@ async def test_mismatch_is_small_when_clean_and_alarms_on_defects_on_real_vllm(
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     logps = trainer_logprobs(model.eval(), samples)
-    free = measure_mismatch([_free_turns_only(s) for s in samples], logps)
-    whole = measure_mismatch(samples, logps)
-    shifted = measure_mismatch([_free_turns_only(_with(s, logprobs=[*s.logprobs[1:], 0.0]))
-                                for s in samples], logps)
+    clean = measure_mismatch(samples, logps)
+    shifted = measure_mismatch([_with(s, logprobs=[*s.logprobs[1:], 0.0]) for s in samples],
+                               logps)
     tool_mask = measure_mismatch([_with(s, loss_mask=[1] * len(s.token_ids)) for s in samples],
                                  logps)
-    for name, r in (("free turns", free), ("with the forced call", whole),
-                    ("shifted by one", shifted), ("mask 1 on tool output", tool_mask)):
-        o = r.overall
-        print(f"{name}: {o.tokens} tokens, |d| {o.mean_abs_diff:.4f}, KL {o.kl:.2e}, ratio "
-              f"p1 {o.ratio_percentiles['p1']:.3f} p99 {o.ratio_percentiles['p99']:.3f}, "
-              f"outside {o.outside_share:.1%}, alarms {r.alarms}")
+    for name, r in (("clean", clean), ("shifted by one", shifted),
+                    ("mask 1 on tool output", tool_mask)):
+        for part, o in (("free", r.overall), ("constrained", r.constrained)):
+            assert o is not None
+            print(f"{name}, {part}: {o.tokens} tokens, |d| {o.mean_abs_diff:.4f}, KL "
+                  f"{o.kl:.2e}, ratio p1 {o.ratio_percentiles['p1']:.3f} p99 "
+                  f"{o.ratio_percentiles['p99']:.3f}, outside {o.outside_share:.1%}")
+        print(f"{name}: alarms {r.alarms}")
 
+    # the gateway marked the forced call: its tokens are reported apart
+    assert all([c.constrained for c in s.calls] == ["tool_choice", None, None]
+               for s in samples)
+    forced = sum(s.calls[0].completion_end - s.calls[0].completion_start for s in samples)
+    assert clean.constrained is not None and clean.constrained.tokens == forced
+    assert clean.constrained.ratio_percentiles["p1"] < 0.5  # masked logprobs: a real gap
     # bf16 engine against a float32 trainer on the same weights: inside every limit
-    assert free.alarms == [], free.overall
-    assert free.overall.tokens > 0 and free.skipped_tokens == 0
-    assert list(free.by_version) == ["0"]
-    # every token that trains is compared; the forced call's masked logprobs show
-    assert whole.overall.tokens == sum(sum(s.loss_mask) for s in samples)
-    assert whole.alarms and whole.overall.ratio_percentiles["p1"] < 0.5
+    assert clean.alarms == [], clean.overall
+    assert clean.overall is not None and clean.skipped_tokens == 0
+    assert clean.overall.tokens + forced == sum(sum(s.loss_mask) for s in samples)
+    assert list(clean.by_version) == ["0"]
     # the defects: the tool's answer and the prompts were never sampled (logprob 0)
     assert tool_mask.alarms and tool_mask.by_version["?"].outside_share > 0.9
     assert shifted.alarms, shifted.overall
-    assert shifted.overall.mean_abs_diff > 50 * free.overall.mean_abs_diff, shifted.overall
+    assert shifted.overall is not None
+    assert shifted.overall.mean_abs_diff > 50 * clean.overall.mean_abs_diff, shifted.overall
