@@ -128,6 +128,60 @@ def assert_every_token_kept(gw: str, traj: str) -> Kept:
                 sum(1 for c in ok if c.get("kept_len")))
 
 
+@dataclass(frozen=True, slots=True)
+class HarnessReport:
+    """Per-harness figures of one finished trajectory (docs/integrations.md's table)."""
+
+    calls: int  # calls answered (status ok, latest attempt)
+    branches: int  # samples of ``branches=all``
+    generated: int  # completion tokens over those calls
+    main_trained: int  # of them, under loss mask 1 in the main sample (``/sample``)
+    all_tokens: int  # sequence tokens over the ``branches=all`` samples, together
+    tree_nodes: int  # tokens of ``/tree``: each token any branch holds, once
+    tree_trained: int  # tree nodes under loss mask 1
+    mismatches: int  # over the calls and every sample
+
+    @property
+    def main_share(self) -> float:
+        return self.main_trained / max(self.generated, 1)
+
+    @property
+    def all_per_generated(self) -> float:
+        return self.all_tokens / max(self.generated, 1)
+
+    @property
+    def tree_per_generated(self) -> float:
+        return self.tree_nodes / max(self.generated, 1)
+
+    def line(self, name: str) -> str:
+        return (f"{name}: {self.calls} calls, {self.branches} branches, main trains "
+                f"{self.main_trained}/{self.generated} generated tokens "
+                f"({self.main_share:.1%}); sequence tokens per generated token: "
+                f"{self.all_tokens}/{self.generated} = {self.all_per_generated:.2f} "
+                f"(branches=all), {self.tree_nodes}/{self.generated} = "
+                f"{self.tree_per_generated:.2f} (tree); {self.mismatches} mismatches")
+
+
+def harness_report(gw: str, traj: str) -> HarnessReport:
+    """Calls, branches, the share of generated tokens the main sample trains, and sequence
+    tokens per generated token: every ``branches=all`` sample together against the prefix
+    tree's node count (``/tree``). Asserts nothing: :func:`assert_every_token_kept` does."""
+    calls = httpx.get(f"{gw}/trajectories/{traj}", timeout=10).json()["calls"]
+    ok = [c for c in calls if c["status"] == "ok" and c["attempt"] == calls[-1]["attempt"]]
+    samples = httpx.get(f"{gw}/trajectories/{traj}/samples", params={"branches": "all"},
+                        timeout=10).json()["data"]
+    main = httpx.get(f"{gw}/trajectories/{traj}/sample", timeout=10).json()
+    tree = httpx.get(f"{gw}/trajectories/{traj}/tree", timeout=10).json()
+    return HarnessReport(
+        calls=len(ok), branches=len(samples),
+        generated=sum(len(c["completion_ids"]) for c in ok),
+        main_trained=sum(main["loss_mask"]),
+        all_tokens=sum(len(s["token_ids"]) for s in samples),
+        tree_nodes=len(tree["token_ids"]), tree_trained=sum(tree["loss_mask"]),
+        mismatches=sum(c["mismatch_pos"] is not None for c in ok)
+        + sum(len(s["mismatches"]) for s in samples))
+
+
 class StatusLog:
     """ASGI wrapper around the gateway app: the status of every HTTP answer it sent."""
 
@@ -169,3 +223,9 @@ def recorded_calls(gw: str, traj: str, *, endpoint: str, at_least: int, wait_s: 
         assert len(c["completion_logprobs"]) == len(c["completion_ids"])
         assert all(lp <= 0 for lp in c["completion_logprobs"])
     return calls
+
+
+if __name__ == "__main__":  # python -m tests.harnesses.trace GATEWAY_URL TRAJECTORY_ID
+    import sys
+
+    print(harness_report(sys.argv[1], sys.argv[2]).line(sys.argv[2]))
