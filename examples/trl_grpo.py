@@ -42,6 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import lookup_task  # examples/lookup_task.py, beside this script
 import torch
 from datasets import Dataset
 from openai import AsyncOpenAI, OpenAI
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer "
                     "(the engines share these CPUs here; more threads only contend)")
+    ap.add_argument("--task", choices=("add", "lookup"), default="add", help="add: the "
+                    "toy above; lookup: examples/lookup_task.py, a task the warm-started "
+                    "tiny model learns (reward 1 for the looked-up code)")
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
@@ -216,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         client.wait_ready()
     model_name = args.model or served_model(client.base_url, token)
     run = f"trl-{uuid.uuid4().hex[:6]}"
-    gw = GatewayGRPO(args.gateway, make_agent(model_name, args.max_tokens),
+    agent = (lookup_task.make_agent(model_name) if args.task == "lookup"
+             else make_agent(model_name, args.max_tokens))
+    rows = (tasks(4 * args.groups * args.steps, args.seed) if args.task == "add"
+            else [{"prompt": lookup_task.PROMPT}] * (4 * args.groups * args.steps))
+    gw = GatewayGRPO(args.gateway, agent,
                      weights_dir=work / "weights", admin_token=token, run_id=run,
                      check_logprobs=True, timeout_s=120)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0)
     trainer = GRPOTrainer(
         model=model, reward_funcs=gw.reward_func, args=config, processing_class=tokenizer,
-        train_dataset=Dataset.from_list(tasks(4 * args.groups * args.steps, args.seed)),
+        train_dataset=Dataset.from_list(rows),
         rollout_func=gw.rollout_func,
         callbacks=[gw.callback(), AfterPush(gw, model_name, out)])
     try:
