@@ -109,5 +109,7 @@ def test_every_mode_hands_whole_groups_within_its_staleness(
         assert batches[-1].deferred < batches[-2].deferred  # the long round ran them
     if bound == 1:  # the carry really happened: work crossed an update and was trained
         assert any(b.lag_tokens.get(1) for b in batches)
-    if mode.mode == "async" and bound == 0:  # waiting work went stale and ran again
-        assert batches[-1].restarts > 0
+    if mode.mode == "async" and bound == 0:
+        # AReaL's rule at bound 0 admits one batch at a time: nothing is in flight across
+        # an update, so nothing goes stale (tests/client/test_step_admission.py)
+        assert batches[-1].restarts == 0
