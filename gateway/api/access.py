@@ -32,6 +32,8 @@ ROUTE_ROLES: dict[tuple[str, str], Role] = {
     ("GET", "/trajectories/{trajectory_id}/live"): Role.TRAINER,
     ("GET", "/groups/{group_id}/samples"): Role.TRAINER,
     ("GET", "/groups/{group_id}/trees"): Role.TRAINER,
+    ("POST", "/training/mismatch"): Role.TRAINER,
+    ("GET", "/training/mismatch"): Role.TRAINER,
     ("GET", "/admin/backends"): Role.OPERATOR,
     ("POST", "/admin/backends"): Role.OPERATOR,
     ("DELETE", "/admin/backends/{backend_id}"): Role.OPERATOR,
