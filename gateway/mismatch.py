@@ -19,10 +19,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.config import Settings
 from gateway.metrics import EventLog
-from gateway.schema.mismatch import MismatchLimits, MismatchReport, MismatchStats
+from gateway.schema.mismatch import (
+    PERCENTILES,
+    MismatchLimits,
+    MismatchReport,
+    MismatchStats,
+)
 
 log = logging.getLogger(__name__)
 KEPT = 200  # reports kept in memory (the trainer's own logs keep the rest)
+QUANTILES = {f"p{p}": f"{p / 100:.2f}" for p in PERCENTILES}  # p5 -> "0.05"
 SERIES = 16  # (version, mode, sampling) series exported to Prometheus: the latest ones
 
 
@@ -96,7 +102,7 @@ class MismatchBoard:
             diff.add_metric(list(key), s.mean_abs_diff)
             outside.add_metric(list(key), s.outside_share)
             for name, value in s.ratio_percentiles.items():
-                ratio.add_metric([*key, f"0.{int(name[1:]):02d}"], value)
+                ratio.add_metric([*key, QUANTILES[name]], value)
         yield from (kl, diff, outside, ratio)
         for name, doc, value in (
                 ("reports", "Mismatch reports received from trainers", self.received),

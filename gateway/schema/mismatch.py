@@ -25,15 +25,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: importance ratios outside this band count in ``outside_share``
 RATIO_BAND = (0.8, 1.25)
 PERCENTILES = (1, 5, 50, 95, 99)
+PERCENTILE_KEYS = tuple(f"p{p}" for p in PERCENTILES)
+MAX_VERSIONS = 64  # weight versions in one report (a step spans a few)
 
 
 class MismatchStats(BaseModel):
     """The mismatch over one set of trained tokens."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     tokens: int = Field(ge=0)
     mean_abs_diff: float = Field(ge=0)
@@ -44,6 +48,13 @@ class MismatchStats(BaseModel):
         description="importance ratio exp(logp_trainer - logp_engine) at p1, p5, p50, p95, p99")
     outside_share: float = Field(ge=0, le=1, description="share of tokens with a ratio "
                                  f"outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}]")
+
+    @field_validator("ratio_percentiles")
+    @classmethod
+    def _percentiles(cls, value: dict[str, float]) -> dict[str, float]:
+        if sorted(value) != sorted(PERCENTILE_KEYS):
+            raise ValueError(f"ratio_percentiles needs exactly {', '.join(PERCENTILE_KEYS)}")
+        return {k: value[k] for k in PERCENTILE_KEYS}
 
     @classmethod
     def of(cls, trainer: np.ndarray, engine: np.ndarray) -> MismatchStats:
@@ -98,7 +109,8 @@ class MismatchReport(BaseModel):
     skipped_tokens: int = Field(0, ge=0)
     #: the tokens sampled freely (None: every trained token was constrained)
     overall: MismatchStats | None
-    by_version: dict[str, MismatchStats] = Field(default_factory=dict)
+    by_version: dict[str, MismatchStats] = Field(default_factory=dict,
+                                                 max_length=MAX_VERSIONS)
     #: the tokens of constrained calls (a forced tool call, structured output), apart:
     #: the engine reports the masked distribution's logprobs there, so their gap is
     #: real and large, and is not held against the limits
@@ -106,6 +118,13 @@ class MismatchReport(BaseModel):
     #: the limits passed, filled in by whoever judged the report (client or gateway)
     alarms: list[str] = Field(default_factory=list)
     received_at: float | None = None  # set by the gateway
+
+    @field_validator("by_version")
+    @classmethod
+    def _versions(cls, value: dict[str, MismatchStats]) -> dict[str, MismatchStats]:
+        if any(not 0 < len(v) <= 128 for v in value):
+            raise ValueError("a weight version is 1 to 128 characters")
+        return value
 
     def judged(self, limits: MismatchLimits) -> MismatchReport:
         """This report with ``alarms`` judged against ``limits`` (overall and per version)."""

@@ -12,6 +12,7 @@ other weights); each must pass a limit by a wide margin.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import httpx
@@ -206,6 +207,16 @@ def test_the_gateway_judges_keeps_and_exports_reports(batch, gateway, sqlite_url
         r = httpx.post(f"{gw}/training/mismatch", json={"mode": "sync"},
                        headers={"authorization": "Bearer trainer-secret"})
         assert r.status_code == 422 and "overall" in r.text, r.text
+        good = clean.model_dump(mode="json")
+        bad_overall = [{**good["overall"], "ratio_percentiles": {"": 1.0}},
+                       {**good["overall"], "kl": float("nan")}]
+        for bad in [*({**good, "overall": o} for o in bad_overall),
+                    {**good, "by_version": {"v" * 200: good["overall"]}}]:
+            r = httpx.post(f"{gw}/training/mismatch", content=json.dumps(bad),  # NaN too
+                           headers={"authorization": "Bearer trainer-secret",
+                                    "content-type": "application/json"})
+            assert r.status_code == 422, r.text  # refused whole: nothing kept
+        assert httpx.get(f"{gw}/metrics").status_code == 200
 
         board = client.status()["training_mismatch"]
         assert (board["reports"], board["alarms"]) == (2, 1)
