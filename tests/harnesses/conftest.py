@@ -12,7 +12,11 @@ messages (no mismatch), and the training sample is their concatenation.
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import subprocess
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -95,6 +99,39 @@ def npm_cli(name: str, what: str) -> Path:
                     f"point ROLLOUT_GATEWAY_NPM_BIN at the folder holding `{name}`.",
                     pytrace=False)
     return exe
+
+
+def proof_workspace(tmp_path: Path) -> tuple[Path, str]:
+    """A work dir under ``tmp_path`` holding ``proof.txt`` (one line, a fresh secret), for a
+    harness to read; the dir and the secret."""
+    work = tmp_path / "work"
+    work.mkdir()
+    secret = "proof-" + uuid.uuid4().hex
+    (work / "proof.txt").write_text(secret + "\n")
+    return work, secret
+
+
+def scripted_sim(seed: int, script: tuple[Any, ...]) -> Any:
+    """A simulated server's config for one harness run: short answers, its draws seeded,
+    tool use scripted (``SimServerConfig.tool_script``)."""
+    from backends.sim.state import SimServerConfig
+
+    return SimServerConfig(model=MODEL, speed=50, seed=seed, output_len_median=20,
+                           tool_script=script)
+
+
+def run_cli(argv: list[str], work: Path, env: dict[str, str], timeout: float = 120
+            ) -> tuple[list[dict[str, Any]], str, float]:
+    """A harness CLI run to its end in ``work`` with ``env`` (stdin closed); it must exit
+    0. Its JSON event lines, what it said (for assertion messages), and its wall time."""
+    start = time.monotonic()
+    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - start
+    said = f"rc={proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, said
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return events, said, wall
 
 
 @contextmanager

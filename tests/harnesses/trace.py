@@ -128,6 +128,34 @@ def assert_every_token_kept(gw: str, traj: str) -> Kept:
                 sum(1 for c in ok if c.get("kept_len")))
 
 
+class NotMain(AssertionError):
+    """The main sample is not the conversation it should be (another one was chosen)."""
+
+
+def assert_main_is(gw: str, traj: str, seqs: set[int]) -> dict[str, Any]:
+    """The main sample (``/sample``) is the conversation of the calls ``seqs`` (their
+    ``seq``), trained whole: its line of branches holds exactly their completions, each
+    where its call generated it, under loss mask 1 with the engine's logprobs, and it
+    trains nothing else. :class:`NotMain` when main holds other calls' tokens than
+    ``seqs``; returns the main sample."""
+    calls = httpx.get(f"{gw}/trajectories/{traj}", timeout=10).json()["calls"]
+    main: dict[str, Any] = httpx.get(f"{gw}/trajectories/{traj}/sample", timeout=10).json()
+    assert main["main"] and main["mismatches"] == []
+    line = [part for part in lineage(calls, main["branch"]) if part[2] > part[1]]
+    on_main = {c["seq"] for c, _, _ in line}
+    if on_main != seqs:
+        raise NotMain(f"main (branch {main['branch']}) holds calls {sorted(on_main)}, "
+                      f"not {sorted(seqs)}")
+    for c, a, b in line:
+        assert (a, b) == (0, len(c["completion_ids"])), c["seq"]
+        start, end = c["prompt_len"], c["prompt_len"] + b
+        assert main["token_ids"][start:end] == c["completion_ids"], c["seq"]
+        assert main["loss_mask"][start:end] == [1] * b, c["seq"]
+        assert main["logprobs"][start:end] == c["completion_logprobs"], c["seq"]
+    assert sum(main["loss_mask"]) == sum(b for _, _, b in line)
+    return main
+
+
 @dataclass(frozen=True, slots=True)
 class HarnessReport:
     """Per-harness figures of one finished trajectory (docs/integrations.md's table)."""
