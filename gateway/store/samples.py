@@ -141,10 +141,15 @@ OWN_CONVERSATION_MAX_SHARED = 16
 def _main(branches: Sequence[BranchBuild]) -> BranchBuild:
     """The task's conversation. Branches that go on with one conversation (each forked
     past the first few tokens of its parent) form a family; the family with the most
-    calls (then generated tokens) is the task's, and its main branch is the one of its
-    latest call: where the harness went on after a compaction, or after a reply it
-    dropped. A title call, a memory subagent or a fallback answer with its own system
-    prompt is a family of its own, so it is not main however late it comes."""
+    calls is the task's, and its main branch is the one of its latest call: where the
+    harness went on after a compaction, or after a reply it dropped. A title call, a
+    memory subagent or a fallback answer with its own system prompt is a family of its
+    own, so it is not main however late it comes. Between families of as many calls (a
+    task answered in one call beside a one-call title or memory call), the one with the
+    longest sequence is the task's: it carries the harness's tools and the task's
+    history, where a side call carries a short instruction of its own (opencode's title
+    call: 637 tokens against the task's 8.3k; Qwen Code's memory call 11.7k against
+    15.6k). Generated tokens would pick whichever side call happened to ramble."""
     root: dict[int, int] = {}
     for b in branches:  # by branch id: a parent is always before its child
         parent, fork = b.sample.parent_branch, b.sample.fork_position
@@ -155,9 +160,10 @@ def _main(branches: Sequence[BranchBuild]) -> BranchBuild:
     for b in branches:
         families.setdefault(root[b.sample.branch], []).append(b)
 
-    def weight(family: list[BranchBuild]) -> tuple[int, int, int]:
+    def weight(family: list[BranchBuild]) -> tuple[int, int, int, int]:
         calls = sum(len(b.sample.calls) for b in family)
-        return calls, sum(sum(b.generated) for b in family), max(b.last_seq for b in family)
+        return (calls, max(len(b.sample.token_ids) for b in family),
+                sum(sum(b.generated) for b in family), max(b.last_seq for b in family))
 
     task = max(families.values(), key=weight)
     return max(task, key=lambda b: b.last_seq)
