@@ -179,6 +179,24 @@ class AfterPush(TrainerCallback):  # type: ignore[misc]
               flush=True)
 
 
+DEFECTS = ("none", "mask-shift")
+
+
+def with_defect(rollout_func: Any, defect: str) -> Any:
+    """The adapter's ``rollout_func``, or one that hands TRL a deliberately wrong loss mask
+    (``mask-shift``): what a capture bug one token off would train. Only for the check
+    that such a defect cannot pass (tests/vllm/test_learning_vllm.py)."""
+    if defect == "none":
+        return rollout_func
+
+    def shifted(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = rollout_func(prompts, trainer)
+        out["env_mask"] = [[0, *mask[:-1]] for mask in out["env_mask"]]
+        return out
+
+    return shifted
+
+
 def _mismatch(mm: MismatchReport) -> str:
     """One step's training-inference mismatch, free and constrained tokens apart."""
     def one(s: MismatchStats | None) -> str:
@@ -206,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", choices=("add", "lookup"), default="add", help="add: the "
                     "toy above; lookup: examples/lookup_task.py, a task the warm-started "
                     "tiny model learns (reward 1 for the looked-up code)")
+    ap.add_argument("--defect", choices=DEFECTS, default="none", help="a deliberate defect "
+                    "in what reaches the trainer, for the check that it fails to learn: "
+                    "mask-shift moves the loss mask one token late (the first token of every "
+                    "model turn cut from the loss, the token after it trained)")
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
@@ -229,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                      check_logprobs=True, timeout_s=120)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    out: dict[str, Any] = {"run": run, "model": model_name, "checksums": [], "probes": []}
+    out: dict[str, Any] = {"run": run, "model": model_name, "defect": args.defect,
+                           "checksums": [], "probes": []}
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=args.steps, learning_rate=args.lr,
         per_device_train_batch_size=args.groups * args.group_size,
@@ -241,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(
         model=model, reward_funcs=gw.reward_func, args=config, processing_class=tokenizer,
         train_dataset=Dataset.from_list(rows),
-        rollout_func=gw.rollout_func,
+        rollout_func=with_defect(gw.rollout_func, args.defect),
         callbacks=[gw.callback(), AfterPush(gw, model_name, out)])
     try:
         trainer.train()

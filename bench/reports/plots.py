@@ -108,3 +108,30 @@ def grid_heatmap(out: Path, summary: Mapping[str, Any], subject: str, title: str
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def learning_curve(out: Path, doc: Mapping[str, Any]) -> Path:
+    """``bench learn``: success per GRPO step, each seed and their mean with its 95%
+    interval."""
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for seed, run in doc["seeds"].items():
+        ax.plot(range(len(run["success"])), run["success"], color="#9db4ea", lw=0.8,
+                label="one seed" if seed == next(iter(doc["seeds"])) else None)
+    curve = doc["summary"]["curve"]
+    xs = range(len(curve))
+    mean = [m for m, _ in curve]
+    ax.fill_between(xs, [m - h for m, h in curve], [m + h for m, h in curve],
+                    color="#3b6fe0", alpha=0.18, lw=0, label="95% interval")
+    ax.plot(xs, mean, color="#3b6fe0", lw=2, label=f"mean of {len(doc['seeds'])} seeds")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("GRPO step (weights pushed to the engines after each)")
+    ax.set_ylabel("success (right code)")
+    opts = doc["options"]
+    ax.set_title(f"lookup task, tiny model, TRL GRPO through the gateway "
+                 f"({opts['groups']}x{opts['group_size']} a step)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

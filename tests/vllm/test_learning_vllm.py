@@ -1,0 +1,138 @@
+"""A model learns through the gateway, and a defect in what reaches the trainer fails.
+
+The proof that the samples are right is a model that improves by training on them. Here,
+on a real vLLM CPU engine behind the gateway:
+
+1. ``examples/lookup_task.py warm-start`` makes the policy: the tiny model's architecture
+   and tokenizer, trained briefly on generated demonstrations to call the ``lookup`` tool
+   and copy its answer, but to call it only rarely (it mostly guesses the code: one
+   chance in ten).
+2. ``examples/trl_grpo.py --task lookup`` runs TRL's ``GRPOTrainer`` through the gateway:
+   plain OpenAI-SDK agent code per trajectory (two calls when it looks the code up), the
+   recorded samples fetched and handed to TRL, the new weights pushed to the engine after
+   every step. Success (reward 1: the right code) must rise from its first steps to its
+   last, by at least twice and significantly (one-sided two-proportion z-test over the
+   trajectories of the first and last ``WINDOW`` steps, z >= ``Z``).
+3. The same run with the loss mask moved one token late (``--defect mask-shift``: the
+   first token of every model turn, the choice to call the tool among them, cut from the
+   loss) must not pass that check.
+
+Both runs share the warm start and the engine (each run's first push loads its weights).
+The 3-seed curve is a benchmark (``bench learn``, BENCHMARKS.md); this is one seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.base import InstanceSpec
+from gateway.app import create_app
+from tests.gateway.conftest import make_settings
+from tests.servers import free_port, serve_app, stop_app
+from tests.vllm.conftest import REPO_ROOT, SERVED_NAME, cpu_launcher
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+STEPS = 20
+GROUPS = 4
+GROUP_SIZE = 8
+LR = "2e-4"
+WINDOW = 3  # steps at each end compared
+Z = 3.0
+
+
+def rises(rewards: list[list[float]]) -> tuple[float, float, float]:
+    """Success over the first and last ``WINDOW`` steps and the one-sided z statistic of
+    the rise (pooled two-proportion test over their trajectories)."""
+    first = [r for step in rewards[:WINDOW] for r in step]
+    last = [r for step in rewards[-WINDOW:] for r in step]
+    p0, p1 = sum(first) / len(first), sum(last) / len(last)
+    pooled = (sum(first) + sum(last)) / (len(first) + len(last))
+    se = math.sqrt(pooled * (1 - pooled) * (1 / len(first) + 1 / len(last)))
+    return p0, p1, (p1 - p0) / se if se else 0.0
+
+
+def learned(p0: float, p1: float, z: float) -> bool:
+    return z >= Z and p1 >= 2 * p0
+
+
+def test_rises_measures_what_it_should() -> None:
+    assert learned(*rises([[0.0] * 30 + [1.0] * 2] * 3 + [[1.0] * 16 + [0.0] * 16] * 3))
+    assert not learned(*rises([[1.0] * 8 + [0.0] * 24] * 6))  # flat
+    assert not learned(*rises([[1.0] * 16 + [0.0] * 16] * 3 + [[1.0] * 4 + [0.0] * 28] * 3))
+
+
+async def _run(*args: str, log: Path, timeout_s: float) -> None:
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *args, cwd=REPO_ROOT, stdout=err, stderr=err,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                 "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok"})
+        try:
+            rc = await asyncio.wait_for(proc.wait(), timeout_s)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert rc == 0, log.read_text(errors="replace")[-4000:]
+
+
+async def _grpo(gateway: str, policy: Path, work: Path, defect: str) -> dict[str, Any]:
+    out = work / f"{defect}.json"
+    await _run(str(REPO_ROOT / "examples/trl_grpo.py"), "--gateway", gateway,
+               "--model-path", str(policy), "--work-dir", str(work / defect),
+               "--task", "lookup", "--steps", str(STEPS), "--groups", str(GROUPS),
+               "--group-size", str(GROUP_SIZE), "--lr", LR, "--seed", "0",
+               "--defect", defect, "--json", str(out),
+               log=work / f"{defect}.log", timeout_s=600)
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary
+
+
+@pytest.mark.timeout(1500)
+async def test_a_model_learns_through_the_gateway_and_a_shifted_mask_does_not(
+        vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    policy = tmp_path / "policy"
+    await _run(str(REPO_ROOT / "examples/lookup_task.py"), "warm-start",
+               "--base", str(tiny_model_dir), "--out", str(policy),
+               log=tmp_path / "warm.log", timeout_s=600)
+    warm_s = time.monotonic() - t0
+    launcher = cpu_launcher(vllm_python, tiny_model_dir, tmp_path / "logs")
+    launcher.start_timeout_s = 300
+    engine = await launcher.start(InstanceSpec(id="learn", model=SERVED_NAME, gpus=(0,)))
+    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}", [engine.url],
+                             admin_token="tok")
+    port = free_port()
+    server, task = await serve_app(create_app(settings), port)
+    try:
+        runs = {d: await _grpo(f"http://127.0.0.1:{port}", policy, tmp_path, d)
+                for d in ("none", "mask-shift")}
+    finally:
+        await stop_app(server, task)
+        await launcher.close()
+
+    verdicts = {}
+    for defect, summary in runs.items():
+        rewards = [step["rewards"] for step in summary["steps"]]
+        assert len(rewards) == STEPS and all(len(r) == GROUPS * GROUP_SIZE for r in rewards)
+        assert all(r in (0.0, 1.0) for step in rewards for r in step)
+        # every step trained on its own version's tokens (what the engines served)
+        assert all(s["max_staleness"] == 0 and s["off_version_tokens"] == 0
+                   for s in summary["steps"])
+        p0, p1, z = rises(rewards)
+        verdicts[defect] = learned(p0, p1, z)
+        curve = " ".join(f"{sum(r) / len(r):.2f}" for r in rewards)
+        step_s = sum(s["rollout_s"] + s["fetch_s"] + s["train_s"] for s in summary["steps"])
+        print(f"\n{defect}: success {p0:.2f} -> {p1:.2f} (z {z:.1f}); curve {curve}; "
+              f"{step_s / STEPS:.1f} s a step; run {summary['total_s']} s")
+    print(f"warm start {warm_s:.0f} s; whole test {time.monotonic() - t0:.0f} s")
+    assert verdicts == {"none": True, "mask-shift": False}, verdicts
