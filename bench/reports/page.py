@@ -317,18 +317,24 @@ def relay_table(root: Path = ROOT) -> str:
                        for name in ("relay", "relay-paced", "relay-grouped"))
 
 
-LEARN = "learning/lookup-3seeds.json"
+LEARN = {"lookup-3seeds": "TRL's `GRPOTrainer` (the adapter), synchronous",
+         "lookup-async-3seeds": "the client's `StepRunner`, async mode, staleness bound 1"}
 
 
 def learning_table(root: Path = ROOT) -> str:
+    return "\n\n".join(_learning(name, title, root) for name, title in LEARN.items()
+                        if (root / BENCH / "learning" / f"{name}.json").exists())
+
+
+def _learning(name: str, title: str, root: Path) -> str:
     """``bench learn``: success per seed at the start and end of GRPO, the mean curve every
     few steps, where a step's time goes, and the command."""
-    doc = load(LEARN, root)
+    doc = load(f"learning/{name}.json", root)
     s, o = doc["summary"], doc["options"]
 
     def pm(v: list[float], fmt: str = ".2f") -> str:
         return f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
-    lines = [f"{o['seeds']} seeds, {o['steps']} GRPO steps of {o['groups']} groups x "
+    lines = [f"**{title}.** {o['seeds']} seeds, {o['steps']} GRPO steps of {o['groups']} groups x "
              f"{o['group_size']} trajectories, lr {o['lr']:g}, {o['engines']} vLLM CPU "
              f"engine(s); start and end = mean success of the first and last 3 steps "
              "(95% t-interval over seeds).\n",
@@ -351,7 +357,7 @@ def learning_table(root: Path = ROOT) -> str:
               "", f"A step takes {s['step_s']:.1f} s: rollout {s['seconds']['rollout_s']:.1f}"
               f" s, fetch {s['seconds']['fetch_s']:.2f} s, train {s['seconds']['train_s']:.1f}"
               f" s, save and push {s['seconds']['push_s']:.2f} s.", "",
-              "![success per GRPO step](docs/benchmarks/learning/lookup-3seeds.png)", "",
+              f"![success per GRPO step](docs/benchmarks/learning/{name}.png)", "",
               "```sh", doc["command"], "```"]
     return "\n".join(lines)
 

@@ -127,7 +127,8 @@ def learning_curve(out: Path, doc: Mapping[str, Any]) -> Path:
     ax.set_xlabel("GRPO step (weights pushed to the engines after each)")
     ax.set_ylabel("success (right code)")
     opts = doc["options"]
-    ax.set_title(f"lookup task, tiny model, TRL GRPO through the gateway "
+    how = ("StepRunner async GRPO" if opts.get("trainer") == "async" else "TRL GRPO")
+    ax.set_title(f"lookup task, tiny model, {how} through the gateway "
                  f"({opts['groups']}x{opts['group_size']} a step)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)

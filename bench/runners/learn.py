@@ -121,13 +121,30 @@ def _run(args: list[str], log: Path, echo: str = "") -> None:
             raise RuntimeError(f"{args[0]} failed ({proc.returncode}): see {log}")
 
 
+def _timings(step: dict[str, Any]) -> dict[str, float]:
+    """Where a step's time went. TRL's adapter times rollout and fetch apart; the async
+    runner's trainer only waits for its batch (rollouts run all along)."""
+    if "wait_s" in step:
+        return {"rollout_s": step["wait_s"], "fetch_s": 0.0, "train_s": step["train_s"],
+                "push_s": step["push_s"]}
+    push = step["push"] or {}
+    return {"rollout_s": step["rollout_s"], "fetch_s": step["fetch_s"],
+            "train_s": step["train_s"], "push_s": push.get("push_s", 0.0)
+            + push.get("save_s", 0.0)}
+
+
 def learn(
     seeds: Annotated[int, typer.Option(help="seeds 0..N-1 (warm start and GRPO)")] = 3,
     steps: Annotated[int, typer.Option(help="GRPO steps per seed")] = 25,
     groups: Annotated[int, typer.Option(help="prompts per step")] = 4,
     group_size: Annotated[int, typer.Option(help="trajectories per prompt")] = 8,
     lr: Annotated[float, typer.Option(help="GRPO learning rate")] = 2e-4,
-    defect: Annotated[str, typer.Option(help="none | mask-shift")] = "none",
+    trainer: Annotated[str, typer.Option(
+        help="trl: TRL's GRPOTrainer through the adapter (examples/trl_grpo.py), sync; "
+             "async: the client's StepRunner in async mode (examples/async_grpo.py)")]
+    = "trl",
+    max_staleness: Annotated[int, typer.Option(help="async: the staleness bound")] = 1,
+    defect: Annotated[str, typer.Option(help="trl: none | mask-shift")] = "none",
     engines: Annotated[int, typer.Option(help="vLLM CPU engines (one core each)")] = 1,
     port: Annotated[int, typer.Option(help="the gateway's port")] = 8017,
     work_dir: Annotated[Path, typer.Option(help="models, checkpoints, logs")] = Path(
@@ -138,6 +155,10 @@ def learn(
     figure: Annotated[Path | None, typer.Option(help="the curve as a PNG")] = None,
 ) -> None:
     """GRPO on the lookup task through the gateway: success per step over seeds."""
+    if trainer not in ("trl", "async"):
+        raise typer.BadParameter(f"unknown trainer {trainer!r}: trl or async")
+    if trainer == "async" and defect != "none":
+        raise typer.BadParameter("--defect is wired for --trainer trl only")
     work = work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -146,7 +167,8 @@ def learn(
     doc: dict[str, Any] = {"benchmark": "learn", "command": shlex.join(
         ["rollout-gateway", *sys.argv[1:]]), "options": {
         "seeds": seeds, "steps": steps, "groups": groups, "group_size": group_size,
-        "lr": lr, "defect": defect, "engines": engines}, "seeds": {}}
+        "lr": lr, "trainer": trainer, "max_staleness": max_staleness, "defect": defect,
+        "engines": engines}, "seeds": {}}
     gateway = _serve(work, vllm_python, engines, port)
     try:
         for seed in range(seeds):
@@ -156,23 +178,23 @@ def learn(
             warm = json.loads([line for line in (work / f"warm-{seed}.log").read_text()
                                .splitlines() if line.startswith("{")][-1])
             out = work / f"grpo-{seed}.json"
-            _run(["examples/trl_grpo.py", "--gateway", f"http://127.0.0.1:{port}",
-                  "--model-path", str(policy), "--work-dir", str(work / f"run-{seed}"),
-                  "--task", "lookup", "--steps", str(steps), "--groups", str(groups),
-                  "--group-size", str(group_size), "--lr", str(lr), "--seed", str(seed),
-                  "--defect", defect, "--json", str(out)], work / f"grpo-{seed}.log",
-                 echo=f"seed {seed} ")
+            common = ["--gateway", f"http://127.0.0.1:{port}", "--model-path", str(policy),
+                      "--work-dir", str(work / f"run-{seed}"), "--steps", str(steps),
+                      "--groups", str(groups), "--group-size", str(group_size),
+                      "--lr", str(lr), "--seed", str(seed), "--json", str(out)]
+            if trainer == "trl":
+                _run(["examples/trl_grpo.py", *common, "--task", "lookup",
+                      "--defect", defect], work / f"grpo-{seed}.log", echo=f"seed {seed} ")
+            else:
+                _run(["examples/async_grpo.py", *common, "--max-staleness",
+                      str(max_staleness)], work / f"grpo-{seed}.log", echo=f"seed {seed} ")
             run = json.loads(out.read_text())
             doc["seeds"][str(seed)] = {
                 "warm_start": warm,
                 "success": [statistics.fmean(s["rewards"]) for s in run["steps"]],
                 "versions": [s["version"] for s in run["steps"]],
                 "max_staleness": max(s["max_staleness"] for s in run["steps"]),
-                "timings": [{"rollout_s": s["rollout_s"], "fetch_s": s["fetch_s"],
-                             "train_s": s["train_s"],
-                             "push_s": (s["push"] or {}).get("push_s", 0.0)
-                             + (s["push"] or {}).get("save_s", 0.0)}
-                            for s in run["steps"]],
+                "timings": [_timings(s) for s in run["steps"]],
                 "total_s": run["total_s"]}
     finally:
         os.killpg(gateway.pid, signal.SIGTERM)
