@@ -354,9 +354,14 @@ def _learning(name: str, title: str, root: Path) -> str:
     lines += ["", "| step | " + " | ".join(str(k) for k in range(0, len(s["curve"]), every))
               + " |", "|---|" + "---|" * len(range(0, len(s["curve"]), every)),
               "| success | " + " | ".join(f"{m:.2f}" for m, _ in s["curve"][::every]) + " |",
-              "", f"A step takes {s['step_s']:.1f} s: rollout {s['seconds']['rollout_s']:.1f}"
-              f" s, fetch {s['seconds']['fetch_s']:.2f} s, train {s['seconds']['train_s']:.1f}"
-              f" s, save and push {s['seconds']['push_s']:.2f} s.", "",
+              "", f"A step takes {s['step_s']:.1f} s: " + (
+                  f"waiting for the batch {s['seconds']['rollout_s']:.1f} s (rollouts run "
+                  "all along, sharing the CPUs with the trainer)"
+                  if o.get("trainer") == "async" else
+                  f"rollout {s['seconds']['rollout_s']:.1f} s, fetch "
+                  f"{s['seconds']['fetch_s']:.2f} s") + f", train "
+              f"{s['seconds']['train_s']:.1f} s, save and push {s['seconds']['push_s']:.2f} s.",
+              "",
               f"![success per GRPO step](docs/benchmarks/learning/{name}.png)", "",
               "```sh", doc["command"], "```"]
     return "\n".join(lines)

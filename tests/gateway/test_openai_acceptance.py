@@ -156,9 +156,10 @@ def test_changed_tool_list_opens_a_branch(sim_pool, gateway_at, sqlite_url, clos
         first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                                max_tokens=20)
         messages += _tool_reply(first.choices[0].message)
-        # it says more than the first did (at most 20), so its conversation is the task's
-        # by the main-branch rule (gateway/store/samples.py: the family with the most
-        # calls, then the most generated tokens), whatever the first turn's length
+        # re-rendered without the tools, the prompts part inside the system prompt: a
+        # conversation of its own by the main-branch rule (gateway/store/samples.py: the
+        # family with the most calls, then the longest sequence), and one call each, so
+        # main stays the conversation that carries the tools, however long this answer
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
                                        extra_body={"ignore_eos": True})
         calls = httpx.get(f"{gw}/trajectories/{traj}").json()["calls"]
@@ -166,11 +167,12 @@ def test_changed_tool_list_opens_a_branch(sim_pool, gateway_at, sqlite_url, clos
         assert [(c["branch"], c["parent_branch"]) for c in calls] == [(0, None), (1, 0)]
         assert 0 < calls[1]["prompt_offset"] < calls[0]["prompt_len"]
         sample = httpx.get(f"{gw}/trajectories/{traj}/sample").json()
-        assert sample["branch"] == 1 and sample["main"] and sample["mismatches"] == []
-        assert sample["fork_position"] == calls[1]["prompt_offset"]
-        assert len(sample["token_ids"]) == calls[1]["prompt_len"] + len(calls[1]["completion_ids"])
+        assert sample["branch"] == 0 and sample["main"] and sample["mismatches"] == []
+        assert len(sample["token_ids"]) == calls[0]["prompt_len"] + len(calls[0]["completion_ids"])
         every = httpx.get(f"{gw}/trajectories/{traj}/samples").json()["data"]
         assert [s["branch"] for s in every] == [0, 1]
+        assert every[1]["fork_position"] == calls[1]["prompt_offset"]
+        assert [s["main"] for s in every] == [True, False]
         for s, call in zip(every, calls, strict=True):  # each turn under loss mask 1 once
             assert s["token_ids"][-len(call["completion_ids"]):] == call["completion_ids"]
             assert sum(s["loss_mask"]) == len(call["completion_ids"])
