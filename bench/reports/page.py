@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from bench.reports.grid_summary import RIVALS, SUBJECT, fmt_ratio, verdicts
+from bench.reports.learn_table import learning_table
 from bench.reports.loop_table import loop_table, option, split_table
 from bench.reports.relay_table import relay_markdown
 from bench.simulator.steps import StepScenario, paired_ratio
@@ -315,56 +316,6 @@ def reach_table(root: Path = ROOT) -> str:
 def relay_table(root: Path = ROOT) -> str:
     return "\n\n".join(relay_markdown(load(f"relay/{name}.json", root))
                        for name in ("relay", "relay-paced", "relay-grouped"))
-
-
-LEARN = {"lookup-3seeds": "TRL's `GRPOTrainer` (the adapter), synchronous",
-         "lookup-async-3seeds": "the client's `StepRunner`, async mode, staleness bound 1"}
-
-
-def learning_table(root: Path = ROOT) -> str:
-    return "\n\n".join(_learning(name, title, root) for name, title in LEARN.items()
-                        if (root / BENCH / "learning" / f"{name}.json").exists())
-
-
-def _learning(name: str, title: str, root: Path) -> str:
-    """``bench learn``: success per seed at the start and end of GRPO, the mean curve every
-    few steps, where a step's time goes, and the command."""
-    doc = load(f"learning/{name}.json", root)
-    s, o = doc["summary"], doc["options"]
-
-    def pm(v: list[float], fmt: str = ".2f") -> str:
-        return f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
-    lines = [f"**{title}.** {o['seeds']} seeds, {o['steps']} GRPO steps of {o['groups']} groups x "
-             f"{o['group_size']} trajectories, lr {o['lr']:g}, {o['engines']} vLLM CPU "
-             f"engine(s); start and end = mean success of the first and last 3 steps "
-             "(95% t-interval over seeds).\n",
-             "| seed | warm start (s) | start | end | end / start | max staleness |",
-             "|---|---|---|---|---|---|"]
-    for seed, run in doc["seeds"].items():
-        a, b = (statistics.fmean(run["success"][:3]), statistics.fmean(run["success"][-3:]))
-        lines.append(f"| {seed} | {run['warm_start']['seconds']:.0f} | {a:.2f} | {b:.2f} | "
-                     f"{b / a if a else float('inf'):.1f}x | {run['max_staleness']} |")
-    lines.append(f"| **mean** | | **{pm(s['start'])}** | **{pm(s['end'])}** | "
-                 f"**{pm(s['ratio'], '.1f')}x** | |")
-    met = sum(statistics.fmean(r["success"][-3:]) >= max(0.6, 2 * statistics.fmean(
-        r["success"][:3])) for r in doc["seeds"].values())
-    lines += ["", f"End at least twice the start and at least 0.60 (issue 43's target): "
-              f"{met} of {len(doc['seeds'])} seeds."]
-    every = max(1, len(s["curve"]) // 8)
-    lines += ["", "| step | " + " | ".join(str(k) for k in range(0, len(s["curve"]), every))
-              + " |", "|---|" + "---|" * len(range(0, len(s["curve"]), every)),
-              "| success | " + " | ".join(f"{m:.2f}" for m, _ in s["curve"][::every]) + " |",
-              "", f"A step takes {s['step_s']:.1f} s: " + (
-                  f"waiting for the batch {s['seconds']['rollout_s']:.1f} s (rollouts run "
-                  "all along, sharing the CPUs with the trainer)"
-                  if o.get("trainer") == "async" else
-                  f"rollout {s['seconds']['rollout_s']:.1f} s, fetch "
-                  f"{s['seconds']['fetch_s']:.2f} s") + f", train "
-              f"{s['seconds']['train_s']:.1f} s, save and push {s['seconds']['push_s']:.2f} s.",
-              "",
-              f"![success per GRPO step](docs/benchmarks/learning/{name}.png)", "",
-              "```sh", doc["command"], "```"]
-    return "\n".join(lines)
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
