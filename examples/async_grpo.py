@@ -45,7 +45,7 @@ from gateway.client.mismatch import trainer_logprobs
 from gateway.schema.samples import Sample
 
 
-def advantages(samples: list[Sample], group_size: int) -> list[float]:
+def advantages(samples: list[Sample]) -> list[float]:
     """Group-relative: each reward minus its group's mean, over the group's std."""
     by_group: dict[str | None, list[float]] = {}
     for s in samples:
@@ -110,8 +110,7 @@ async def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 t1 = time.monotonic()
                 samples = list(batch.samples.samples)
                 mm = await runner.report_mismatch(batch, trainer_logprobs(model, samples))
-                loss = grpo_loss(model, samples, advantages(samples, args.group_size),
-                                 args.clip)
+                loss = grpo_loss(model, samples, advantages(samples), args.clip)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
