@@ -77,8 +77,9 @@ class Reconfiguring:
         interval = self.policy.plan_interval_s
         if interval:
             self._push(self.now + interval, PLAN, None)
-        change = self.policy.plan(self.snapshot())
-        if change is None or not self._valid(change):
+        snap = self.snapshot()
+        change = self.policy.plan(snap)
+        if change is None or not change.changes(snap) or not self._valid(change):
             return
         rid = self._next_id()
         self.relayouts[rid] = (change, set(change.retire))

@@ -372,13 +372,14 @@ class Scheduler:
             self._count_fault("observe")
 
     async def _plan(self) -> None:
+        snap = self.snapshot()
         try:
-            change = self.policy.plan(self.snapshot())
+            change = self.policy.plan(snap)
         except Exception:  # a planner bug must not stop the scheduler
             log.exception("policy %s failed to plan", self.policy.name)
             self._count_fault("plan")
             return
-        if change is None or self.on_relayout is None:
+        if change is None or self.on_relayout is None or not change.changes(snap):
             return
         self.relayouts += 1
         await self.on_relayout(change)

@@ -230,6 +230,13 @@ class Relayout:
     launch: tuple[int, ...]
     reason: str = ""
 
+    def changes(self, snap: Snapshot) -> bool:
+        """Whether applying it would change ``snap``'s layout. A same-for-same swap (a TP2
+        retired for a TP2) costs a drain and an engine start and changes nothing: the
+        scheduler and the simulator neither apply nor count one."""
+        retired = sorted(i.tp for i in snap.instances if i.id in self.retire)
+        return retired != sorted(self.launch)
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:

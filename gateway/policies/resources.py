@@ -191,7 +191,7 @@ class TailMergePlanner:
         for tp in (8, 4, 2):
             if tp <= cur.tp or tp not in snap.speeds:
                 continue
-            retire = pick_gpus(idle, tp)
+            retire = pick_gpus([i for i in idle if i.tp < tp], tp)  # a merge, not a swap
             gain = preds[top].mean * (t_now - snap.speeds[tp].step_s(1))
             if retire is not None and gain > 2 * snap.restart_s:
                 return Relayout(retire, (tp,), f"tail: {top} saves {gain:.0f}s")

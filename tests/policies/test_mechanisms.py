@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.policies.base import GroupView, Phase, Prediction, Slots, TPSpeed
+from gateway.policies.base import GroupView, Phase, Prediction, Relayout, Slots, TPSpeed
 from gateway.policies.dp import dp_split, presorted_dp, units_of
 from gateway.policies.placement import CMLFQPlacer, ProgressivePriority
 from gateway.policies.predict import OraclePredictor, StatsPredictor
@@ -139,6 +139,18 @@ def test_tail_merge_concentrates_idle_gpus_on_the_straggler() -> None:
     snap = snapshot(100.0, instances, [traj("s", instance="home", phase=Phase.TOOL)])
     change = planner.plan(snap, {"s": Prediction(20000, 30000)})
     assert change is not None and change.launch == (4,) and len(change.retire) == 4
+
+
+def test_tail_merge_never_swaps_an_instance_for_its_like() -> None:
+    """An idle TP2 is already a TP2: retiring it for a new TP2 would drain and restart an
+    engine for nothing (the demo printed such swaps: issue 44). Only smaller instances
+    merge, and the scheduler and simulator drop any same-for-same relayout."""
+    planner = TailMergePlanner()
+    snap = snapshot(100.0, [inst("home", running=1), inst("pair", 2)],
+                    [traj("s", instance="home", phase=Phase.TOOL)])
+    assert planner.plan(snap, {"s": Prediction(20000, 30000)}) is None
+    swap, merge = Relayout(("pair",), (2,)), Relayout(("pair",), (1, 1))
+    assert not swap.changes(snap) and merge.changes(snap)
 
 
 def test_joint_planner_merges_for_a_tail_and_not_for_a_crowd() -> None:
