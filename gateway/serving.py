@@ -67,9 +67,32 @@ def _plain(status: bytes, message: str, extra: bytes = b"") -> bytes:
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-class GuardedHttpProtocol(HttpToolsProtocol):
+#: Set in a request's ASGI scope by a route that answers for as long as its client listens
+#: (the status page's event stream). uvicorn's graceful shutdown waits for every response
+#: in progress and, after ``shutdown_grace_s``, cancels them with a traceback per request;
+#: a request marked so is told at once that its client has gone, and its stream ends.
+ENDS_AT_SHUTDOWN = "rollout_gateway.ends_at_shutdown"
+
+
+class StreamsEndAtShutdown(HttpToolsProtocol):
+    """uvicorn's httptools protocol that ends the requests marked :data:`ENDS_AT_SHUTDOWN`
+    when the server begins to shut down (model calls in flight still finish)."""
+
+    def shutdown(self) -> None:
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete
+                and cycle.scope.get(ENDS_AT_SHUTDOWN)):
+            # as when the client hangs up: receive() answers http.disconnect, the stream
+            # stops, and the server no longer counts the connection
+            self.transport.close()
+            return
+        super().shutdown()
+
+
+class GuardedHttpProtocol(StreamsEndAtShutdown):
     """uvicorn's httptools protocol with request deadlines and a per-client cap (see the
-    module docstring). :func:`protocol_class` makes one subclass per server."""
+    module docstring), whose marked streams end at shutdown. :func:`protocol_class` makes
+    one subclass per server."""
 
     limits: ClassVar[ConnectionLimits]
 

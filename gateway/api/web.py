@@ -22,6 +22,7 @@ from gateway.api.deps import get_rt, is_admin
 from gateway.api.status import status_body
 from gateway.errors import NotFound
 from gateway.runtime import Runtime
+from gateway.serving import ENDS_AT_SHUTDOWN
 
 router = APIRouter(tags=["status"])
 STREAM_LIFETIME_S = 15.0
@@ -70,6 +71,7 @@ async def status_stream(
     rt: Runtime = Depends(get_rt),
     interval: float = Query(1.0, ge=0.25, le=10.0, description="seconds between events"),
 ) -> StreamingResponse:
+    request.scope[ENDS_AT_SHUTDOWN] = True
     events = status_events(rt, interval, with_urls=is_admin(request))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})

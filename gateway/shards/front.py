@@ -47,6 +47,7 @@ from gateway.api.errors import error_response
 from gateway.api.web import PAGE_HEADERS, STREAM_LIFETIME_S, asset_path
 from gateway.config import Settings, ShardSettings
 from gateway.errors import GatewayError
+from gateway.serving import ENDS_AT_SHUTDOWN
 from gateway.shards.fanout import admin_routes
 from gateway.shards.merge import EVENTS_SHOWN, merge_metrics, merge_status
 from gateway.shards.rebalance import Rebalancer, rebalance_routes
@@ -129,6 +130,7 @@ def _status_routes(app: FastAPI) -> None:
     @app.get("/status/stream")
     async def stream(request: Request, interval: float = 1.0) -> StreamingResponse:
         front, rebalancer = front_of(request), request.app.state.rebalancer
+        request.scope[ENDS_AT_SHUTDOWN] = True
 
         async def events() -> AsyncIterator[bytes]:
             yield b"retry: 1000\n\n"

@@ -213,6 +213,7 @@ async def run(plan: ShardPlan) -> int:
     import uvicorn
 
     from gateway.config import Settings
+    from gateway.serving import StreamsEndAtShutdown
     from gateway.shards.front import create_front_app
     from gateway.store.db import upgrade
 
@@ -237,7 +238,8 @@ async def run(plan: ShardPlan) -> int:
         config = uvicorn.Config(create_front_app(urls, shared.admin_token, plan.front,
                                                  persist, credentials=shared),
                                 host="127.0.0.1",
-                                port=plan.front_port, log_level="warning", lifespan="on")
+                                port=plan.front_port, log_level="warning", lifespan="on",
+                                http=StreamsEndAtShutdown)
         front = _front_server()(config)
         front_task = asyncio.create_task(front.serve())
         plan.state_dir.mkdir(parents=True, exist_ok=True)

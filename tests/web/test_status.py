@@ -171,3 +171,58 @@ def test_backend_urls_are_shown_to_the_operator_only(scripted_gateway, loop_thre
     settings = gateway_settings(sqlite_url, [up], admin_token=None)
     with app_in_thread(loop_thread, lambda: create_app(settings)) as open_gw:
         assert httpx.get(f"{open_gw}/status").json()["backends"][0]["url"] == up
+
+
+def test_an_open_status_stream_does_not_hold_the_shutdown(sqlite_url):
+    """The status page's event stream ends as soon as the gateway begins to shut down.
+    uvicorn waits up to ``shutdown_grace_s`` for responses in progress, then cancels them
+    with a traceback each: the demo, with a browser on its status page, ended on
+    ``Exception in ASGI application`` after a 5 s wait (issue 44)."""
+    import asyncio
+    import logging
+    from contextlib import suppress
+
+    from bench.harness.hosting import free_port, serve_gateway
+    from gateway.config import ServerSettings
+
+    class Errors(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.seen: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.seen.append(record.getMessage())
+
+    async def main() -> tuple[float, int]:
+        settings = gateway_settings(sqlite_url, [], server=ServerSettings(
+            host="127.0.0.1", port=free_port(), shutdown_grace_s=5))
+        events: list[str] = []
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with serve_gateway(settings) as gw:
+                async def listen() -> None:
+                    async with http.stream("GET", f"{gw}/status/stream",
+                                           params={"interval": 0.25}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line)
+
+                task = asyncio.create_task(listen())
+                while len(events) < 2:
+                    assert not task.done(), task
+                    await asyncio.sleep(0.05)
+                started = time.monotonic()
+            took = time.monotonic() - started
+            with suppress(httpx.HTTPError):  # the stream ends as a hung-up connection does
+                await asyncio.wait_for(task, 5)
+        return took, len(events)
+
+    errors = Errors()
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(errors)
+    try:
+        took, events = asyncio.run(main())
+    finally:
+        logger.removeHandler(errors)
+    assert events >= 2
+    assert took < 2.0, f"shutdown took {took:.1f} s with a status stream open"
+    assert errors.seen == [], errors.seen
