@@ -15,8 +15,9 @@ behind than the bound allows. :func:`abort_trajectory` does it in one step:
   so far. An engine without that route lets them run to their end.
 
 The staleness bound (``PUT /admin/staleness``): whenever the weight version changes, every
-live trajectory whose first call started on weights more than ``max_staleness`` versions
-behind the new ones is aborted, because no trainer step from now on could train it within
+live trajectory that started (its first call arrived) on weights more than
+``max_staleness`` versions behind the new ones is aborted, whether it has generated yet or
+still waits in the queue, because no trainer step from now on could train it within
 the bound. Versions must be integers for the bound to apply (``"3"``, not ``"step-3"``).
 A trajectory that finished in time but waits to be trained is the trainer's to check
 (:class:`gateway.client.StepRunner` does).
@@ -102,7 +103,7 @@ async def enforce_staleness(rt: Runtime) -> list[str]:
     """Abort every trajectory past the bound (after a weight version change)."""
     done = []
     for state in stale(rt):
-        reason = (f"staleness: its first call started on weights {state.first_version}, "
+        reason = (f"staleness: it started on weights {state.first_version}, "
                   f"the engines now serve {rt.weight_version}, bound {rt.extras[BOUND]}")
         try:
             await abort_trajectory(rt, state.id, reason)

@@ -29,6 +29,8 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> 
     as queued, and the policy learns the outcomes before the call is queued. Returns the
     call's provisional ``seq``. The caller must :func:`end` it (or :func:`abandon` it if
     no context was made)."""
+    if state.first_version is None:  # the staleness bound counts from the start: a
+        state.first_version = rt.weight_version  # trajectory still queued is judged too
     seq = rt.tracker.call_arrived(state, outcomes, time.time())
     rt.dispatcher.scheduler.call_arrived(state)
     return seq
@@ -37,8 +39,6 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> 
 def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
     """The scheduler gave ``ctx`` to ``lease``'s backend."""
     ctx.bind(lease, rt.weight_version)
-    if ctx.state.first_version is None:  # the staleness bound counts from here
-        ctx.state.first_version = ctx.weight_version
     live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
                        ctx.mark_version if ctx.stream else None, ctx.state.id)
     rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)

@@ -69,7 +69,7 @@ class TrajectoryState:
     view: object | None = None  # the policies' cached TrajectoryView (None when stale)
     final_context: int = 0  # context length at finish (the sequence itself is released)
     aborted: str | None = None  # why the trainer aborted this attempt (calls are refused)
-    first_version: str | None = None  # weights its first dispatched call started on
+    first_version: str | None = None  # weights being served when its first call arrived
 
     @property
     def phase(self) -> Phase:

@@ -109,3 +109,33 @@ async def test_staleness_bound_aborts_only_what_a_version_change_takes_past_it(
             assert (await admin.get("/admin/staleness")).json() == {"max_staleness": 1}
             assert (await admin.put("/admin/staleness", json={"max_staleness": -1})
                     ).status_code == 422
+
+
+async def test_staleness_counts_from_a_trajectorys_start_even_while_it_waits(
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+    """A trajectory whose first call is still queued when the weights move past the bound
+    is aborted too: it started on the old weights (issue 44: judged by its first token, it
+    escaped, and was then served as if it had started on the new ones)."""
+    with gateway_at(sqlite_url, slow_engines[:1], admin_token="tok", api_keys=[KEY],
+                    weight_version="0", dispatch={"cap_per_gpu": 1}) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
+            await admin.put("/admin/staleness", json={"max_staleness": 1})
+            busy = asyncio.create_task(_chat(http, "busy"))  # holds the engine's one slot
+            await generating(slow_engines[:1], 1)
+            waiting = asyncio.create_task(_chat(http, "waiting"))
+            while (await admin.get("/status")).json()["trajectories"]["by_phase"][
+                    "queued"] < 1:  # its call has arrived and waits for the slot
+                assert not busy.done()
+                await asyncio.sleep(0.02)
+            for version in ("1", "2"):
+                await admin.put("/admin/weight-version", json={"version": version})
+            r = await waiting  # ended without a token: refused, or answered as vLLM
+            assert isinstance(r, httpx.Response)  # answers an aborted request
+            assert r.status_code == 409 or (
+                r.json()["choices"][0]["finish_reason"] == "abort"
+                and r.json()["usage"]["completion_tokens"] == 0), r.text
+            meta = (await admin.get("/trajectories/waiting")).json()["metadata"]
+            assert meta["aborted"].startswith("staleness: it started on weights 0")
+            await admin.post("/trajectories/busy/abort")
+            await busy
