@@ -165,7 +165,14 @@ class Loop:
         self.long_round = False
         self.round_start = 0.0
         self.attempts: Counter[str] = Counter()
+        #: the weight version each trajectory started on: staleness counts from there,
+        #: as the gateway judges it, so one still queued with no token is judged too
+        self.born: dict[str, int] = {}
         self.run_ = LoopRun(sc)
+
+    def _version(self) -> int:
+        assert self.sim.weights is not None
+        return self.sim.weights.version
 
     # ---------------------------------------------------------------- groups
     def _start(self, specs: list[TrajectorySpec], prompt_index: int) -> None:
@@ -178,6 +185,7 @@ class Loop:
         self.groups[gid] = Group(gid, prompt_index, [s.id for s in specs], self.size)
         for s in specs:
             self.member_of[s.id] = gid
+            self.born[s.id] = self._version()
             self.truth[s.id] = s.total_output
             self.run_.drawn_output += s.total_output
             self.run_.drawn_count += 1
@@ -234,8 +242,9 @@ class Loop:
         spec = self.sim.trajs[tid].spec
         member = int(spec.id.split("~")[0].rsplit("-m", 1)[1])
         fresh = self._redraw(spec.prompt_index)[member]
-        self.attempts[tid] += 1
-        new = replace(fresh, id=f"{spec.id.split('~')[0]}~{self.attempts[tid]}", group_id=gid)
+        base = spec.id.split("~")[0]  # each run of a member gets an id of its own: a reused
+        self.attempts[base] += 1  # one would inherit the old run's token ledger
+        new = replace(fresh, id=f"{base}~{self.attempts[base]}", group_id=gid)
         g.members[g.members.index(tid)] = new.id
         if tid in g.done:
             g.done.remove(tid)
@@ -243,6 +252,7 @@ class Loop:
         if gid in self.buffer:
             self.buffer.remove(gid)
         self.member_of[new.id] = gid
+        self.born[new.id] = self._version()
         self.truth[new.id] = new.total_output
         self.run_.restarts += 1
         self.sim.add([new])
@@ -269,6 +279,8 @@ class Loop:
         barrier = self.sc.mode == "sync" or self.long_round
         if barrier and any(g.completed_at is None for g in self.groups.values()):
             return  # behind the barrier: every group of the round
+        if self._set_aside_stale() and len(self.buffer) < self.batch:
+            return
         take = [self.buffer.popleft() for _ in range(self.batch)]
         self._train(take)
 
@@ -318,17 +330,38 @@ class Loop:
         self._maybe_train()
 
     def _enforce_staleness(self, version: int) -> None:
+        """The gateway's rule at a version change: a live trajectory that started more
+        than the bound behind is stopped (restarted, or its group dropped)."""
         bound = self.sc.max_staleness
         for gid, g in list(self.groups.items()):
-            oldest = [min(self._tokens(t), default=version) for t in g.members]
-            if version - min(oldest, default=version) <= bound:
-                continue
-            if self.sc.on_stale == "drop":
-                self._drop_group(gid)
-                continue
-            for tid, v in zip(list(g.members), oldest, strict=True):
-                if version - v > bound:
-                    self._restart(gid, tid)
+            if gid in self.buffer:
+                continue  # complete: the trainer's to judge (_set_aside_stale)
+            late = [t for t in g.members if t not in g.done and version - self.born[t] > bound]
+            self._stale(gid, late)
+
+    def _set_aside_stale(self) -> bool:
+        """The trainer's rule (StepRunner): a complete group that waited until a member's
+        tokens are more than the bound behind is not trained; those members run again (or
+        the group is dropped). Whether any was set aside."""
+        bound = self.sc.max_staleness
+        if self.sc.mode not in ("overprovisioned", "async"):
+            return False
+        version, any_ = self._version(), False
+        for gid in list(self.buffer):
+            g = self.groups[gid]
+            late = [t for t in g.done if any(version - v > bound for v in self._tokens(t))]
+            any_ = self._stale(gid, late) or any_
+        return any_
+
+    def _stale(self, gid: str, late: list[str]) -> bool:
+        if not late:
+            return False
+        if self.sc.on_stale == "drop":
+            self._drop_group(gid)
+        else:
+            for tid in late:
+                self._restart(gid, tid)
+        return True
 
     def _next_round(self) -> None:
         mode, b = self.sc.mode, self.batch

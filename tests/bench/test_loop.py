@@ -4,6 +4,7 @@ staleness and on what reaches the trainer, and sync's analytic trainer time is e
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -39,6 +40,32 @@ def test_async_never_trains_past_its_staleness_bound(bound: int) -> None:
     assert run.samples == [64] * 6
     if bound == 0:  # AReaL's admission alone: never more than one step's groups started
         assert set(run.lag_tokens) == {0} and run.restarts == 0
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_async_over_many_steps_stays_bounded_and_runs_each_attempt_under_its_own_id(
+        seed: int, bound: int) -> None:
+    """24 steps (issue 44): no trained token past the bound (the trainer sets aside a
+    complete group that waited too long, as StepRunner does), groups in flight never past
+    ``(bound + 1) * B`` (AReaL's admission, as in the client), and a restarted member
+    never reuses an id (a reused one inherited the old run's tokens)."""
+    loop = Loop(replace(BASE, mode="async", max_staleness=bound, steps=24, seed=seed))
+    added: list[str] = []
+    in_flight: list[int] = []
+    add = loop.sim.add
+
+    def watch(specs: list[Any]) -> None:
+        added.extend(s.id for s in specs)
+        in_flight.append(len(loop.groups))
+        add(specs)
+
+    loop.sim.add = watch  # type: ignore[method-assign]
+    run = loop.run()
+    assert len(run.samples) == 24
+    assert max(run.lag_tokens) <= bound, run.lag_tokens
+    assert max(in_flight) <= (bound + 1) * BASE.prompts, max(in_flight)
+    assert run.restarts > 0 and len(added) == len(set(added))
 
 
 def test_async_drop_removes_whole_groups() -> None:
