@@ -17,11 +17,6 @@ and none of the replies it rejected; the prefix tree holds each generated token 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harnesses.conftest import MODEL
+from tests.harnesses.mini import rejected_replies, run_mini
 from tests.harnesses.trace import assert_every_token_kept, harness_report, lineage
 
 # found, not imported: importing it would write its global config under this HOME
@@ -38,50 +33,13 @@ if importlib.util.find_spec("minisweagent") is None:
                 "pip install -e '.[dev]')", allow_module_level=True)
 
 STEPS = 16
-TASK = "Print the contents of hello.txt."
-
-
-def _run_mini(gw: str, traj: str, tmp_path: Path) -> tuple[dict[str, Any], float]:
-    """mini-swe-agent's CLI on the task, in a scratch work directory with its own HOME; its
-    saved trajectory (``-o``) and the run's wall time."""
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    (work / "hello.txt").write_text("hello\n")
-    mini = Path(sys.executable).with_name("mini")
-    out = tmp_path / "traj.json"
-    env = {**os.environ, "HOME": str(home), "MSWEA_CONFIGURED": "true",
-           "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(
-        [str(mini), "-m", f"openai/{MODEL}", "-t", TASK, "-y", "--exit-immediately",
-         "-o", str(out), "-c", "mini.yaml", "-c", f"agent.step_limit={STEPS}",
-         "-c", f"model.model_kwargs.api_base={gw}/t/{traj}/v1",
-         "-c", "model.model_kwargs.api_key=EMPTY"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=120,
-        stdin=subprocess.DEVNULL, check=False)
-    wall = time.monotonic() - start
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), wall
-
-
-def _rejected(messages: list[dict[str, Any]]) -> list[bool]:
-    """Per model call, in order: whether mini-swe-agent rejected the reply (a format error
-    message in the reply's place) rather than keeping it (an assistant message)."""
-    out = []
-    for m in messages[2:]:  # after the system prompt and the task
-        if m["role"] == "assistant":
-            out.append(False)
-        elif m.get("extra", {}).get("interrupt_type") == "FormatError":
-            out.append(True)
-    return out
 
 
 def test_mini_swe_agent_run_is_kept_whole(sim_pool: list[str], gateway_at: Any,
                                           sqlite_url: str, tmp_path: Path) -> None:
     traj = "mini-" + uuid.uuid4().hex[:8]
     with gateway_at(sqlite_url, sim_pool) as gw:
-        saved, wall = _run_mini(gw, traj, tmp_path)
+        saved, wall = run_mini(f"{gw}/t/{traj}/v1", tmp_path, steps=STEPS)
         calls = httpx.get(f"{gw}/trajectories/{traj}", timeout=10).json()["calls"]
         kept = assert_every_token_kept(gw, traj)
         report = harness_report(gw, traj)
@@ -98,7 +56,7 @@ def test_mini_swe_agent_run_is_kept_whole(sim_pool: list[str], gateway_at: Any,
     assert info["model_stats"]["api_calls"] == STEPS
     assert [c["seq"] for c in calls] == list(range(STEPS))
     assert all(c["status"] == "ok" for c in calls), [c["error"] for c in calls]
-    rejected = _rejected(saved["messages"])
+    rejected = rejected_replies(saved["messages"])
     assert len(rejected) == STEPS
 
     # no token mismatch anywhere: each call's prompt continues its branch's record

@@ -371,3 +371,67 @@ def test_openai_agents_sdk_on_real_vllm(gateway):
     assert isinstance(result.final_output, str)
     _check(gw, log, traj, path="/v1/responses", name="OpenAI Agents SDK (real vLLM)",
            took=took)
+
+
+# -- mini-swe-agent, its forks trained whole ------------------------------------------
+
+MINI_STEPS = 4
+
+
+def test_mini_swe_agent_on_real_vllm(gateway, long_model_dir, tmp_path):
+    """mini-swe-agent's ``mini`` CLI as shipped (plus a step limit and ``max_tokens`` 200:
+    the random model would otherwise write thousands of tokens now and then). The model
+    answers with text, not a tool call, most turns: mini-swe-agent drops each such reply
+    and sends a format error instead, so its next call forks a branch. Main must be the
+    conversation it ended on (the replies it kept, and the last call), trained whole;
+    ``branches=all`` and the prefix tree must hold every generated token once; and the tree
+    scored in one forward pass (transformers, float32) must give each generated token the
+    logprob its own branch gives it, and close to the engine's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gateway.client import RolloutClient
+    from gateway.client.trees import branch_logprobs, tree_logprobs
+    from tests.harnesses.mini import rejected_replies, run_mini
+    from tests.harnesses.trace import assert_main_is, harness_report
+
+    gw, log = gateway
+    traj = "mini-real-" + uuid.uuid4().hex[:8]
+    saved, took = run_mini(f"{gw}/t/{traj}/v1", tmp_path, steps=MINI_STEPS,
+                           model=SERVED_NAME, settings=["model.model_kwargs.max_tokens=200"],
+                           timeout_s=CLI_TIMEOUT_S)
+    info = saved["info"]
+    # it stops at the step limit, or after three format errors in a row
+    n = info["model_stats"]["api_calls"]
+    assert info["exit_status"] in ("LimitsExceeded", "RepeatedFormatError") and n >= 3, info
+    kept, calls = _check(gw, log, traj, path="/v1/chat/completions",
+                         name=f"mini-swe-agent {info['mini_version']} (real vLLM)", took=took)
+    assert len(calls) == n and [c["mismatch_pos"] for c in calls] == [None] * n
+    rejected = rejected_replies(saved["messages"])
+    print(f"  exit {info['exit_status']}; replies rejected: {rejected}")
+    assert len(rejected) in (n - 1, n)  # the last reply may end the run unanswered
+
+    # main: every reply mini-swe-agent kept, and the last call's, whole
+    assert_main_is(gw, traj, {i for i, r in enumerate(rejected[:n - 1]) if not r} | {n - 1})
+    report = harness_report(gw, traj)
+    print(f"  {report.line('mini-swe-agent (real vLLM)')}")
+    assert report.branches == kept.branches == 1 + sum(rejected[:n - 1])
+    assert report.tree_trained == report.generated == kept.generated
+    assert report.mismatches == 0
+
+    # the tree in one pass equals each branch on its own, and is the engine's to bf16
+    with RolloutClient(gw) as client:
+        tree = client.tree(traj)
+    model = AutoModelForCausalLM.from_pretrained(long_model_dir, dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        once = tree_logprobs(model.eval(), tree)
+        apart = branch_logprobs(model, tree)
+    trained = [i for i, m in enumerate(tree.loss_mask) if m]
+    assert len(trained) == report.generated and all(i in apart for i in trained)
+    worst = max(abs(float(once[i]) - apart[i]) for i in apart)
+    engine = sum(abs(float(once[i]) - tree.logprobs[i]) for i in trained) / len(trained)
+    print(f"  tree: {len(tree.token_ids)} nodes; one pass vs per branch: max |diff| "
+          f"{worst:.2e}; vs the engine's (bf16) logprobs: mean |diff| {engine:.3f}")
+    assert worst < 1e-4
+    assert engine < 0.1  # one token out of place would cost nats, not hundredths
