@@ -18,42 +18,12 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
-class BackendView:
-    id: str
-    tp: int
-    in_flight: int
-    served: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class CallView:
-    """What a per-call placement may know about a call (the pre-queue dispatcher path)."""
+    """What the dispatcher knows of a call as it asks for a slot."""
 
     trajectory_id: str
-    group_id: str | None
     seq: int
     context_tokens: int
-    previous_backend: str | None
-
-
-class Placement(Protocol):
-    name: str
-
-    def choose(self, call: CallView, candidates: Sequence[BackendView], now: float) -> str:
-        """Pick one of ``candidates`` (never empty) for ``call``; return its id."""
-        ...
-
-
-class LeastLoaded:
-    """Fewest in-flight calls first; ties to the one that served least (spreads load).
-
-    The per-call baseline of SGLang's router and slime: blind to trajectories.
-    """
-
-    name = "least-loaded"
-
-    def choose(self, call: CallView, candidates: Sequence[BackendView], now: float) -> str:
-        return min(candidates, key=lambda b: (b.in_flight, b.served, b.id)).id
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -86,8 +56,18 @@ class InstanceView:
     served: int = 0
 
     @property
+    def up(self) -> bool:
+        """Routable: neither draining nor starting."""
+        return self.state == InstanceState.UP
+
+    @property
+    def placed(self) -> bool:
+        """Up or starting: part of the layout the pool is heading to."""
+        return self.state in (InstanceState.UP, InstanceState.STARTING)
+
+    @property
     def free_slots(self) -> int:
-        return self.cap - self.running if self.state is InstanceState.UP else 0
+        return self.cap - self.running if self.up else 0
 
 
 @dataclass(frozen=True, slots=True)

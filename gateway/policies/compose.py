@@ -159,4 +159,4 @@ class ComposedPolicy:
 
 
 def up_instances(snap: Snapshot) -> list[InstanceView]:
-    return [i for i in snap.instances if i.state == "up"]
+    return [i for i in snap.instances if i.up]

@@ -78,7 +78,7 @@ def dp_split(units: Sequence[tuple[int, int, float]],
 
 def presorted_dp(snap: Snapshot, preds: Mapping[str, Prediction]) -> dict[str, str]:
     """Target instance per live trajectory (those with a prediction)."""
-    insts = [i for i in snap.instances if i.state == "up" and i.tp in snap.speeds]
+    insts = [i for i in snap.instances if i.up and i.tp in snap.speeds]
     if not insts or not preds:
         return {}
     insts.sort(key=lambda i: (snap.speeds[i.tp].per_token_s, i.id))

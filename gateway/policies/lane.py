@@ -83,7 +83,7 @@ class LanePlacer:
         return frozenset(self._home)
 
     def refresh(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> None:
-        up = sorted((i for i in snap.instances if i.state == "up"), key=lambda i: (-i.tp, i.id))
+        up = sorted((i for i in snap.instances if i.up), key=lambda i: (-i.tp, i.id))
         lanes = up[:self.n_lanes]
         if (len(up) <= self.n_lanes
                 or sum(i.tp for i in lanes) * MAX_LANE_SHARE > sum(i.tp for i in up)

@@ -178,7 +178,7 @@ class LibraPlanner:
             by_tp[self.placer.target_tp(snap.trajectories[tid])].append(pred.mean)
         counts: dict[int, int] = defaultdict(int)
         for inst in snap.instances:
-            if inst.state in ("up", "starting"):
+            if inst.placed:
                 counts[inst.tp] += 1
         base = self._makespan(by_tp, counts, snap)
         idle = idle_instances(snap, max_tp=16)

@@ -102,7 +102,7 @@ class CacheAwarePlacer(_Base):
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
-        up = [i for i in snap.instances if i.state == "up"]
+        up = [i for i in snap.instances if i.up]
         if not up:
             return None
         loads = [i.running for i in up]
@@ -161,7 +161,7 @@ class StickyPlacer(_Base):
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
         home = snap.instance(traj.instance)
-        if home is None or home.state != "up":
+        if home is None or not home.up:
             # a new trajectory (or one whose instance left): round robin, as verl's
             # async rollout manager assigns new requests to servers
             ids = sorted(slots.free)
@@ -170,7 +170,7 @@ class StickyPlacer(_Base):
             return home.id
         if self.rebalance is None:
             return None
-        loads = [i.running for i in snap.instances if i.state == "up"]
+        loads = [i.running for i in snap.instances if i.up]
         if max(loads) - min(loads) > self.rebalance:
             return least_loaded(slots, snap)
         return None
@@ -202,7 +202,7 @@ class PresortedDPPlacer(_Base):
             if want is not None and want in slots.free:
                 return want
         home = snap.instance(traj.instance) or snap.instance(self._target.get(traj.id))
-        if home is not None and home.state == "up" and snap.now - call.enqueued_at < self.hold_s:
+        if home is not None and home.up and snap.now - call.enqueued_at < self.hold_s:
             return None
         return least_loaded(slots, snap)
 
@@ -244,13 +244,13 @@ class CMLFQPlacer(_Base):
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
         level = self._update(traj, pred)
-        present = {i.tp for i in snap.instances if i.state == "up"}
+        present = {i.tp for i in snap.instances if i.up}
         # nearest level that has instances (the planner may have emptied one)
         order = sorted(range(len(self.levels)), key=lambda b: (abs(b - level), -b))
         for b in order:
             tp = self.levels[b][0]
             if tp in present:
-                ids = {i.id for i in snap.instances if i.tp == tp and i.state == "up"}
+                ids = {i.id for i in snap.instances if i.tp == tp and i.up}
                 if traj.instance in ids and traj.instance in slots.free:
                     return traj.instance
                 got = least_loaded(slots, snap, ids)

@@ -332,7 +332,7 @@ class ReplayPlanner(LanePlanner):
         super().plan(snap, preds)  # closes a finished step (and chooses) in a live gateway
         running = [t for t in snap.trajectories.values() if t.phase is not Phase.FINISHED]
         if (not self.recorder.sample or not snap.total_gpus or running
-                or any(i.state != "up" for i in snap.instances)):
+                or any(not i.up for i in snap.instances)):
             return None  # nothing observed yet (the start layout is what gets measured)
         want = self.layout_for(snap.total_gpus)
         have = sorted(i.tp for i in snap.instances)

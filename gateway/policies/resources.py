@@ -50,7 +50,7 @@ class GainMigrator:
         if tgt is None or tgt.free_slots <= 0 or tgt.tp not in snap.speeds:
             return None
         cur = snap.instance(traj.instance)
-        if cur is None or cur.state != "up":
+        if cur is None or not cur.up:
             return Migrate(traj.id, target)  # its cache is gone anyway: moving is free
         t_here = snap.speeds[cur.tp].step_s(cur.running)
         t_there = snap.speeds[tgt.tp].step_s(tgt.running + 1)
@@ -88,7 +88,7 @@ class ContextBalancer:
         """Up instance -> (live trajectories homed there, their context tokens)."""
         if self._loads is not None and self._loads[0] is snap:
             return self._loads[1]
-        out = {i.id: (0, 0) for i in snap.instances if i.state == "up"}
+        out = {i.id: (0, 0) for i in snap.instances if i.up}
         for t in snap.trajectories.values():
             if t.instance in out:
                 n, c = out[t.instance]
@@ -100,7 +100,7 @@ class ContextBalancer:
                target: str | None) -> Migrate | None:
         ctx = traj.context_tokens
         cur = snap.instance(traj.instance)
-        if ctx < self.min_context or cur is None or cur.state != "up":
+        if ctx < self.min_context or cur is None or not cur.up:
             return None
         loads = self.loads(snap)
         n0, c0 = loads[cur.id]
@@ -146,7 +146,7 @@ def idle_instances(snap: Snapshot, max_tp: int = 8) -> list[InstanceView]:
     """Up instances with nothing running and no live trajectory's cache, smallest first."""
     homes = {t.instance for t in snap.trajectories.values()}
     idle = [i for i in snap.instances
-            if i.state == "up" and i.running == 0 and i.tp < max_tp and i.id not in homes]
+            if i.up and i.running == 0 and i.tp < max_tp and i.id not in homes]
     return sorted(idle, key=lambda i: (i.tp, i.id))
 
 
@@ -199,7 +199,7 @@ class TailMergePlanner:
 
 
 def layout_of(snap: Snapshot) -> list[int]:
-    return [i.tp for i in snap.instances if i.state in ("up", "starting")]
+    return [i.tp for i in snap.instances if i.placed]
 
 
 class JointPlanner:

@@ -61,7 +61,7 @@ class CallContext:
 
     def view(self) -> CallView:
         st = self.state
-        return CallView(st.id, st.group_id, self.seq, st.context_tokens, st.backend_id)
+        return CallView(st.id, self.seq, st.context_tokens)
 
     def bind(self, lease: Lease, weight_version: str) -> None:
         """Dispatched to ``lease``: stamped with the weight label its engine reported

@@ -103,7 +103,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     async def _run(self, call: Call) -> None:
         """What the proxy does for one call (connect.connect, relay._run, lifecycle.end)."""
-        view = CallView(call.tid, call.state.group_id, call.seq, len(call.prompt), None)
+        view = CallView(call.tid, call.seq, len(call.prompt))
         try:
             lease = await self.dispatcher.acquire(view, MODEL)
         except GatewayError as exc:
