@@ -287,8 +287,9 @@ async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> d
 
 class Staleness(BaseModel):
     max_staleness: int | None = Field(
-        None, ge=0, description="abort a live trajectory once its first generated token "
-        "is more weight versions behind than this (null: no bound); integer versions only")
+        None, ge=0, description="abort a live trajectory once it started (its first call "
+        "arrived) more weight versions behind than this (null: no bound); integer versions "
+        "only")
 
 
 @router.get("/staleness")

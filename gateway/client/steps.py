@@ -25,7 +25,7 @@ their samples per hour):
 * ``async`` (AReaL): groups keep starting in the background while the trainer trains;
   ``next_batch`` returns the next ``batch`` complete groups. At most
   ``(steps taken + max_staleness + 1) * batch`` groups are started, and the gateway aborts
-  a trajectory once its first token is more than ``max_staleness`` versions behind
+  a trajectory once it started more than ``max_staleness`` versions behind
   (``PUT /admin/staleness``); the runner restarts it (``on_stale="restart"``, the id's next
   attempt) or drops its group (``"drop"``).
 * ``tail-batching`` (RollPacker): short rounds start ``ceil(batch*(1+over))`` groups of

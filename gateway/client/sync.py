@@ -293,7 +293,7 @@ class RolloutClient:
         return self._send(Endpoints.restart(trajectory_id))
 
     def set_max_staleness(self, bound: int | None) -> dict[str, Any]:
-        """Abort live trajectories whose first token is more than ``bound`` weight
+        """Abort live trajectories that started (first call) more than ``bound`` weight
         versions behind (checked at each version change; None lifts it)."""
         return self._send(Endpoints.set_max_staleness(bound))
 
