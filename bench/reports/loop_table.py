@@ -22,19 +22,25 @@ def option(command: str, name: str, default: str) -> str:
     return toks[toks.index(name) + 1] if name in toks else default
 
 
+def _x(v: dict[str, float]) -> str:
+    return f"{v['geomean']:.2f}x ({v['ci95_low']:.2f}-{v['ci95_high']:.2f})"
+
+
 def _row(workload: str, band: str, name: str, row: dict[str, Any]) -> str:
-    v = row["vs_best_sync"]
     lag = (f"{row['lag0_share']:.0%} / {row['lag1_share']:.0%} / "
            f"{row['lag2_share'] + row['lag3plus_share']:.0%}")
-    return (f"| {workload} | {band} | `{name}` | {row['samples_per_hour']:.0f} | "
-            f"{v['geomean']:.2f}x ({v['ci95_low']:.2f}-{v['ci95_high']:.2f}) | {lag} | "
-            f"{row['wasted_share']:.0%} | {row['idle_share']:.0%} | {row['length_bias']:.2f} |")
+    tokens = (f"{row['tokens_per_hour'] / 1e6:.2f} | {_x(row['tokens_vs_best_sync'])}"
+              if "tokens_per_hour" in row else "not recorded | not recorded")
+    return (f"| {workload} | {band} | `{name}` | {tokens} | {row['samples_per_hour']:.0f} | "
+            f"{_x(row['vs_best_sync'])} | {lag} | {row['wasted_share']:.0%} | "
+            f"{row['idle_share']:.0%} | {row['length_bias']:.2f} |")
 
 
 def loop_table(root: Path) -> str:
-    out = ["| workload | TP efficiency | mode @ layout | samples/h | x best static sync "
-           "(paired 95% CI) | trained tokens 0 / 1 / 2+ versions stale | wasted tokens | "
-           "pool idle | length bias |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| workload | TP efficiency | mode @ layout | trained tokens/h (M) | x best static "
+           "sync, tokens (paired 95% CI) | samples/h | x best static sync, samples | trained "
+           "tokens 0 / 1 / 2+ versions stale | wasted tokens | pool idle | length bias |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     commands, notes, seen = [], [], set[str]()
     for rel in LOOP:
         path = root / BENCH / rel
@@ -43,6 +49,11 @@ def loop_table(root: Path) -> str:
         doc = json.loads(path.read_text())
         commands.append(doc["command"])
         per_gpu = option(doc["command"], "--per-gpu", "8")
+        if not any("tokens_per_hour" in row for cell in doc["cells"].values()
+                   for part in cell["ratios"].values() for row in part["rows"].values()):
+            notes.append(f"- `{rel}` is from the simulator before trained tokens per hour "
+                         "were recorded and before staleness counted from a trajectory's "
+                         "start: its `async` and `overprovisioned` rows are to be rerun")
         for key, cell in doc["cells"].items():
             workload, band = key.split("/")
             if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not

@@ -13,7 +13,9 @@ One *cell* (workload, model, GPU, pool, TP-efficiency point) is run in three pha
    such as ``replay``), all seeds, each trainer ratio.
 
 Every mode is compared with the best static layout's ``sync`` at the same trainer time,
-per seed (the same groups in the same order), as a paired ratio of samples per hour.
+per seed (the same groups in the same order), as paired ratios of trained output tokens
+per hour (the headline: what the trainer learns from) and of samples per hour (which
+rewards a mode that trains short samples first: its length bias is beside it).
 """
 
 from __future__ import annotations
@@ -78,16 +80,25 @@ def best_sync(base: LoopScenario, layouts: Sequence[str], seeds: Sequence[int],
     return best, runs
 
 
-def _entry(runs: list[LoopRun], base_sph: dict[str, float],
-           train_s: float) -> dict[str, Any]:
-    sph = {str(r.scenario.seed): r.samples_per_hour(train_s if r.scenario.mode == "sync"
-                                                    else None) for r in runs}
+def _per_seed(runs: list[LoopRun], train_s: float, tokens: bool) -> dict[str, float]:
+    """Samples (or trained output tokens) per hour, by seed; a sync run's at ``train_s``."""
+    return {str(r.scenario.seed): (r.tokens_per_hour if tokens else r.samples_per_hour)(
+        train_s if r.scenario.mode == "sync" else None) for r in runs}
+
+
+def _entry(runs: list[LoopRun], base: list[LoopRun], train_s: float) -> dict[str, Any]:
+    sph, tph = _per_seed(runs, train_s, False), _per_seed(runs, train_s, True)
     sums = [r.summary(train_s if r.scenario.mode == "sync" else None) for r in runs]
     mean, half = interval(list(sph.values()))
     out: dict[str, Any] = {"samples_per_hour": mean, "ci95": half, "per_seed": sph,
                            "seeds": len(runs)}
-    g, lo, hi = paired_ratio(sph, base_sph)  # this / best static sync, per seed
+    # this / best static sync, per seed (the same groups in the same order)
+    g, lo, hi = paired_ratio(sph, _per_seed(base, train_s, False))
     out["vs_best_sync"] = {"geomean": g, "ci95_low": lo, "ci95_high": hi}
+    mean, half = interval(list(tph.values()))
+    out |= {"tokens_per_hour": mean, "tokens_ci95": half, "tokens_per_seed": tph}
+    g, lo, hi = paired_ratio(tph, _per_seed(base, train_s, True))
+    out["tokens_vs_best_sync"] = {"geomean": g, "ci95_low": lo, "ci95_high": hi}
     for k in SHARES:
         out[k] = (max if k == "max_staleness" else statistics.fmean)(s[k] for s in sums)
     return out
@@ -110,17 +121,17 @@ def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str]
                            for p in subjects[1:] for s in seeds], jobs, progress)
     for ratio in train_ratios:
         t = ratio * rollout
-        base_sph = {str(r.scenario.seed): r.samples_per_hour(t) for r in sync_runs[best]}
+        best_runs = sync_runs[best]
         todo = [replace(base, policy=who, seed=s, train_s=t, **MODE_RUNS[m])
                 for m in modes for who in subjects for s in seeds]
         done = _run_all(todo, jobs, progress)
-        rows: dict[str, Any] = {f"sync@{best}": _entry(sync_runs[best], base_sph, t)}
+        rows: dict[str, Any] = {f"sync@{best}": _entry(best_runs, best_runs, t)}
         for j, p in enumerate(subjects[1:]):
-            rows[f"sync@{p}"] = _entry(other_sync[j * len(seeds):][:len(seeds)], base_sph, t)
+            rows[f"sync@{p}"] = _entry(other_sync[j * len(seeds):][:len(seeds)], best_runs, t)
         for k, m in enumerate(modes):
             for j, who in enumerate(subjects):
                 part = done[(k * len(subjects) + j) * len(seeds):][:len(seeds)]
-                rows[f"{m}@{who}"] = _entry(part, base_sph, t)
+                rows[f"{m}@{who}"] = _entry(part, best_runs, t)
         cell["ratios"][str(ratio)] = {"train_s": t, "rows": rows}
     return cell
 

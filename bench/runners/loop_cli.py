@@ -1,5 +1,5 @@
-"""``rollout-gateway bench loop``: step modes past the synchronous barrier, in samples per
-hour, against the best static synchronous layout (bench/simulator/loop.py,
+"""``rollout-gateway bench loop``: step modes past the synchronous barrier, in trained
+tokens and samples per hour, against the best static synchronous layout (bench/simulator/loop.py,
 bench/runners/loop.py, docs/step-modes.md)."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from bench.options import Gpu, Model, band_point
 
 
 def _fmt(row: dict[str, Any]) -> str:
-    v = row["vs_best_sync"]
+    v, t = row["vs_best_sync"], row["tokens_vs_best_sync"]
     lags = "/".join(f"{row[k]:.0%}" for k in ("lag0_share", "lag1_share", "lag2_share",
                                                "lag3plus_share"))
-    return (f"{row['samples_per_hour']:8.0f} +- {row['ci95']:5.0f}  {v['geomean']:.2f}x "
-            f"({v['ci95_low']:.2f}-{v['ci95_high']:.2f})  staleness 0/1/2/3+ {lags} "
+    return (f"{row['tokens_per_hour'] / 1e6:6.2f}M tok/h  {t['geomean']:.2f}x "
+            f"({t['ci95_low']:.2f}-{t['ci95_high']:.2f})  {row['samples_per_hour']:6.0f} "
+            f"samples/h {v['geomean']:.2f}x  staleness 0/1/2/3+ {lags} "
             f"(max {row['max_staleness']:.0f})  wasted {row['wasted_share']:.0%}  "
             f"idle {row['idle_share']:.0%}  length bias {row['length_bias']:.2f}")
 
@@ -112,7 +113,7 @@ def report(key: str, cell: dict[str, Any]) -> str:
     lines = [f"{key}: best static {cell['best_static']} (sync rollout per step: {sync})"]
     for ratio, part in cell["ratios"].items():
         lines.append(f"  trainer {float(ratio):g} x rollout = {part['train_s']:.0f} s per step; "
-                     "samples/h, x best static sync (paired 95% CI)")
+                     "trained tokens/h and x best static sync (paired 95% CI), then samples/h")
         for name, row in part["rows"].items():
             lines.append(f"    {name:34s} {_fmt(row)}")
     return "\n".join(lines)

@@ -289,12 +289,15 @@ class Loop:
         assert self.sim.weights is not None
         version = self.sim.weights.version
         run = self.run_
+        trained = 0
         for gid in take:
             g = self.groups.pop(gid)
             for tid in g.done:
                 for v, n in self._tokens(tid).items():
                     run.lag_tokens[version - v] += n
-                run.trained_output += self.sim.trajs[tid].spec.total_output
+                trained += self.sim.trajs[tid].spec.total_output
+        run.trained_output += trained
+        run.trained_tokens.append(trained)
         run.samples.append(len(take) * self.size)
         self.training = True
         mode = self.sc.mode

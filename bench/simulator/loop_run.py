@@ -53,6 +53,7 @@ class LoopRun:
     rollout_s: list[float] = field(default_factory=list)  # sync: each round's rollout
     busy_at_end: list[float] = field(default_factory=list)  # GPU-seconds busy, per step
     samples: list[int] = field(default_factory=list)  # trajectories trained per step
+    trained_tokens: list[int] = field(default_factory=list)  # output tokens trained per step
     lag_tokens: Counter[int] = field(default_factory=Counter)  # trained tokens by staleness
     wasted_tokens: int = 0
     generated_tokens: int = 0
@@ -71,12 +72,21 @@ class LoopRun:
         the run's is exact: the pool idles while the trainer works, so a round's rollout
         does not depend on it (the round times and the push are kept, the train time
         replaced)."""
+        return self._per_hour(self.samples, train_s)
+
+    def tokens_per_hour(self, train_s: float | None = None) -> float:
+        """Trained output tokens per hour over steps 2..K (``train_s`` as in
+        :meth:`samples_per_hour`): what the trainer learns from. A mode that trains the
+        short samples first gains samples per hour that it does not gain here."""
+        return self._per_hour(self.trained_tokens, train_s)
+
+    def _per_hour(self, per_step: list[int], train_s: float | None) -> float:
         sc = self.scenario
         if train_s is not None and sc.mode == "sync":
-            per = [r + train_s + sc.push_s for r in self.rollout_s[1:]]
-            return 3600.0 * sum(self.samples[1:]) / sum(per)
-        seconds, n = self.window()
-        return 3600.0 * n / seconds
+            seconds = sum(r + train_s + sc.push_s for r in self.rollout_s[1:])
+        else:
+            seconds = self.train_ends[-1] - self.train_ends[0]
+        return 3600.0 * sum(per_step[1:]) / seconds
 
     def idle_share(self, train_s: float | None = None) -> float:
         """Share of the pool's GPU-seconds in steps 2..K with no engine step running
@@ -91,6 +101,7 @@ class LoopRun:
     def summary(self, train_s: float | None = None) -> dict[str, float]:
         trained = sum(self.lag_tokens.values())
         out = {"samples_per_hour": self.samples_per_hour(train_s),
+               "tokens_per_hour": self.tokens_per_hour(train_s),
                "idle_share": self.idle_share(train_s),
                "wasted_share": self.wasted_tokens / max(1, self.generated_tokens),
                "max_staleness": float(max(self.lag_tokens, default=0)),

@@ -126,3 +126,17 @@ def test_bad_scenarios_are_refused() -> None:
                 {"max_staleness": -1}, {"train_s": -1.0}):
         with pytest.raises(ValueError):
             run_loop(replace(BASE, **bad))
+
+
+def test_tokens_per_hour_counts_what_trains() -> None:
+    """Tail batching trains the short samples first (length bias below 1): its gain in
+    samples per hour is larger than its gain in trained tokens per hour (issue 44)."""
+    sync = run_loop(BASE)
+    tail = run_loop(replace(BASE, mode="tail-batching", steps=7, over=0.5))
+    window = sync.train_ends[-1] - sync.train_ends[0]
+    assert sync.tokens_per_hour() == pytest.approx(3600 * sum(sync.trained_tokens[1:]) / window)
+    assert sum(sync.trained_tokens) == sync.trained_output
+    assert tail.summary()["length_bias"] < 1
+    by_samples = tail.samples_per_hour() / sync.samples_per_hour()
+    by_tokens = tail.tokens_per_hour() / sync.tokens_per_hour()
+    assert by_tokens < by_samples
