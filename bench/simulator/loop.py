@@ -286,10 +286,7 @@ class Loop:
 
     def _train(self, take: list[str]) -> None:
         """The trainer takes ``take``: stamp staleness, then the mode's cut of the round."""
-        assert self.sim.weights is not None
-        version = self.sim.weights.version
-        run = self.run_
-        trained = 0
+        version, run, trained = self._version(), self.run_, 0
         for gid in take:
             g = self.groups.pop(gid)
             for tid in g.done:
@@ -322,12 +319,11 @@ class Loop:
 
     def _resumed(self) -> None:
         """The new weights are in: enforce the staleness bound, start what the mode starts."""
-        assert self.sim.weights is not None
         self.training = False
         self.run_.train_ends.append(self.sim.now)
         self.run_.busy_at_end.append(self.sim.stats.busy_gpu_s)
         if self.sc.mode in ("overprovisioned", "async"):
-            self._enforce_staleness(self.sim.weights.version)
+            self._enforce_staleness(self._version())
         if len(self.run_.train_ends) < self.sc.steps:
             self._next_round()
         self._maybe_train()
@@ -375,7 +371,7 @@ class Loop:
         elif mode == "overprovisioned":
             self._start_next(max(0, extra - len(self.groups)))
         elif mode == "async":
-            room = (self.sim.weights.version + self.sc.max_staleness + 1) * b  # type: ignore[union-attr]
+            room = (self._version() + self.sc.max_staleness + 1) * b
             self._start_next(max(0, room - self.started))
         else:
             self.long_round = len(self.deferred) >= b

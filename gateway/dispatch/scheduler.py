@@ -372,8 +372,8 @@ class Scheduler:
             self._count_fault("observe")
 
     async def _plan(self) -> None:
-        snap = self.snapshot()
         try:
+            snap = self.snapshot()
             change = self.policy.plan(snap)
         except Exception:  # a planner bug must not stop the scheduler
             log.exception("policy %s failed to plan", self.policy.name)
