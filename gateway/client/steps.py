@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from gateway.client.aio import AsyncRolloutClient
-from gateway.client.errors import ConflictError, GatewayClientError
+from gateway.client.errors import ConflictError, GatewayClientError, NotFoundError
 from gateway.client.mismatch import MismatchLimits, MismatchReport, measure_mismatch
 from gateway.client.types import SampleBatch
 
@@ -126,7 +126,8 @@ class StepRunner:
         self._ready: deque[str] = deque()  # complete, in order of completion
         self._deferred: deque[Any] = deque()
         self._cut: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._runs: dict[str, asyncio.Future[None]] = {}  # trajectory id -> its harness
         self._changed = asyncio.Event()
         self._round: set[str] = set()  # sync and long rounds: the groups behind the barrier
         #: groups ever started and not dropped, trained ones included: AReaL's admission
@@ -146,6 +147,12 @@ class StepRunner:
 
     # ---------------------------------------------------------------- trajectories
     async def _run(self, tid: str, g: _Group) -> None:
+        try:
+            await self._attempts(tid, g)
+        finally:
+            self._runs.pop(tid, None)
+
+    async def _attempts(self, tid: str, g: _Group) -> None:
         while True:
             try:
                 result = await self.launch(tid, g.gid, g.prompt)
@@ -195,8 +202,14 @@ class StepRunner:
                 self._spawn(self._abort(tid, reason))
 
     async def _abort(self, tid: str, reason: str) -> None:
-        with contextlib.suppress(ConflictError):  # finished first: nothing to abort
+        try:
             await self.gw.abort(tid, reason)
+        except ConflictError:  # finished first: nothing to abort
+            pass
+        except NotFoundError:  # no call reached the gateway yet: stop the harness here
+            run = self._runs.get(tid)
+            if run is not None:
+                run.cancel()
 
     def _drop(self, g: _Group) -> None:
         """Stop a whole group (not trained): its running members are aborted."""
@@ -209,10 +222,11 @@ class StepRunner:
         self._cut_members([t for t in g.members if t not in g.done], "group dropped")
         self._changed.set()
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _start(self, prompt: Any, members: int) -> str:
         gid = f"{self.run_id}-g{next(self._n)}"
@@ -220,7 +234,7 @@ class StepRunner:
         self._groups[gid] = g
         self._admitted += 1
         for tid in g.members:
-            self._spawn(self._run(tid, g))
+            self._runs[tid] = self._spawn(self._run(tid, g))
         return gid
 
     def _start_new(self, n: int, members: int | None = None) -> list[str]:

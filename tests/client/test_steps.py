@@ -113,3 +113,40 @@ def test_every_mode_hands_whole_groups_within_its_staleness(
         # AReaL's rule at bound 0 admits one batch at a time: nothing is in flight across
         # an update, so nothing goes stale (tests/client/test_step_admission.py)
         assert batches[-1].restarts == 0
+
+
+def test_a_member_cut_before_its_first_call_never_calls(
+        loop_thread: LoopThread, slow_urls: list[str], sqlite_url: str) -> None:
+    """Tail batching cuts a group's extra members once ``group_size`` are done; one that
+    has not reached the gateway yet has nothing to abort there (404), so the runner
+    cancels its harness: it never makes its first call and nothing is logged as lost."""
+    settings = make_settings(sqlite_url, slow_urls, admin_token="tok", api_keys=[KEY],
+                             weight_version="0")
+    late: dict[str, bool] = {}
+
+    async def go(url: str) -> Any:
+        async with AsyncRolloutClient(url, admin_token="tok") as gw:
+            fast = agent(gw)
+
+            async def launch(tid: str, gid: str, prompt: dict[str, int]) -> float:
+                if tid.endswith("-2"):  # the extra member: slow to start
+                    late[tid] = False
+                    await asyncio.sleep(30)
+                    late[tid] = True
+                return await fast(tid, gid, {**prompt, "tokens": 8})
+
+            async with StepRunner(gw, launch, prompts(), batch=1, group_size=2,
+                                  mode=StepMode("tail-batching", over=0, over_members=0.5),
+                                  run_id="cut") as runner:
+                batch = await runner.next_batch(timeout_s=60)
+                await asyncio.sleep(0.5)
+                assert runner._runs == {}  # the slow member's harness was cancelled
+                return batch
+
+    with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
+        batch = asyncio.run(go(url))
+        (gid,) = batch.groups
+        assert len(batch.groups[gid]) == 2 and f"{gid}-2" in late
+        assert late[f"{gid}-2"] is False
+        assert httpx.get(f"{url}/trajectories/{gid}-2",
+                         headers={"Authorization": "Bearer tok"}).status_code == 404
