@@ -158,12 +158,13 @@ async def push(gw: AsyncRolloutClient, model: Any, work: Path, version: str) -> 
     return nxt
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def parser(description: str, work_dir: str) -> argparse.ArgumentParser:
+    """The options this script and examples/trl_async_grpo.py share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--gateway", default="http://127.0.0.1:8000")
     ap.add_argument("--model-path", required=True, help="HF dir of the warm-started policy")
     ap.add_argument("--model", default=None, help="served name (default: the first listed)")
-    ap.add_argument("--work-dir", default="async-run", help="checkpoints (every engine "
+    ap.add_argument("--work-dir", default=work_dir, help="checkpoints (every engine "
                     "must be able to read them)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--groups", type=int, default=4, help="groups per step")
@@ -174,14 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the summary here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def report(out: dict[str, Any], json_path: str | None) -> None:
+    """The summary: printed as the last line, and written to ``json_path`` if given."""
+    text = json.dumps(out)
+    if json_path:
+        Path(json_path).write_text(text)
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(__doc__.split("\n", 1)[0], "async-run").parse_args(argv)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    out = asyncio.run(train(args, work))
-    text = json.dumps(out)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    report(asyncio.run(train(args, work)), args.json)
     return 0
 
 

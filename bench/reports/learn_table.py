@@ -9,7 +9,9 @@ from pathlib import Path
 
 BENCH = "docs/benchmarks"
 LEARN = {"lookup-3seeds": "TRL's `GRPOTrainer` (the adapter), synchronous",
-         "lookup-async-3seeds": "the client's `StepRunner`, async mode, staleness bound 1"}
+         "lookup-async-3seeds": "the client's `StepRunner`, async mode, staleness bound 1",
+         "lookup-trl-async-3seeds": "TRL's `AsyncGRPOTrainer` (`gateway.client.trl_async`), "
+                                    "staleness bound 1"}
 
 
 def learning_table(root: Path) -> str:
@@ -48,7 +50,7 @@ def _learning(name: str, title: str, root: Path) -> str:
               "", f"A step takes {s['step_s']:.1f} s: " + (
                   f"waiting for the batch {s['seconds']['rollout_s']:.1f} s (rollouts run "
                   "all along, sharing the CPUs with the trainer)"
-                  if o.get("trainer") == "async" else
+                  if o.get("trainer") in ("async", "trl-async") else
                   f"rollout {s['seconds']['rollout_s']:.1f} s, fetch "
                   f"{s['seconds']['fetch_s']:.2f} s") + f", train "
               f"{s['seconds']['train_s']:.1f} s, save and push {s['seconds']['push_s']:.2f} s.",

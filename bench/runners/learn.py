@@ -123,7 +123,7 @@ def _run(args: list[str], log: Path, echo: str = "") -> None:
 
 def _timings(step: dict[str, Any]) -> dict[str, float]:
     """Where a step's time went. TRL's adapter times rollout and fetch apart; the async
-    runner's trainer only waits for its batch (rollouts run all along)."""
+    trainers (the runner's and TRL's) only wait for their batch (rollouts run all along)."""
     if "wait_s" in step:
         return {"rollout_s": step["wait_s"], "fetch_s": 0.0, "train_s": step["train_s"],
                 "push_s": step["push_s"]}
@@ -141,7 +141,8 @@ def learn(
     lr: Annotated[float, typer.Option(help="GRPO learning rate")] = 2e-4,
     trainer: Annotated[str, typer.Option(
         help="trl: TRL's GRPOTrainer through the adapter (examples/trl_grpo.py), sync; "
-             "async: the client's StepRunner in async mode (examples/async_grpo.py)")]
+             "async: the client's StepRunner in async mode (examples/async_grpo.py); "
+             "trl-async: TRL's AsyncGRPOTrainer (examples/trl_async_grpo.py)")]
     = "trl",
     max_staleness: Annotated[int, typer.Option(help="async: the staleness bound")] = 1,
     defect: Annotated[str, typer.Option(help="trl: none | mask-shift")] = "none",
@@ -155,9 +156,9 @@ def learn(
     figure: Annotated[Path | None, typer.Option(help="the curve as a PNG")] = None,
 ) -> None:
     """GRPO on the lookup task through the gateway: success per step over seeds."""
-    if trainer not in ("trl", "async"):
-        raise typer.BadParameter(f"unknown trainer {trainer!r}: trl or async")
-    if trainer == "async" and defect != "none":
+    if trainer not in ("trl", "async", "trl-async"):
+        raise typer.BadParameter(f"unknown trainer {trainer!r}: trl, async or trl-async")
+    if trainer != "trl" and defect != "none":
         raise typer.BadParameter("--defect is wired for --trainer trl only")
     work = work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -186,8 +187,10 @@ def learn(
                 _run(["examples/trl_grpo.py", *common, "--task", "lookup",
                       "--defect", defect], work / f"grpo-{seed}.log", echo=f"seed {seed} ")
             else:
-                _run(["examples/async_grpo.py", *common, "--max-staleness",
-                      str(max_staleness)], work / f"grpo-{seed}.log", echo=f"seed {seed} ")
+                script = ("examples/async_grpo.py" if trainer == "async"
+                          else "examples/trl_async_grpo.py")
+                _run([script, *common, "--max-staleness", str(max_staleness)],
+                     work / f"grpo-{seed}.log", echo=f"seed {seed} ")
             run = json.loads(out.read_text())
             doc["seeds"][str(seed)] = {
                 "warm_start": warm,
