@@ -48,6 +48,11 @@ DEFAULT_TIMEOUT_S = 30.0
 LONG_POLL_S = 60.0
 
 
+#: a connection the server closed as a request went out on it (an idle keep-alive
+#: connection reaped by the server's timeout at that moment): a GET is sent again, once
+STALE_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError)
+
+
 @dataclass(frozen=True, slots=True)
 class Request(Generic[T]):
     method: str

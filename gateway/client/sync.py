@@ -13,6 +13,7 @@ import httpx
 from gateway.client._base import (
     DEFAULT_TIMEOUT_S,
     PAGE,
+    STALE_CONNECTION,
     ClientBase,
     Endpoints,
     Request,
@@ -81,11 +82,16 @@ class RolloutClient:
         self.close()
 
     def _send(self, req: Request[T]) -> T:
-        try:
-            response = self._http.request(req.method, req.path,
-                                          **self._cfg.request_kwargs(req))
-        except httpx.TransportError as exc:
-            raise connection_error(req, self.base_url, exc) from exc
+        for attempt in (0, 1):
+            try:
+                response = self._http.request(req.method, req.path,
+                                              **self._cfg.request_kwargs(req))
+                break
+            except STALE_CONNECTION as exc:
+                if req.method != "GET" or attempt:
+                    raise connection_error(req, self.base_url, exc) from exc
+            except httpx.TransportError as exc:
+                raise connection_error(req, self.base_url, exc) from exc
         return parse(req, response)
 
     # -- trajectories ------------------------------------------------------------------

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pyarrow.parquet as pq
 import pytest
@@ -242,3 +243,44 @@ def test_resize_pool_waits_for_the_job(gateway: GatewayFactory, sqlite_url: str,
                 assert len((await client.pool())["instances"]) == 1
 
         asyncio.run(run())
+
+
+class _Reaped(httpx.BaseTransport):
+    """A transport whose next ``fail`` requests find their connection closed by the server
+    (an idle keep-alive connection reaped as the request went out); the rest go through."""
+
+    def __init__(self, fail: int) -> None:
+        self.inner, self.fail, self.sent = httpx.HTTPTransport(), fail, []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request.method)
+        if self.fail:
+            self.fail -= 1
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.",
+                                            request=request)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_get_on_a_reaped_connection_is_sent_again(gateway: GatewayFactory,
+                                                    sqlite_url: str) -> None:
+    with gateway(sqlite_url, admin_token=ADMIN_TOKEN) as gw:
+        once = _Reaped(fail=1)
+        with httpx.Client(base_url=gw, transport=once) as http, \
+                RolloutClient(gw, admin_token=ADMIN_TOKEN, http=http) as client:
+            assert client.status()["weight_version"]
+            assert once.sent == ["GET", "GET"]
+        twice = _Reaped(fail=2)
+        with httpx.Client(base_url=gw, transport=twice) as http, \
+                RolloutClient(gw, admin_token=ADMIN_TOKEN, http=http) as client, \
+                pytest.raises(GatewayConnectionError, match="RemoteProtocolError"):
+            client.status()  # once only
+        post = _Reaped(fail=1)
+        with httpx.Client(base_url=gw, transport=post) as http, \
+                RolloutClient(gw, admin_token=ADMIN_TOKEN, http=http) as client:
+            with pytest.raises(GatewayConnectionError):
+                client.set_weight_version("v9")  # not idempotent: not sent again
+            assert len(post.sent) == 1 and post.sent[0] in ("PUT", "POST")
+            assert client.status()["weight_version"] != "v9"
