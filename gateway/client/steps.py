@@ -281,14 +281,20 @@ class StepRunner:
         """The next ``batch`` complete groups, as samples, with their staleness. A complete
         group that waited past the bound (its oldest token more than ``max_staleness``
         versions behind the weights now) is not handed over: its stale members run again
-        (``on_stale="restart"``) or it is dropped, and the next group is taken."""
+        (``on_stale="restart"``) or it is dropped, and the next group is taken. If the
+        samples cannot be fetched, the error is raised and the groups stay ready for the
+        next call."""
         async with asyncio.timeout(timeout_s):
             while True:
                 await self._wait(self._plan(), timeout_s)
                 take = [self._ready.popleft() for _ in range(min(self.batch, len(self._ready)))]
                 ids = [t for gid in take for t in self._groups[gid].done]
-                version = str((await self.gw.status()).get("weight_version", ""))
-                samples = await self.gw.samples(ids)
+                try:
+                    version = str((await self.gw.status()).get("weight_version", ""))
+                    samples = await self.gw.samples(ids)
+                except BaseException:  # not taken: the next call takes them again
+                    self._ready.extendleft(reversed(take))
+                    raise
                 stale = self._stale(samples, version)
                 if not stale:
                     break

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from gateway.client.aio import AsyncRolloutClient
+from gateway.client.errors import GatewayConnectionError
 from gateway.client.steps import StepBatch, StepMode, StepRunner
 from gateway.client.sync import RolloutClient
 from gateway.client.trl import Agent, Rollout
@@ -72,6 +73,8 @@ __all__ = ["GatewayRolloutWorker", "GatewayWeightTransfer", "cpu_tree_attention"
            "run_on_cpu", "to_rollout_sample", "use_cpu_tree_attention"]
 
 log = logging.getLogger(__name__)
+#: times a batch whose samples could not be fetched is fetched again (1, 2, 4, 8 s apart)
+FETCH_RETRIES = 4
 #: what is copied beside the pushed weights, so an engine can load the directory
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -234,12 +237,25 @@ class GatewayRolloutWorker:
                     await asyncio.to_thread(self._wait_for_version, taken)
                     if self._stopping.is_set():
                         break
-                    batch = await runner.next_batch(timeout_s=self.batch_timeout_s)
+                    batch = await self._next_batch(runner)
                     taken += 1
                     for gid in batch.groups:
                         members.pop(gid, None)
                     self._hand_over(batch, taken)
             await gw.set_max_staleness(None)
+
+    async def _next_batch(self, runner: StepRunner) -> StepBatch:
+        """The runner's next batch; a gateway that cannot be reached for a moment is
+        retried (the runner keeps the groups ready), ``FETCH_RETRIES`` times."""
+        for attempt in range(FETCH_RETRIES + 1):
+            try:
+                return await runner.next_batch(timeout_s=self.batch_timeout_s)
+            except GatewayConnectionError as e:
+                if attempt == FETCH_RETRIES:
+                    raise
+                log.warning("fetching a batch failed (%s); retrying in %d s", e, 2 ** attempt)
+                await asyncio.sleep(2 ** attempt)
+        raise AssertionError("unreachable")
 
     def _wait_for_version(self, version: int) -> None:
         """Block until the trainer has synced ``version`` (see the module: batch ``k + 1``

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.client import AsyncRolloutClient, StepMode, StepRunner
+from gateway.client.errors import GatewayConnectionError
 from tests.gateway.conftest import make_settings
 from tests.gateway.slow_engines import KEY, MODEL, two_slow_engines
 from tests.servers import LoopThread, app_in_thread
@@ -150,3 +151,39 @@ def test_a_member_cut_before_its_first_call_never_calls(
         assert late[f"{gid}-2"] is False
         assert httpx.get(f"{url}/trajectories/{gid}-2",
                          headers={"Authorization": "Bearer tok"}).status_code == 404
+
+
+class _Flaky(httpx.AsyncBaseTransport):
+    """Sample fetches fail ``fail`` times (the gateway out of reach); the rest go through."""
+
+    def __init__(self, fail: int) -> None:
+        self.inner, self.fail = httpx.AsyncHTTPTransport(), fail
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.fail and request.url.path.endswith("/samples"):
+            self.fail -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_batch_that_could_not_be_fetched_is_handed_over_next_time(
+        loop_thread: LoopThread, slow_urls: list[str], sqlite_url: str) -> None:
+    settings = make_settings(sqlite_url, slow_urls, admin_token="tok", api_keys=[KEY],
+                             weight_version="0")
+
+    async def go(url: str) -> tuple[Any, Any]:
+        async with httpx.AsyncClient(base_url=url, transport=_Flaky(1)) as http, \
+                AsyncRolloutClient(url, admin_token="tok", http=http) as gw, \
+                StepRunner(gw, agent(gw), prompts(), batch=1, group_size=2,
+                           run_id="flaky") as runner:
+            with pytest.raises(GatewayConnectionError):
+                await runner.next_batch(timeout_s=60)
+            return runner, await runner.next_batch(timeout_s=60)
+
+    with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
+        runner, batch = asyncio.run(go(url))
+    assert list(batch.groups) == ["flaky-g0"] and batch.step == 1
+    assert sorted(s.trajectory_id for s in batch.samples) == ["flaky-g0-0", "flaky-g0-1"]
