@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import cache
 
@@ -73,6 +74,10 @@ _COMMON_WORDS = (
 _PIECE_RE = re.compile(
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n\w]|_)?[^\W\d_]+|\d| ?(?:[^\s\w]|_)+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+|.", re.DOTALL)
+#: texts between special tokens at least this long are kept encoded (``_cached_part``)
+PART_CACHE_MIN_CHARS = 256
+#: and at most this many characters of them (about 3 MB of ids per million characters)
+PART_CACHE_CHARS = 16_000_000
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 _SEGMENT_RE = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
 _ASCII_WORD_RE = re.compile(r"([^A-Za-z]?)([A-Za-z]+)")
@@ -150,6 +155,8 @@ class SimTokenizer:
         self._size = self._long_base + _count(len(_LETTERS), LONG_CHUNK) - _count(
             len(_LETTERS), LONG_CHUNK - 1)
         self._encoded: dict[str, tuple[int, ...]] = {}
+        self._parts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._parts_chars = 0
         self._decoded: dict[int, str] = {}
 
     @property
@@ -164,14 +171,37 @@ class SimTokenizer:
             sid = self.special_ids.get(part)
             if sid is not None:
                 ids.append(sid)
-                continue
-            for piece in _PIECE_RE.findall(part):
-                found = self._encoded.get(piece)
-                if found is None:
-                    if len(self._encoded) >= 1 << 17:  # bounded: pieces repeat a lot
-                        self._encoded.clear()
-                    found = self._encoded[piece] = tuple(self._encode_piece(piece))
-                ids.extend(found)
+            elif len(part) < PART_CACHE_MIN_CHARS:
+                ids.extend(self._encode_part(part))
+            else:
+                ids.extend(self._cached_part(part))
+        return ids
+
+    def _cached_part(self, part: str) -> tuple[int, ...]:
+        """A long text between special tokens (a message's body, the tool list), encoded
+        once: a chat's next prompt repeats every earlier message, so without this each
+        turn re-encodes the whole conversation (O(n^2) over a trajectory, and it ran on
+        the server's event loop). Oldest parts are dropped past ``PART_CACHE_CHARS``."""
+        found = self._parts.get(part)
+        if found is not None:
+            self._parts.move_to_end(part)
+            return found
+        found = self._parts[part] = tuple(self._encode_part(part))
+        self._parts_chars += len(part)
+        while self._parts_chars > PART_CACHE_CHARS:
+            old, _ = self._parts.popitem(last=False)
+            self._parts_chars -= len(old)
+        return found
+
+    def _encode_part(self, part: str) -> list[int]:
+        ids: list[int] = []
+        for piece in _PIECE_RE.findall(part):
+            found = self._encoded.get(piece)
+            if found is None:
+                if len(self._encoded) >= 1 << 17:  # bounded: pieces repeat a lot
+                    self._encoded.clear()
+                found = self._encoded[piece] = tuple(self._encode_piece(piece))
+            ids.extend(found)
         return ids
 
     def _encode_piece(self, piece: str) -> list[int]:

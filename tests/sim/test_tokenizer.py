@@ -263,3 +263,53 @@ def test_encoding_is_fast() -> None:
     start = time.perf_counter()
     tok.encode(text + "fresh")
     assert time.perf_counter() - start < 1.0
+
+
+def test_long_parts_are_encoded_once_and_exactly_as_the_whole_text() -> None:
+    """A chat's next prompt repeats every earlier message: the long texts between special
+    tokens are kept encoded, and a prompt encodes to the same ids as piece by piece."""
+    from backends.sim.tokenizer import PART_CACHE_MIN_CHARS, SimTokenizer
+
+    rng = random.Random(3)
+    alphabet = "ab cd\n\t(){}._-=:XYZ0123456789é漢 "
+
+    def body(n: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": body(5000)}]
+    cached, plain = SimTokenizer(), SimTokenizer()
+    for turn in range(12):
+        messages.append({"role": "user", "content": body(rng.randint(10, 3000))})
+        text = render_chat(messages, None)
+        want = [i for part in _parts(plain, text) for i in part]
+        assert cached.encode(text) == want, turn
+        messages.append({"role": "assistant", "content": body(rng.randint(10, 800))})
+    # every long part of the last prompt was kept, each once
+    long_parts = [p for p in _split(text) if len(p) >= PART_CACHE_MIN_CHARS]
+    assert long_parts and all(p in cached._parts for p in long_parts)
+    assert cached._parts_chars == sum(len(p) for p in cached._parts)
+
+
+def test_the_part_cache_drops_its_oldest_parts_past_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.sim import tokenizer as module
+
+    monkeypatch.setattr(module, "PART_CACHE_CHARS", 2100)
+    tok = module.SimTokenizer()
+    texts = [f"{i} " + "word " * 200 for i in range(5)]  # 1,002-1,003 chars each
+    for t in texts:
+        tok.encode(t)
+    assert list(tok._parts) == texts[3:] and tok._parts_chars <= 2100
+    assert tok.encode(texts[0]) == module.SimTokenizer().encode(texts[0])
+
+
+def _split(text: str) -> list[str]:
+    from backends.sim.tokenizer import _SPECIAL_RE
+
+    return [p for p in _SPECIAL_RE.split(text) if p]
+
+
+def _parts(tok: Any, text: str) -> list[list[int]]:
+    """``text`` encoded without the part cache: each special token, each part by pieces."""
+    return [[tok.special_ids[p]] if p in tok.special_ids else tok._encode_part(p)
+            for p in _split(text)]
