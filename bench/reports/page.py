@@ -243,25 +243,38 @@ def grid_table(root: Path = ROOT) -> str:
     for rel in GRID:
         doc = load(rel, root)
         summary = doc["summary"]
+        live = doc.get("beliefs", "true") == "live"
         out += [f"{len(doc['seeds'])} seeds, {doc['steps']} steps per run (steps "
-                f"2-{doc['steps']} reported). Ratios are best static / policy (paired 95% "
+                f"2-{doc['steps']} reported). "
+                + ("Policies plan with **live beliefs**: the calibrated profile's speeds, "
+                   "corrected per TP by what the engines measured (a degree not yet run "
+                   "borrows the nearest measured one's correction), as a live gateway does; "
+                   f"`{SUBJECT}` probes every degree in step 1, whose cost is its own column."
+                   if live else "Policies are **told the band's true speeds** (an older "
+                   "run: a live gateway does not know them; see the live-belief grid above).")
+                + " Ratios are best static / policy (paired 95% "
                 "interval): above 1 the policy is faster. `-`: the policy cannot run the "
                 "cell (a call needs more KV cache than its TP1 instances have).", "",
                 "| model, GPU, GPUs | workload | per GPU | TP efficiency | best static (s) | "
-                f"`{SUBJECT}` | " + " | ".join(f"`{p}`" for p in RIVALS)
-                + " | best static / critical path |",
-                "|---|---|---|---|---|---|" + "---|" * len(RIVALS) + "---|"]
+                f"`{SUBJECT}` | " + (f"`{SUBJECT}` step 1 | " if live else "")
+                + " | ".join(f"`{p}`" for p in RIVALS) + " | best static / critical path |",
+                "|---|---|---|---|---|---|" + ("---|" if live else "") + "---|" * len(RIVALS)
+                + "---|"]
         for key, row in summary.items():
             model, gpu, gpus, per_gpu, workload, band = key.split("/")
             best = row["best_static"]
             cells = [fmt_ratio(row.get(f"{p}_vs_best_static")) for p in (SUBJECT, *RIVALS)]
+            if live:
+                cells.insert(1, fmt_ratio(row.get(f"{SUBJECT}_step1_vs_best_static")))
             out.append(f"| {model}, {gpu}, {gpus.removesuffix('gpu')} | {workload} | "
                        f"{per_gpu.removesuffix('pg')} | {band} | `{best}` "
                        f"({row['mean_s'][best]:.1f}) | " + " | ".join(cells)
                        + f" | {row['headroom']:.2f}x |")
         v = verdicts(summary)
-        out += ["", f"Cells: {v['cells']}. `{SUBJECT}` at least 0.98x the best static: "
-                f"{v['at_least_0.98x_best_static']}; at least level with both `heddle` and "
+        out += ["", f"Cells: {v['cells']}. `{SUBJECT}` at least 0.98x the best static "
+                f"(the paired interval's centre): {v['at_least_0.98x_best_static']}, its "
+                f"interval not below 0.95: {v['interval_not_below_0.95']}; at least level "
+                "with both `heddle` and "
                 f"`libra`: {v['at_least_heddle_and_libra']} (not significantly behind either: "
                 f"{v['not_significantly_behind_heddle_or_libra']}; a rival that cannot run "
                 "the cell counts as beaten); cells whose best static is not "

@@ -46,6 +46,7 @@ class Job:
     policy: str
     seed: int
     steps: int
+    beliefs: str = "live"
 
     @property
     def key(self) -> str:
@@ -58,7 +59,7 @@ def run_job(job: Job) -> dict[str, Any]:
     size = load_workloads()[c.workload]["group_size"]
     sc = StepScenario(c.workload, job.policy, seed=job.seed, steps=job.steps, gpus=c.gpus,
                       model=c.model, gpu=c.gpu, prompts=max(1, c.per_gpu * c.gpus // size),
-                      tp_efficiency=c.band)
+                      tp_efficiency=c.band, beliefs=job.beliefs)
     try:
         run = run_steps(sc)
     except ValueError as exc:  # the engine refused a call: this layout cannot serve it
@@ -84,15 +85,20 @@ def cells(models: Sequence[str], gpu_kinds: Sequence[str], pools: Sequence[int],
 
 def run_grid(todo: Sequence[Cell], policies: Sequence[str], seeds: Sequence[int], steps: int,
              out: Path, jobs: int = 2, resume: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[int, int], None] | None = None,
+             beliefs: str = "live") -> dict[str, Any]:
     """Run every (cell, policy, seed) not already in ``out`` (with ``resume``); the raw
-    results are saved after each job under ``runs``."""
+    results are saved after each job under ``runs``. ``beliefs``: what policies are told
+    of each TP's speed (:func:`bench.simulator.speeds.live_beliefs`)."""
     doc: dict[str, Any] = {"runs": {}}
     if resume and out.exists():
         doc = json.loads(out.read_text())
+        if doc.get("beliefs", "true") != beliefs:
+            raise ValueError(f"{out} was run with beliefs {doc.get('beliefs', 'true')!r}, "
+                             f"not {beliefs!r}: resume it with those or write a new file")
     doc.update({"policies": list(policies), "seeds": list(seeds), "steps": steps,
-                "cells": [asdict(c) for c in todo]})
-    pending = [Job(c, p, s, steps) for c in todo for p in policies for s in seeds]
+                "beliefs": beliefs, "cells": [asdict(c) for c in todo]})
+    pending = [Job(c, p, s, steps, beliefs) for c in todo for p in policies for s in seeds]
     pending = [j for j in pending if j.key not in doc["runs"]]
     done, total = 0, len(pending)
     with ProcessPoolExecutor(max_workers=jobs) as ex:

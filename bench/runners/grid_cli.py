@@ -32,6 +32,10 @@ def grid(
     = 2,
     jobs: Annotated[int, typer.Option(help="processes")] = 2,
     resume: Annotated[bool, typer.Option(help="keep the runs already in --json")] = False,
+    beliefs: Annotated[str, typer.Option(
+        help="what policies know of each TP's speed: live (the calibrated profile, corrected "
+             "by what the engines measured, as a live gateway) or true (the band's own)")]
+    = "live",
 ) -> None:
     """Every cell of the grid: each policy's paired speed-up over the best static layout."""
     from bench.options import band_point
@@ -50,6 +54,10 @@ def grid(
     unknown = [w for w in wls if w not in table]
     if unknown:
         raise typer.BadParameter(f"unknown workload {unknown}; available: {', '.join(table)}")
+    from bench.simulator.speeds import BELIEFS
+
+    if beliefs not in BELIEFS:
+        raise typer.BadParameter(f"--beliefs must be one of {', '.join(BELIEFS)}")
     if steps_ < 2:
         raise typer.BadParameter("--steps must be at least 2 (step 1 is not reported)")
     models, kinds = model or ["qwen3-14b"], gpu or ["H100"]
@@ -62,8 +70,12 @@ def grid(
     with Progress(transient=False) as prog:
         task = prog.add_task(f"{len(todo)} cells x {len(names)} policies x {seeds} seeds",
                              total=None)
-        doc = run_grid(todo, names, range(1, seeds + 1), steps_, json_out, jobs, resume,
-                       progress=lambda d, t: prog.update(task, completed=d, total=t))
+        try:
+            doc = run_grid(todo, names, range(1, seeds + 1), steps_, json_out, jobs, resume,
+                           progress=lambda d, t: prog.update(task, completed=d, total=t),
+                           beliefs=beliefs)
+        except ValueError as exc:  # a resumed file run with other beliefs
+            raise typer.BadParameter(str(exc)) from None
     args = [a for a in sys.argv[3:] if a != "--resume"]  # the command that makes the file
     doc["command"] = " ".join(["rollout-gateway", "bench", "grid", *args])
     json_out.write_text(json.dumps(doc, indent=1))

@@ -20,7 +20,12 @@ TP1 instances far below their compute knee and made high TP win at every load.)
 Policies see what a live gateway sees: a trajectory appears (in the snapshot and its
 group) when its first call arrives, and it is known to be finished only when the client
 says so (``/finish``, one request overhead after its last call returned); until then a
-trajectory whose last call returned is in its tool gap like any other.
+trajectory whose last call returned is in its tool gap like any other. The per-TP speeds
+they plan with are either the band's own (``beliefs=None``: the policy is told how the
+engines run) or a :class:`~gateway.dispatch.speeds.SpeedMeter` fed as the live gateway feeds
+it (each call's decode time from its first token on, its instance's running calls), whose
+prior is the calibrated profile: a degree no engine has run is believed to scale as the
+nearest one measured.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bench.simulator.reconfig import PAUSE, PLAN, RESUME, UP, Reconfiguring
 from bench.simulator.state import Instance, LiveViews, SimStats, Traj
 from bench.simulator.weights import DEFAULT_UPDATE_S, WeightUpdater
 from bench.workloads import TrajectorySpec
+from gateway.dispatch.speeds import SpeedMeter
 from gateway.dispatch.step import PassKey, Queued, schedule_pass
 from gateway.policies.base import (
     GroupView,
@@ -77,8 +83,11 @@ class Simulator(Reconfiguring):
     cfg: SimConfig
 
     def __init__(self, specs: list[TrajectorySpec], policy: Policy, cfg: SimConfig,
-                 progress: Callable[[int], None] | None = None, start_s: float = 0.0) -> None:
+                 progress: Callable[[int], None] | None = None, start_s: float = 0.0,
+                 beliefs: SpeedMeter | None = None) -> None:
         self.cfg, self.policy, self.progress = cfg, policy, progress
+        self.beliefs = beliefs  # None: policies plan with the engines' true speeds
+        self.first_token: dict[str, float] = {}  # request id -> when its first token came
         self.trajs = {s.id: Traj(s, i) for i, s in enumerate(specs)}
         self.live: dict[str, Traj] = {}  # arrived and not finished (what policies see)
         self.finished = 0
@@ -187,7 +196,9 @@ class Simulator(Reconfiguring):
         if self._snap is None:
             self._snap = Snapshot(
                 self.now, self.cfg.gpus, tuple(i.view() for i in self.instances.values()),
-                LiveViews(self.live), self.groups, self.cfg.speeds, self.cfg.restart_s,
+                LiveViews(self.live), self.groups,
+                self.cfg.speeds if self.beliefs is None else self.beliefs.current(),
+                self.cfg.restart_s,
                 self.finished)
         return self._snap
 
@@ -276,6 +287,8 @@ class Simulator(Reconfiguring):
 
     def _call_done(self, tr: Traj, inst: Instance) -> None:
         turn = tr.spec.turns[tr.turn]
+        if self.beliefs is not None:
+            self._measure(tr, inst, turn.output_tokens)
         tr.context = tr.prompt_len() + turn.output_tokens
         tr.generated += turn.output_tokens
         tr.llm_s += self.now - tr.dispatched_at
@@ -296,6 +309,15 @@ class Simulator(Reconfiguring):
         mig = self.policy.on_tool_gap(self.snapshot(), tr.view())
         if mig is not None:
             self._migrate(tr, mig.target)
+
+    def _measure(self, tr: Traj, inst: Instance, tokens: int) -> None:
+        """Report the call's decode as the gateway does for a stream: from its first token
+        on, the instance's calls counted before this one leaves."""
+        assert self.beliefs is not None
+        first = self.first_token.pop(f"{tr.spec.id}#{tr.turn}", None)
+        if first is not None:
+            self.beliefs.observe(inst.tp, self.now - first, tokens - 1, inst.running,
+                                 tr.prompt_len() + tokens)
 
     def _finish(self, tr: Traj) -> None:
         """The client's /finish: now the gateway (and the policy) knows it is over."""
@@ -346,6 +368,10 @@ class Simulator(Reconfiguring):
         inst.busy = False
         out = self.outputs.pop(inst.id)
         self.stats.preemptions += len(out.preempted)
+        if self.beliefs is not None:
+            for rid in out.emitted:
+                if self.req_owner.get(rid):  # a prewarm's token is no call's
+                    self.first_token.setdefault(rid, self.now)
         if self.weights is not None:
             for rid, n in out.emitted.items():
                 owner = self.req_owner[rid]

@@ -43,10 +43,11 @@ from dataclasses import dataclass, field, replace
 
 from bench.simulator.des import READY, SimConfig, Simulator
 from bench.simulator.loop_run import LoopRun, LoopScenario
-from bench.simulator.speeds import band_profiles, max_tp_for, speeds
+from bench.simulator.speeds import band_profiles, live_beliefs, max_tp_for, speeds
 from bench.simulator.state import Traj
 from bench.simulator.steps import generate_step
 from bench.workloads import TrajectorySpec, load_workloads, prompt_group
+from gateway.dispatch.speeds import SpeedMeter
 from gateway.policies.base import InstanceState, Phase
 from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 
@@ -54,8 +55,8 @@ from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
 class LoopSim(Simulator):
     """The simulator with trajectories added and aborted while it runs."""
 
-    def __init__(self, policy: object, cfg: SimConfig) -> None:
-        super().__init__([], policy, cfg)  # type: ignore[arg-type]
+    def __init__(self, policy: object, cfg: SimConfig, beliefs: SpeedMeter | None = None) -> None:
+        super().__init__([], policy, cfg, beliefs=beliefs)  # type: ignore[arg-type]
         self.dropped: set[str] = set()
 
     def add(self, specs: list[TrajectorySpec]) -> None:
@@ -152,7 +153,8 @@ class Loop:
         oracle = ((lambda tid, gen: truth[tid] - gen)
                   if resolve_name(sc.policy) in ORACLE_NAMES else None)
         self.truth = truth
-        self.sim = LoopSim(get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle), cfg)
+        self.sim = LoopSim(get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle), cfg,
+                           live_beliefs(sc.model, sc.gpu, sc.gpus, sc.beliefs))
         self.sim.on_finish = self._finished
         self.sim.on_resume = self._resumed
         self.stream = group_stream(sc)

@@ -22,6 +22,7 @@ class LoopScenario:
     model: str = "qwen3-14b"
     gpu: str = "H100"
     tp_efficiency: str | float = "calibrated"
+    beliefs: str = "live"  # live | true: bench.simulator.steps.live_beliefs
     prompts: int | None = None  # B: groups per trainer step (default: the workload's)
     group_size: int | None = None
     train_s: float = 120.0  # one optimizer step (the trainer's own GPUs)

@@ -6,16 +6,24 @@ at a typical context, and the slope of the interference factor ``F(n) = step(n) 
 step(1)`` (Heddle's F(n), section 5).
 
 :func:`band_profiles` puts the profiles at a point of the TP-efficiency band
-(``docs/tp-efficiency.md``): every benchmark takes ``--tp-efficiency``.
+(``docs/tp-efficiency.md``): every benchmark takes ``--tp-efficiency``. What a policy is
+told of those speeds is :func:`live_beliefs`: by default what a live gateway would know.
 """
 
 from __future__ import annotations
 
 from backends.sim.profiles import LatencyProfile, penalty_for
-from gateway.dispatch.speeds import TP_DEGREES, TYPICAL_CONTEXT, fit_speed, profiles, speeds
+from gateway.dispatch.speeds import (
+    TP_DEGREES,
+    TYPICAL_CONTEXT,
+    SpeedMeter,
+    fit_speed,
+    profiles,
+    speeds,
+)
 
-__all__ = ["TP_DEGREES", "TYPICAL_CONTEXT", "band_profiles", "fit_speed", "max_tp_for",
-           "profiles", "speeds"]
+__all__ = ["BELIEFS", "TP_DEGREES", "TYPICAL_CONTEXT", "band_profiles", "fit_speed",
+           "live_beliefs", "max_tp_for", "profiles", "speeds"]
 
 
 def max_tp_for(gpus: int) -> int:
@@ -27,3 +35,16 @@ def band_profiles(model: str, gpu: str, where: str | float = "calibrated",
     """Profiles of every TP degree up to ``max_tp`` at TP-efficiency ``where`` (``low``,
     ``mid``, ``high``, ``calibrated`` (the default) or a TP8/TP1 ratio)."""
     return profiles(model, gpu, penalty_for(model, gpu, where), max_tp)
+
+
+BELIEFS = ("live", "true")
+
+
+def live_beliefs(model: str, gpu: str, gpus: int, beliefs: str) -> SpeedMeter | None:
+    """The speeds a live gateway would hand policies (one meter for a whole run, as one
+    gateway serves every step), or None for the band's true speeds."""
+    if beliefs not in BELIEFS:
+        raise ValueError(f"beliefs must be one of {', '.join(BELIEFS)}, not {beliefs!r}")
+    if beliefs == "true":
+        return None
+    return SpeedMeter(speeds(band_profiles(model, gpu, "calibrated", max_tp_for(gpus))))

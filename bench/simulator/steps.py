@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.simulator.des import SimConfig, Simulator
 from bench.simulator.metrics import critical_path, gpu_work
-from bench.simulator.speeds import band_profiles, max_tp_for, speeds
+from bench.simulator.speeds import band_profiles, live_beliefs, max_tp_for, speeds
 from bench.simulator.weights import DEFAULT_UPDATE_S
 from bench.workloads import TrajectorySpec, load_workloads, prompt_group
 from gateway.policies.registry import ORACLE_NAMES, get_policy, resolve_name
@@ -87,6 +87,9 @@ class StepScenario:
     weight_update_mode: str = "wait"
     weight_update_s: float = DEFAULT_UPDATE_S
     tp_efficiency: str | float = "calibrated"  # a point of the band (docs/tp-efficiency.md)
+    #: what policies believe of each TP's speed: ``live`` (the calibrated profile, corrected
+    #: by what the engines measure, as a live gateway does) or ``true`` (the band's own)
+    beliefs: str = "live"
 
 
 @dataclass(slots=True)
@@ -106,6 +109,7 @@ def run_steps(sc: StepScenario) -> StepRun:
     cfg = SimConfig(sc.gpus, profs, speeds(profs), seed=sc.seed,
                     weight_update_every_s=sc.weight_update_every_s,
                     weight_update_mode=sc.weight_update_mode, weight_update_s=sc.weight_update_s)
+    beliefs = live_beliefs(sc.model, sc.gpu, sc.gpus, sc.beliefs)
     truth: dict[str, int] = {}
     sees_truth = resolve_name(sc.policy) in ORACLE_NAMES
     oracle = (lambda tid, gen: truth[tid] - gen) if sees_truth else None
@@ -116,7 +120,7 @@ def run_steps(sc: StepScenario) -> StepRun:
                               group_size=sc.group_size, pool_factor=sc.pool_factor)
         truth.clear()
         truth.update({s.id: s.total_output for s in specs})
-        sim = Simulator(specs, policy, cfg, start_s=t0)
+        sim = Simulator(specs, policy, cfg, start_s=t0, beliefs=beliefs)
         end = sim.run()
         run.makespans.append(end - t0)
         run.lb_critical.append(max(min(critical_path(s, p) for p in profs.values())

@@ -10,6 +10,7 @@ arXiv 2502.13965), progressive priority and presorted-DP placement (Heddle, arXi
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Mapping
 
 from gateway.policies.base import PendingCall, Prediction, Slots, Snapshot, TrajectoryView
@@ -148,7 +149,10 @@ class RoundRobinPlacer(_Base):
 
 class StickyPlacer(_Base):
     """verl: a trajectory stays where its first call went (prefix cache reuse); new
-    trajectories are dealt round robin.
+    trajectories are dealt round robin. On a pool of mixed TP degrees (replay's probe
+    layout, a lane switched off) they are dealt in proportion to each instance's GPUs
+    instead (the fewest dealt per GPU first), so a TP1 instance beside TP8 ones is not
+    handed as many trajectories as each of them.
 
     With ``rebalance`` (verl*), it leaves its instance when that one is full and the
     max/min load gap exceeds the threshold; otherwise it waits for its instance.
@@ -157,6 +161,7 @@ class StickyPlacer(_Base):
     def __init__(self, rebalance: int | None = None) -> None:
         self.rebalance = rebalance
         self._counter = itertools.count()
+        self._dealt: Counter[str] = Counter()  # mixed pools: new trajectories per instance
 
     def choose(self, call: PendingCall, traj: TrajectoryView, pred: Prediction | None,
                slots: Slots, snap: Snapshot) -> str | None:
@@ -165,7 +170,14 @@ class StickyPlacer(_Base):
             # a new trajectory (or one whose instance left): round robin, as verl's
             # async rollout manager assigns new requests to servers
             ids = sorted(slots.free)
-            return ids[next(self._counter) % len(ids)] if ids else None
+            if not ids:
+                return None
+            if len({i.tp for i in snap.instances if i.up}) > 1:
+                tp = {i.id: i.tp for i in snap.instances}
+                pick = min(ids, key=lambda i: ((self._dealt[i] + 1) / tp.get(i, 1), i))
+                self._dealt[pick] += 1
+                return pick
+            return ids[next(self._counter) % len(ids)]
         if home.id in slots.free:
             return home.id
         if self.rebalance is None:

@@ -19,9 +19,16 @@ than fits, and a trajectory waits out its tool time between calls. It is an esti
 ranking layouts (a few tens of milliseconds for a 256-trajectory step), not the
 simulator.
 
+The speeds are what the gateway believes (:class:`~gateway.dispatch.speeds.SpeedMeter`:
+the latency profile, corrected per TP by what the engines measured, and a degree no engine
+has run takes the factor of the nearest one that has). How well TP scales is the least
+certain constant, and it is exactly what a correction borrowed from another degree gets
+wrong, so the first step, which has no sample to replay anyway, runs a *probe layout*
+(:func:`probe_layout`): one instance of every degree the pool can hold, the rest at the
+highest. Its cost is that step's makespan, which the benchmarks report.
+
 Nothing here reads a hidden length, ``max_tokens`` or a workload hint: the sample is what
-the gateway saw of finished trajectories. The first step has no sample and runs the
-highest TP (the lane layout).
+the gateway saw of finished trajectories.
 """
 
 from __future__ import annotations
@@ -222,6 +229,21 @@ def replay_makespan(sample: Sequence[Sequence[Turn]], layout: Sequence[int],
                default=0.0)
 
 
+def probe_layout(gpus: int, degrees: Sequence[int] = (1, 2, 4, 8)) -> tuple[int, ...]:
+    """One instance of each degree, smallest first while they fit, the GPUs left over at
+    the highest degree that fits them (16 GPUs: 8, 4, 2, 1, 1; 8 GPUs: 4, 2, 1, 1)."""
+    chosen: list[int] = []
+    for tp in sorted(degrees):
+        if sum(chosen) + tp <= gpus:
+            chosen.append(tp)
+    rest = gpus - sum(chosen)
+    for tp in sorted(degrees, reverse=True):
+        while tp <= rest:
+            chosen.append(tp)
+            rest -= tp
+    return tuple(sorted(chosen, reverse=True))
+
+
 class ReplayPlanner(LanePlanner):
     """The straggler lane's planner with its bulk TP chosen by replay, not fixed at 8.
 
@@ -241,9 +263,10 @@ class ReplayPlanner(LanePlanner):
     """
 
     def __init__(self, k: int = 8, plan_interval_s: float = 2.0, min_gain: float = 0.03,
-                 degrees: Sequence[int] = (1, 2, 4, 8)) -> None:
+                 degrees: Sequence[int] = (1, 2, 4, 8), probe: bool = True) -> None:
         super().__init__(k, bulk_tp=max(degrees), plan_interval_s=plan_interval_s)
         self.min_gain = min_gain
+        self.probe = probe  # the first step runs probe_layout (every degree measured)
         self.degrees = tuple(sorted(degrees))
         self.recorder = StepRecorder()
         self.speeds: Mapping[int, TPSpeed] = {}
@@ -322,7 +345,10 @@ class ReplayPlanner(LanePlanner):
     def initial_layout(self, gpus: int) -> tuple[int, ...]:
         self.gpus = gpus
         self._next_step()
-        self.choice = self.layout_for(gpus)
+        if self.probe and not self.recorder.sample:
+            self.choice = probe_layout(gpus, [d for d in self.degrees if d <= gpus])
+        else:
+            self.choice = self.layout_for(gpus)
         return self.choice
 
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:

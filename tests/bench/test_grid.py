@@ -32,9 +32,12 @@ def test_bench_grid_runs_each_cell_and_reports_against_the_best_static(tmp_path)
         assert lo <= g <= hi and g == pytest.approx(means[row["best_static"]] / means["replay"],
                                                     rel=0.05)
         assert row["headroom"] >= 1.0  # the critical path bounds every schedule
-    # a resumed grid runs nothing again
+    assert doc["beliefs"] == "live"
+    # a resumed grid runs nothing again, and refuses to mix beliefs
     r = CliRunner().invoke(app, [*args, "--resume"])
     assert r.exit_code == 0 and json.loads(out.read_text())["runs"] == doc["runs"]
+    r = CliRunner().invoke(app, [*args, "--resume", "--beliefs", "true"])
+    assert r.exit_code == 2 and "run with beliefs 'live'" in r.output
 
 
 def test_an_infeasible_layout_is_left_out_of_the_comparison() -> None:
@@ -49,6 +52,11 @@ def test_an_infeasible_layout_is_left_out_of_the_comparison() -> None:
     assert row["best_static"] == "verl-tp2" and row["infeasible"] == ["verl-tp1"]
     assert row["replay_vs_best_static"][0] == pytest.approx(100 / 95)
     assert row["replay_vs_heddle"][0] == pytest.approx(130 / 95)  # step 1 (cold) left out
+    # step 1 (where replay probes) has its own ratio, and counts in the whole run's
+    assert row["replay_step1_vs_best_static"][0] == pytest.approx(1.0)
+    assert row["replay_all_steps_vs_best_static"][0] == pytest.approx(
+        ((999 + 100) * (999 + 200) / ((999 + 95) * (999 + 190))) ** 0.5)
     v = verdicts(summarize(doc))
     assert v["cells"] == 1 and v["at_least_0.98x_best_static"] == 1
+    assert v["interval_not_below_0.95"] == 1
     assert v["best_static_not_tp8"] == 1 and v["of_those_at_least_1.15x"] == 0

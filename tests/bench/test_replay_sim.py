@@ -18,3 +18,40 @@ def test_replay_finds_the_best_static_tp_at_both_ends_of_the_band() -> None:
         # the premise moves: where TP scales as measured, TP1 serves this batch fastest
         assert min(static, key=lambda tp: static[tp]) == best_tp, static
         assert _step2("replay", band) <= 1.02 * static[best_tp], (band, static)
+
+
+def _replay_layouts(probe: bool, beliefs: str) -> list[tuple[int, ...]]:
+    """The layouts ``replay`` runs three steps on, the speeds it plans with believed as
+    ``beliefs`` (``live``: what the gateway's meter knows, from the calibrated profile)."""
+    from bench.simulator.des import SimConfig, Simulator
+    from bench.simulator.speeds import band_profiles, live_beliefs, speeds
+    from bench.simulator.steps import generate_step
+    from gateway.policies.compose import ComposedPolicy
+    from gateway.policies.registry import get_policy
+    from gateway.policies.replay import ReplayPlanner
+
+    profs = band_profiles("qwen3-8b", "H100", "low", 8)
+    cfg = SimConfig(8, profs, speeds(profs), seed=1)
+    meter = live_beliefs("qwen3-8b", "H100", 8, beliefs)
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
+    policy.planner.probe = probe
+    layouts, t0 = [], 0.0
+    for k in range(3):
+        sim = Simulator(generate_step("math-code", 1, k, prompts=16), policy, cfg, start_s=t0,
+                        beliefs=meter)
+        t0 = sim.run() + 1.0
+        layouts.append(policy.planner.choice)
+    return layouts
+
+
+def test_with_live_beliefs_replay_finds_the_band_only_by_probing() -> None:
+    """The calibrated profile says TP8 serves this batch best; at the band's low end TP1
+    does (the test above). Told the truth, replay moves to TP1 after one step. Believing
+    only what the engines measured, it moves only if its first step ran every degree: a
+    pool that ran TP8 alone lends TP8's correction to every degree and stays there."""
+    assert _replay_layouts(probe=False, beliefs="true")[1:] == [(1,) * 8] * 2
+    assert _replay_layouts(probe=False, beliefs="live")[1:] == [(8,)] * 2
+    probed = _replay_layouts(probe=True, beliefs="live")
+    assert probed[0] == (4, 2, 1, 1)
+    assert probed[1:] == [(1,) * 8] * 2

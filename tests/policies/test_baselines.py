@@ -118,3 +118,16 @@ def test_verl_deals_new_trajectories_round_robin() -> None:
     snap = snapshot(0.0, [inst("a"), inst("b", running=3)], [traj("x"), traj("y")])
     out = policy.schedule(snap, [call("x", t=0.0), call("y", t=1.0)])
     assert sorted(d.instance for d in out) == ["a", "b"]
+
+
+def test_a_mixed_pool_deals_new_trajectories_by_gpus() -> None:
+    """Replay's probe layout runs TP4, TP2 and TP1 side by side: round robin would hand the
+    one-GPU instance as many trajectories as the four-GPU one. Dealt per GPU, 14 new
+    trajectories go 8 / 4 / 2."""
+    policy = get_policy("verl")
+    pool = [inst("a", tp=4, cap=64), inst("b", tp=2, cap=64), inst("c", tp=1, cap=64)]
+    names = [f"t{i:02d}" for i in range(14)]
+    snap = snapshot(0.0, pool, [traj(n) for n in names])
+    out = policy.schedule(snap, [call(n, t=float(i)) for i, n in enumerate(names)])
+    dealt = [d.instance for d in out]
+    assert {i: dealt.count(i) for i in "abc"} == {"a": 8, "b": 4, "c": 2}

@@ -160,7 +160,7 @@ def test_the_layout_follows_the_measured_speeds_from_step_to_step() -> None:
     policy = get_policy("replay")
     assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
     planner = policy.planner
-    assert policy.initial_layout(16) == (8, 8)  # nothing observed yet: the highest TP
+    assert policy.initial_layout(16) == (8, 4, 2, 1, 1)  # nothing observed: every degree
     _run_step(policy, 128, POOR)
     assert policy.initial_layout(16) == (1,) * 16  # TP scales poorly: many small instances
     assert planner.estimates[1] < planner.estimates[8]
@@ -228,7 +228,8 @@ def test_a_lane_is_only_carved_out_where_the_replay_says_it_pays() -> None:
     policy = get_policy("replay")
     assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
     planner = policy.planner
-    assert policy.initial_layout(64) == (8,) * 8 and planner.lane_on  # step 1: the lane
+    # step 1: the lane, beside the probe of every degree
+    assert policy.initial_layout(64) == (8,) * 7 + (4, 2, 1, 1) and planner.lane_on
     planner.joined_lane("t255", 0)  # the lane caught the last finisher: its rule keeps it
     _run_step(policy, 256, slow8)
     assert policy.initial_layout(64) == (1,) * 64
