@@ -259,6 +259,18 @@ class Simulator(Reconfiguring):
             self._dispatch(self.trajs[call.trajectory_id], self.instances[d.instance],
                            d.priority)
 
+    def _requeue(self, tr: Traj, tokens: int) -> None:
+        """A running call whose instance a relayout retired: back to the queue, to go on
+        from ``tokens`` (its prompt and what it generated) wherever it is placed next."""
+        tr.partial = tokens - tr.prompt_len()
+        tr.llm_s += self.now - tr.dispatched_at
+        tr.instance = None
+        tr.phase = Phase.QUEUED
+        tr.enqueued_at = self.now
+        self._changed(tr)
+        key = f"{tr.spec.id}#{tr.turn}"
+        self.pending[key] = PendingCall(key, tr.spec.id, tr.turn, tr.prompt_len(), self.now)
+
     def _call_failed(self, tr: Traj) -> None:
         """The step failed this call (the policy raised on it): the harness gives up."""
         self.stats.failed_calls += 1
@@ -268,14 +280,16 @@ class Simulator(Reconfiguring):
         self._push(self.now + OVERHEAD_S, FINISH, tr)
 
     def _dispatch(self, tr: Traj, inst: Instance, priority: int) -> None:
-        n = tr.prompt_len()
-        toks = tr.tokens(n + tr.spec.turns[tr.turn].output_tokens)
+        out = tr.spec.turns[tr.turn].output_tokens
+        toks = tr.tokens(tr.prompt_len() + out)
+        n = tr.prompt_len() + tr.partial  # a call a relayout moved goes on where it was
         hashes = tr.hashes_for(toks[:n], self.bs)
-        rid = f"{tr.spec.id}#{tr.turn}"
+        rid = f"{tr.spec.id}#{tr.turn}" + (f"@{tr.partial}" if tr.partial else "")
         inst.engine.add_request(SimRequest(
-            rid, toks[:n], tr.spec.turns[tr.turn].output_tokens, ignore_eos=True,
+            rid, toks[:n], out - tr.partial, ignore_eos=True,
             priority=priority, arrival=self.now, output_ids=toks[n:], prompt_hashes=hashes))
         self.req_owner[rid] = tr.spec.id
+        tr.request = rid
         tr.queue_s += self.now - tr.enqueued_at
         tr.dispatched_at = self.now
         tr.instance = inst.id
@@ -288,7 +302,11 @@ class Simulator(Reconfiguring):
     def _call_done(self, tr: Traj, inst: Instance) -> None:
         turn = tr.spec.turns[tr.turn]
         if self.beliefs is not None:
-            self._measure(tr, inst, turn.output_tokens)
+            if tr.partial:  # moved mid-call: no whole decode to measure
+                self.first_token.pop(tr.request, None)
+            else:
+                self._measure(tr, inst, turn.output_tokens)
+        tr.partial = 0
         tr.context = tr.prompt_len() + turn.output_tokens
         tr.generated += turn.output_tokens
         tr.llm_s += self.now - tr.dispatched_at
@@ -314,7 +332,7 @@ class Simulator(Reconfiguring):
         """Report the call's decode as the gateway does for a stream: from its first token
         on, the instance's calls counted before this one leaves."""
         assert self.beliefs is not None
-        first = self.first_token.pop(f"{tr.spec.id}#{tr.turn}", None)
+        first = self.first_token.pop(tr.request, None)
         if first is not None:
             self.beliefs.observe(inst.tp, self.now - first, tokens - 1, inst.running,
                                  tr.prompt_len() + tokens)

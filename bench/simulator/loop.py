@@ -74,7 +74,8 @@ class LoopSim(Simulator):
         self.dropped.add(tid)
         key = f"{tid}#{tr.turn}"
         self.pending.pop(key, None)
-        if self.req_owner.get(key):
+        if tr.request and self.req_owner.get(tr.request):
+            key = tr.request
             inst = self.instances[tr.instance or ""]
             inst.engine.abort(key)
             self.req_owner[key] = ""  # a step already in flight may still report it

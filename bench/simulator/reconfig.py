@@ -72,6 +72,38 @@ class Reconfiguring:
             if inst.state is InstanceState.DRAINING:
                 self._maybe_stopped(inst)
 
+    def relayout_at_pause(self) -> None:
+        """The engines are frozen for a weight push: a policy may change the layout now
+        (``at_pause``), for the cost of an engine start beyond the push. The retired
+        instances' calls are aborted and go back to the gateway's queue, each to go on
+        from the tokens it had (prompt + tokens so far, re-prefilled where it lands)."""
+        hook = getattr(self.policy, "at_pause", None)
+        if hook is None:
+            return
+        snap = self.snapshot()
+        change = hook(snap)
+        if change is None or not change.changes(snap) or not self._valid(change):
+            return
+        self.stats.reconfigurations += 1
+        for iid in change.retire:
+            inst = self.instances.pop(iid)
+            for req, generated in inst.engine.live_requests():
+                inst.engine.abort(req.id)
+                owner = self.req_owner.pop(req.id, "")
+                if owner:  # prewarms are dropped
+                    self._requeue(self.trajs[owner], len(req.prompt_ids) + generated)
+            if self.weights is not None:
+                for h in [h for h in self.weights.held if h.instance == iid]:
+                    self.weights.held.remove(h)
+                    tr = self.trajs[h.owner]
+                    self._requeue(tr, tr.prompt_len() + h.generated)
+        self._snap = None
+        self._revision += 1
+        self._push(self.now + self.cfg.restart_s, UP, change.launch)
+
+    def _requeue(self, tr: Traj, tokens: int) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ layout
     def _plan(self) -> None:
         interval = self.policy.plan_interval_s

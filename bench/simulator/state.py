@@ -59,6 +59,8 @@ class Traj:
     phase: Phase = Phase.QUEUED
     hashes: list[int] = field(default_factory=list)
     dispatched_at: float = 0.0
+    partial: int = 0  # tokens of the running call generated before a relayout moved it
+    request: str = ""  # the engine request of the running call
     enqueued_at: float = 0.0
     finished_at: float | None = None
     cached_view: TrajectoryView | None = None

@@ -59,6 +59,8 @@ class Simulator(Protocol):
 
     def push_pause(self, t: float) -> None: ...
 
+    def relayout_at_pause(self) -> None: ...
+
     def push_resume(self, t: float) -> None: ...
 
 
@@ -143,6 +145,7 @@ class WeightUpdater:
             elif self.mode == "abort-and-continue":
                 self._abort(sim, inst.id)
             inst.engine.kv.reset_prefix_cache()
+        sim.relayout_at_pause()
         sim.push_resume(sim.now + self.update_s)
 
     def _abort(self, sim: Simulator, iid: str) -> None:

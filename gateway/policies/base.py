@@ -232,7 +232,9 @@ class Policy(Protocol):
     Call order per trajectory: ``observe`` after every completed call and at the end;
     ``on_tool_gap`` when a call completes and the trajectory goes to its tool; pending
     calls go through ``schedule`` whenever the queue or a slot changes; ``plan`` every
-    ``plan_interval_s`` of driver time (never when it is None).
+    ``plan_interval_s`` of driver time (never when it is None). A driver that pauses the
+    engines for a weight push may also call ``at_pause(snap) -> Relayout | None`` where a
+    policy has it (:class:`~gateway.policies.compose.ComposedPolicy` does).
     """
 
     name: str

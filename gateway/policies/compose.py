@@ -157,6 +157,12 @@ class ComposedPolicy:
         self.placer.refresh(snap, preds)
         return self.planner.plan(snap, preds)
 
+    def at_pause(self, snap: Snapshot) -> Relayout | None:
+        """The engines are paused for a weight push (a step mode that never lets the pool
+        idle changes layout here, if anywhere): the planner's relayout, if it has one."""
+        hook = getattr(self.planner, "at_pause", None)
+        return None if hook is None else hook(snap)
+
 
 def up_instances(snap: Snapshot) -> list[InstanceView]:
     return [i for i in snap.instances if i.up]

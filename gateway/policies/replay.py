@@ -109,15 +109,18 @@ class StepRecorder:
                 self._done.append(seen)
             del self._live[traj.id]
 
-    def close(self) -> None:
+    def close(self, keep_live: bool = False) -> None:
         """End the step: its finished trajectories, in the order they arrived, are the
-        new sample (a step that finished none keeps the old one)."""
+        new sample (a step that finished none keeps the old one). ``keep_live``: the
+        trajectories still running go on into the next sample (a weight push under a
+        step mode that never drains the pool), else they are forgotten."""
         if self._done:
             done = sorted(self._done, key=lambda d: d.order)
             self.sample = [d.turns for d in done]
             self.prompts = [d.prompt for d in done]
             self._done.clear()
-        self._live.clear()
+        if not keep_live:
+            self._live.clear()
 
 
 def _step_s(sp: TPSpeed, n: int, ctx: float) -> float:
@@ -351,6 +354,31 @@ class ReplayPlanner(LanePlanner):
             self.choice = self.layout_for(gpus)
         return self.choice
 
+    def at_pause(self, snap: Snapshot) -> Relayout | None:
+        """The engines are paused for a weight push. Where the step mode never lets the
+        pool go idle (async, carried groups), :meth:`plan` never relays it out, so the
+        layout changes here: the trajectories finished since the last choice are the
+        sample, and every instance is replaced by the chosen layout (the calls they ran
+        go on, re-prefilled, on the new instances; the engine start beyond the push is the
+        cost, which the 3% gain a new choice needs stands for)."""
+        self.speeds, self.gpus, self.time_scale = snap.speeds, snap.total_gpus, snap.time_scale
+        if not snap.total_gpus or any(not i.up for i in snap.instances):
+            return None
+        self.recorder.close(keep_live=True)
+        if not self.recorder.sample:
+            return None  # nothing finished yet: the layout it runs is what gets measured
+        self._choose(snap.total_gpus)
+        return self._relayout(snap, f"replay at the weight push: TP{self.bulk_tp} fastest "
+                                    "for the trajectories since the last push")
+
+    def _relayout(self, snap: Snapshot, reason: str) -> Relayout | None:
+        want = self.layout_for(snap.total_gpus)
+        have = sorted(i.tp for i in snap.instances)
+        if sorted(want) == have or sum(want) != sum(have):
+            return None
+        self.choice = want
+        return Relayout(tuple(i.id for i in snap.instances), want, reason)
+
     def plan(self, snap: Snapshot, preds: Mapping[str, Prediction]) -> Relayout | None:
         self.speeds = snap.speeds
         self.gpus = snap.total_gpus
@@ -360,10 +388,5 @@ class ReplayPlanner(LanePlanner):
         if (not self.recorder.sample or not snap.total_gpus or running
                 or any(not i.up for i in snap.instances)):
             return None  # nothing observed yet (the start layout is what gets measured)
-        want = self.layout_for(snap.total_gpus)
-        have = sorted(i.tp for i in snap.instances)
-        if sorted(want) == have or sum(want) != sum(have):
-            return None
-        self.choice = want
-        return Relayout(tuple(i.id for i in snap.instances), want,
-                        f"replay: TP{self.bulk_tp} fastest for the last step's workload")
+        return self._relayout(snap, f"replay: TP{self.bulk_tp} fastest for the last step's "
+                                    "workload")

@@ -140,3 +140,34 @@ def test_tokens_per_hour_counts_what_trains() -> None:
     by_samples = tail.samples_per_hour() / sync.samples_per_hour()
     by_tokens = tail.tokens_per_hour() / sync.tokens_per_hour()
     assert by_tokens < by_samples
+
+
+def _tokens_per_s(run: Any) -> float:
+    return sum(run.trained_tokens[1:]) / (run.train_ends[-1] - run.train_ends[0])
+
+
+def test_replay_changes_layout_at_weight_pushes_under_async(monkeypatch) -> None:
+    """Async never lets the pool idle, so replay's between-steps relayout never came:
+    it ran its first layout (the probe of every degree) for good. It now relays out while
+    the engines are paused for a push, every call on a retired instance going on from its
+    tokens on the new ones: at the band's low end it keeps up with async pinned to the
+    best layout (TP2), and without the hook it does not."""
+    sc = LoopScenario("math-code", "replay", mode="async", gpus=16, prompts=8, steps=8,
+                      train_s=60.0, tp_efficiency="low")
+    loop = Loop(sc)
+    run = loop.run()
+    pinned = run_loop(replace(sc, policy="verl-tp2"))
+    assert loop.sim.stats.reconfigurations >= 1
+    assert sorted(i.tp for i in loop.sim.instances.values()) == [2] * 8
+    assert _tokens_per_s(run) >= 0.97 * _tokens_per_s(pinned)
+    # every trajectory that finished generated exactly its tokens: a moved call went on
+    # from where it was, nothing generated twice or skipped
+    assert loop.sim.weights is not None
+    for tid, per_version in loop.sim.weights.tokens.items():
+        tr = loop.sim.trajs[tid]
+        if tr.finished_at is not None and tid not in loop.sim.dropped:
+            assert sum(per_version.values()) == tr.spec.total_output, tid
+    import gateway.policies.compose as compose
+    monkeypatch.setattr(compose.ComposedPolicy, "at_pause", lambda self, snap: None)
+    stuck = run_loop(sc)
+    assert _tokens_per_s(stuck) < 0.9 * _tokens_per_s(pinned)
