@@ -36,6 +36,7 @@ from pydantic import (
 from backends.base import Launcher
 from backends.vllm_local import STREAM_INTERVAL
 from gateway.dispatch.layout import InstanceRequest, Slot, place
+from gateway.policies.replay import probe_layout
 
 
 class PoolSpecError(ValueError):
@@ -193,8 +194,10 @@ class PoolSpec(_Strict):
     model: str = Field(min_length=1, description="the model name clients send")
     inventory: InventorySpec = InventorySpec()
     launcher: LauncherSpec
-    layout: list[LayoutEntry] | None = Field(
-        None, description="initial instances (default: all GPUs as default_tp instances)")
+    layout: list[LayoutEntry] | Literal["probe"] | None = Field(
+        None, description="initial instances (default: all GPUs as default_tp instances); "
+        "'probe': one instance of every TP degree a node holds, the rest at the highest, so "
+        "the speed meter measures each degree before replay chooses")
     default_tp: int = Field(1, ge=1, description="TP of instances created by a resize")
     restart: RestartPolicy = RestartPolicy()
     drain_timeout_s: float = Field(600.0, ge=0)
@@ -214,7 +217,18 @@ class PoolSpec(_Strict):
         return self
 
     def requests(self) -> list[InstanceRequest]:
+        if self.layout == "probe":
+            return [InstanceRequest(tp=tp) for tp in self._probe()]
         return [r for entry in self.layout or () for r in entry.requests()]
+
+    def _probe(self) -> tuple[int, ...]:
+        """Per node, :func:`~gateway.policies.replay.probe_layout` of its GPUs (an instance
+        never spans nodes), largest first."""
+        out: list[int] = []
+        for node in self.inventory.nodes:
+            n = len(node.ids())
+            out += probe_layout(n, [d for d in (1, 2, 4, 8) if d <= n])
+        return tuple(sorted(out, reverse=True))
 
     def weights_path(self) -> str | None:
         """The checkpoint the launcher's engines load (vLLM's ``--model``); None where

@@ -105,7 +105,8 @@ def split_pool(spec: PoolSpec, n: int) -> list[dict[str, Any]]:
                 blocks[i].append({"name": node.name, "gpus": ids[i * size:(i + 1) * size]})
     free = [sum(len(b["gpus"]) for b in nodes) for nodes in blocks]
     layouts: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-    for entry in spec.layout or ():
+    entries = () if spec.layout == "probe" else spec.layout or ()
+    for entry in entries:
         for _ in range(entry.count):
             one = {**entry.model_dump(mode="json", exclude_none=True), "count": 1}
             k = next((i for i in range(n) if free[i] >= entry.tp), None)
@@ -118,7 +119,9 @@ def split_pool(spec: PoolSpec, n: int) -> list[dict[str, Any]]:
     for i in range(n):
         part = {**data, "inventory": {"nodes": blocks[i]}}
         part.pop("layout", None)
-        if spec.layout is not None:
+        if spec.layout == "probe":  # each shard probes every degree of its own GPUs
+            part["layout"] = "probe"
+        elif spec.layout is not None:
             part["layout"] = layouts[i]
         state = part["launcher"].get("state_dir")
         if state:

@@ -119,3 +119,18 @@ def test_a_simulated_pool_sets_its_engines_context() -> None:
     assert context({"profile": "llama3.1-8b"}) == 131072
     with pytest.raises(PoolSpecError, match="max_model_len"):
         parse_pool_spec({"model": "m", "launcher": {"kind": "sim", "max_model_len": 0}})
+
+
+def test_a_probe_layout_runs_every_degree_each_node_holds() -> None:
+    """``layout: probe``: replay chooses from speeds the engines measured, and a degree
+    no engine ran borrows another's; the probe start has every degree measured (per node:
+    an instance never spans two)."""
+    one = parse_pool_spec({"model": "m", "inventory": {"gpus": 16}, "launcher": {"kind": "sim"},
+                           "layout": "probe"})
+    assert [r.tp for r in one.requests()] == [8, 4, 2, 1, 1]
+    two = parse_pool_spec({"model": "m", "launcher": {"kind": "sim"}, "layout": "probe",
+                           "inventory": {"nodes": [{"name": "a", "gpus": 8},
+                                                   {"name": "b", "gpus": 4}]}})
+    assert [r.tp for r in two.requests()] == [4, 2, 2, 1, 1, 1, 1]
+    placed = place(two.requests(), two.inventory.slots(), "m")
+    assert sum(len(p.gpus) for p in placed) == 12

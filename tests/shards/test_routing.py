@@ -176,3 +176,7 @@ def test_a_pool_splits_into_gpu_blocks_and_backends_round_robin() -> None:
         split_pool(parse_pool_spec({"model": "m", "inventory": {"gpus": 8},
                                     "launcher": {"kind": "sim"}, "layout": [{"tp": 8}]}), 2)
     assert split_backends(["a", "b", "c", "d", "e"], 2) == [["a", "c", "e"], ["b", "d"]]
+    probe = split_pool(parse_pool_spec({"model": "m", "inventory": {"gpus": 8},
+                                        "launcher": {"kind": "sim"}, "layout": "probe"}), 2)
+    # each shard probes every degree its own four GPUs hold
+    assert [[r.tp for r in parse_pool_spec(p).requests()] for p in probe] == [[2, 1, 1]] * 2
