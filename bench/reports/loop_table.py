@@ -54,6 +54,12 @@ def loop_table(root: Path) -> str:
             notes.append(f"- `{rel}` is from the simulator before trained tokens per hour "
                          "were recorded and before staleness counted from a trajectory's "
                          "start: its `async` and `overprovisioned` rows are to be rerun")
+        if "beliefs" not in doc and any("@replay" in name for cell in doc["cells"].values()
+                                        for part in cell["ratios"].values()
+                                        for name in part["rows"]):
+            notes.append(f"- `{rel}` predates `replay`'s probe step, the live speed beliefs "
+                         "and its relayout at weight pushes (issue 44): its `@replay` rows "
+                         "are to be rerun (`docs/step-modes.md` has the 16-GPU measurement)")
         for key, cell in doc["cells"].items():
             workload, band = key.split("/")
             if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not

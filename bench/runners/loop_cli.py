@@ -81,7 +81,10 @@ def loop(
     ratios = train_ratio or [0.25]
     per_cell = cell_count(len(STATIC), len(modes), len(pols), seeds, screen_seeds, len(ratios))
     doc: dict[str, Any] = {"command": " ".join(["rollout-gateway", "bench", "loop",
-                                                *sys.argv[3:]]), "cells": {}}
+                                                *sys.argv[3:]]), "cells": {},
+                           # policies believe what the engines measured (LoopScenario),
+                           # and replay relays out at weight pushes (its at_pause)
+                           "beliefs": "live"}
     with Progress(transient=False) as prog:
         task = prog.add_task(f"{len(wls) * len(bands)} cells, {per_cell} runs each",
                              total=per_cell * len(wls) * len(bands))
