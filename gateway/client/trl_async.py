@@ -159,6 +159,7 @@ class GatewayRolloutWorker:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._progress = time.monotonic()
+        self._waiting_on_trainer = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -196,6 +197,8 @@ class GatewayRolloutWorker:
                 from self._error
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the gateway rollout worker is not running")
+        if self._waiting_on_trainer:
+            return  # the trainer has not synced the version the next batch waits for
         idle = time.monotonic() - self._progress
         if idle > stale_after_s:
             raise TimeoutError(f"the gateway rollout worker gave no batch in {idle:.0f} s "
@@ -263,8 +266,14 @@ class GatewayRolloutWorker:
         """Block until the trainer has synced ``version`` (see the module: batch ``k + 1``
         is taken once version ``k`` is on the engines)."""
         with self._cond:
-            while self._version < version and not self._stopping.is_set():
-                self._cond.wait(timeout=1.0)
+            self._waiting_on_trainer = True
+            try:
+                while self._version < version and not self._stopping.is_set():
+                    self._cond.wait(timeout=1.0)
+            finally:
+                # the time spent waiting was the trainer's: the batch clock starts now
+                self._progress = time.monotonic()
+                self._waiting_on_trainer = False
 
     def _hand_over(self, batch: StepBatch, index: int) -> None:
         samples = list(batch.samples.samples)

@@ -12,6 +12,7 @@ import copy
 import json
 import queue
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,31 @@ def test_a_worker_that_cannot_reach_the_gateway_says_so() -> None:
             worker.check_health(stale_after_s=600)
     finally:
         worker.stop()
+
+
+def test_time_waiting_for_the_trainer_is_not_the_workers() -> None:
+    """The worker takes batch k+1 only once TRL synced version k; a trainer slower than
+    ``stale_after_s`` must not make TRL's health check call the worker stuck."""
+    worker = GatewayRolloutWorker("http://127.0.0.1:9", _two_turns, ["p"], groups=1,
+                                  group_size=1)
+    worker._progress -= 3600  # the last batch was handed over an hour ago
+    waiting = threading.Thread(target=worker._wait_for_version, args=(1,), daemon=True)
+    worker._thread = waiting
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not worker._waiting_on_trainer:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.check_health(stale_after_s=60)  # waiting on the trainer: not stale
+    worker.update_model_version(1)
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
+    worker._thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    worker._thread.start()
+    worker.check_health(stale_after_s=60)  # the batch clock restarted when the wait ended
+    worker._progress -= 120
+    with pytest.raises(TimeoutError, match="gave no batch"):
+        worker.check_health(stale_after_s=60)
 
 
 def _sample(versions: list[str]) -> Sample:
