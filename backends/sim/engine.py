@@ -248,6 +248,8 @@ class EngineCore:
             if seq.num_computed == seq.num_tokens:
                 seq.num_output += 1
                 out.emitted[seq.req.id] = 1
+                if seq.num_output == 1:
+                    out.first.append(seq.req.id)
                 if seq.num_output == seq.target:
                     done.append(seq)
         ms = self.profile.step_ms(

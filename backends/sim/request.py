@@ -121,5 +121,6 @@ class StepOutput:
     num_steps: int = 1
     num_batched_tokens: int = 0
     emitted: dict[str, int] = field(default_factory=dict)
+    first: list[str] = field(default_factory=list)  # requests that emitted their first token
     finished: list[tuple[str, FinishReason]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)

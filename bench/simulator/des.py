@@ -259,18 +259,6 @@ class Simulator(Reconfiguring):
             self._dispatch(self.trajs[call.trajectory_id], self.instances[d.instance],
                            d.priority)
 
-    def _requeue(self, tr: Traj, tokens: int) -> None:
-        """A running call whose instance a relayout retired: back to the queue, to go on
-        from ``tokens`` (its prompt and what it generated) wherever it is placed next."""
-        tr.partial = tokens - tr.prompt_len()
-        tr.llm_s += self.now - tr.dispatched_at
-        tr.instance = None
-        tr.phase = Phase.QUEUED
-        tr.enqueued_at = self.now
-        self._changed(tr)
-        key = f"{tr.spec.id}#{tr.turn}"
-        self.pending[key] = PendingCall(key, tr.spec.id, tr.turn, tr.prompt_len(), self.now)
-
     def _call_failed(self, tr: Traj) -> None:
         """The step failed this call (the policy raised on it): the harness gives up."""
         self.stats.failed_calls += 1
@@ -387,9 +375,9 @@ class Simulator(Reconfiguring):
         out = self.outputs.pop(inst.id)
         self.stats.preemptions += len(out.preempted)
         if self.beliefs is not None:
-            for rid in out.emitted:
+            for rid in out.first:
                 if self.req_owner.get(rid):  # a prewarm's token is no call's
-                    self.first_token.setdefault(rid, self.now)
+                    self.first_token[rid] = self.now
         if self.weights is not None:
             for rid, n in out.emitted.items():
                 owner = self.req_owner[rid]

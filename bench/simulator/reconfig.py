@@ -10,7 +10,7 @@ from typing import Protocol
 from backends.sim.profiles import LatencyProfile
 from bench.simulator.state import Instance, SimStats, Traj
 from bench.simulator.weights import WeightUpdater
-from gateway.policies.base import InstanceState, Policy, Relayout, Snapshot
+from gateway.policies.base import InstanceState, PendingCall, Phase, Policy, Relayout, Snapshot
 
 PLAN, UP, PAUSE, RESUME = 1, 2, 4, 5  # event kinds (bench.simulator.des has the others)
 
@@ -30,6 +30,7 @@ class Reconfiguring:
     instances: dict[str, Instance]
     trajs: dict[str, Traj]
     req_owner: dict[str, str]
+    pending: dict[str, PendingCall]
     relayouts: dict[int, tuple[Relayout, set[str]]]
     stats: SimStats
     weights: WeightUpdater | None
@@ -42,6 +43,9 @@ class Reconfiguring:
         raise NotImplementedError
 
     def _kick(self, inst: Instance) -> None:
+        raise NotImplementedError
+
+    def _changed(self, tr: Traj) -> None:
         raise NotImplementedError
 
     def _next_id(self) -> int:
@@ -102,7 +106,16 @@ class Reconfiguring:
         self._push(self.now + self.cfg.restart_s, UP, change.launch)
 
     def _requeue(self, tr: Traj, tokens: int) -> None:
-        raise NotImplementedError
+        """A running call whose instance a relayout retired: back to the queue, to go on
+        from ``tokens`` (its prompt and what it generated) wherever it is placed next."""
+        tr.partial = tokens - tr.prompt_len()
+        tr.llm_s += self.now - tr.dispatched_at
+        tr.instance = None
+        tr.phase = Phase.QUEUED
+        tr.enqueued_at = self.now
+        self._changed(tr)
+        key = f"{tr.spec.id}#{tr.turn}"
+        self.pending[key] = PendingCall(key, tr.spec.id, tr.turn, tr.prompt_len(), self.now)
 
     # ------------------------------------------------------------------ layout
     def _plan(self) -> None:

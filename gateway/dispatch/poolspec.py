@@ -36,6 +36,7 @@ from pydantic import (
 from backends.base import Launcher
 from backends.vllm_local import STREAM_INTERVAL
 from gateway.dispatch.layout import InstanceRequest, Slot, place
+from gateway.dispatch.speeds import TP_DEGREES
 from gateway.policies.replay import probe_layout
 
 
@@ -227,7 +228,7 @@ class PoolSpec(_Strict):
         out: list[int] = []
         for node in self.inventory.nodes:
             n = len(node.ids())
-            out += probe_layout(n, [d for d in (1, 2, 4, 8) if d <= n])
+            out += probe_layout(n, [d for d in TP_DEGREES if d <= n])
         return tuple(sorted(out, reverse=True))
 
     def weights_path(self) -> str | None:

@@ -168,3 +168,17 @@ def test_unknown_profile_lists_the_available_ones() -> None:
         load_profile("gpt-5", "H100", 1)
     tp8 = load_profile("QWEN3-14B", "h100", 8)
     assert tp8.tp_comm_ms(1) > 0.0 == load_profile("qwen3-14b", "H100", 1).tp_comm_ms(1)
+
+
+def test_a_step_names_the_requests_that_emitted_their_first_token() -> None:
+    """``StepOutput.first``: once per request, at the step that ends its prefill (what a
+    stream's first byte is; the simulator measures decode speed from there)."""
+    eng = EngineCore(P14)
+    eng.add_request(SimRequest("a", _prompt(1, 100), 50, ignore_eos=True))
+    eng.add_request(SimRequest("b", _prompt(2, 30_000), 50, ignore_eos=True))  # chunked
+    _, outs = _run(eng)
+    firsts = [rid for o in outs for rid in o.first]
+    assert sorted(firsts) == ["a", "b"]
+    for rid in ("a", "b"):
+        at = next(i for i, o in enumerate(outs) if rid in o.first)
+        assert rid not in {r for o in outs[:at] for r in o.emitted}  # nothing before it
