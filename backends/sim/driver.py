@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.sim.clock import Clock
+from backends.sim.clock import Clock, WallClock
 from backends.sim.engine import EngineCore
 from backends.sim.request import FinishReason, SimRequest, StepOutput
 
@@ -163,6 +163,8 @@ class SimEngine:
             now = self.clock.now()
             if now > t_free + self.tick_s:  # fell behind: let simulated time slip
                 self.lag_s += now - t_free - self.tick_s
+                if isinstance(self.clock, WallClock):
+                    self.clock.fell_behind(self, now - t_free - self.tick_s)
                 t_free = now - self.tick_s
             start = t_free
             version = self.weight_version  # it only changes while paused, between batches

@@ -36,7 +36,7 @@ class SimLauncher:
                  startup_s: float = 10.8) -> None:
         self.template = template or SimServerConfig()
         self.host = host
-        self.startup_s = startup_s  # simulated seconds, divided by the speed factor
+        self.startup_s = startup_s  # simulated seconds, on the server's clock
         self._running: dict[str, LaunchedInstance] = {}
 
     def config_for(self, spec: InstanceSpec) -> SimServerConfig:
@@ -51,7 +51,7 @@ class SimLauncher:
             config.profile()
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
-        await asyncio.sleep(self.startup_s / config.speed)
+        await config.make_clock().sleep(self.startup_s)
         sock = bind(self.host, 0)
         server = sim_server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.sim.chat import ToolCall
-from backends.sim.clock import WallClock
+from backends.sim.clock import WallClock, shared_clock
 from backends.sim.driver import SimEngine
 from backends.sim.engine import EngineCore, SchedulingPolicy
 from backends.sim.metrics import ServerMetrics
@@ -64,6 +64,13 @@ class SimServerConfig:
     #: the checkpoint it "loads" at start (a simulated server has no weights; this is what
     #: it reports, as vLLM's ``/v1/models`` root names the model it loaded)
     weights_path: str | None = None
+    #: run on the process-wide clock of this name (:func:`backends.sim.clock.shared_clock`,
+    #: made at ``speed``) instead of one of its own, so the embedding process can slow
+    #: every server together (the demo, when the host falls behind)
+    clock: str | None = None
+
+    def make_clock(self) -> WallClock:
+        return shared_clock(self.clock, self.speed) if self.clock else WallClock(self.speed)
 
     @property
     def served_name(self) -> str:
@@ -91,7 +98,7 @@ class SimState:
                                scheduling_policy=config.scheduling_policy,
                                enable_prefix_caching=config.enable_prefix_caching,
                                seed=config.seed)
-        self.engine = SimEngine(self.core, WallClock(config.speed),
+        self.engine = SimEngine(self.core, config.make_clock(),
                                 tick_s=config.tick_real_s * config.speed)
         self.metrics = ServerMetrics(self.engine, config.served_name)
         self.engine.on_finished = self.metrics.on_finished

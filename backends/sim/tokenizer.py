@@ -285,12 +285,15 @@ class SimTokenizer:
         """The piece one id stands for (a byte token shows as ``<0xNN>``, like vLLM)."""
         if token_id < NUM_BYTE_TOKENS:
             return f"<0x{token_id:02X}>"
-        return self.decode([token_id])
+        if token_id < len(self._id_to_str):
+            return self._id_to_str[token_id]
+        return self._implicit(token_id)
 
     def token_bytes(self, token_id: int) -> list[int]:
+        """The piece's UTF-8 bytes (a fresh list: callers may keep or change it)."""
         if token_id < NUM_BYTE_TOKENS:
             return [token_id]
-        return list(self.decode([token_id]).encode("utf-8"))
+        return list(self.token_str(token_id).encode("utf-8"))
 
     def sample_words(self, rng: random.Random, n: int) -> list[int]:
         """``n`` pseudo-random word tokens (the simulated model's "thoughts")."""

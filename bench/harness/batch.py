@@ -9,7 +9,9 @@ and carrying the outcome's tell-tale text (a traceback, a timeout) as real tools
 Finished trajectories report their reward to the gateway.
 
 Time compression: the simulated servers run ``speed`` times faster than real time, and
-the harness divides every tool and setup latency by the same factor.
+the harness divides every tool and setup latency by the same factor, or, given the
+servers' clock (``HarnessConfig.clock``), waits on that clock, so that a clock slowed
+while the batch runs slows the agents with it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
 import openai
 
+from backends.sim.clock import Clock
 from bench.workloads import TrajectorySpec, Turn
 
 _WORDS = (" the", " of", " to", " and", " in", " is", " it", " that", " for", " on", " with",
@@ -52,6 +55,17 @@ class HarnessConfig:
     #: wait the workload's reward-computation time before finishing (real rollouts do;
     #: ``bench live`` turns it off to measure what ``bench sim`` measures)
     reward_latency: bool = True
+    #: the simulated pool's clock, when it may slow down while the batch runs (the demo):
+    #: the agents wait on it and results are in its seconds. None: wall time, waits
+    #: divided by ``speed``, results converted by it
+    clock: Clock | None = None
+
+    def timebase(self) -> tuple[Callable[[], float], Callable[[float], Awaitable[None]], float]:
+        """(now, sleep for simulated seconds, simulated seconds per unit of ``now``)."""
+        if self.clock is not None:
+            return self.clock.now, self.clock.sleep, 1.0
+        speed = self.speed
+        return time.monotonic, lambda s: asyncio.sleep(s / speed), speed
 
 
 @dataclass(slots=True)
@@ -87,7 +101,7 @@ class BatchResult:
     start: float
     end: float
     trajectories: list[TrajectoryResult]
-    speed: float
+    speed: float  # simulated seconds per unit of start/end (1.0 when they are simulated)
 
     @property
     def makespan_s(self) -> float:
@@ -110,6 +124,7 @@ class Agent:
         self.spec = spec
         self.cfg = cfg
         self.rng = random.Random(f"{cfg.seed}:{spec.id}")
+        self._now, self._sleep, _ = cfg.timebase()
         base = f"{cfg.gateway_url}/g/{spec.group_id}/t/{spec.id}/v1"
         self.client = openai.AsyncOpenAI(base_url=base, api_key="EMPTY", http_client=http,
                                          max_retries=0, timeout=cfg.request_timeout_s)
@@ -145,27 +160,27 @@ class Agent:
         return {"role": "user", "name": tool or "tool", "content": text}
 
     async def run(self) -> TrajectoryResult:
-        spec, speed = self.spec, self.cfg.speed
-        result = TrajectoryResult(spec.id, spec.group_id, time.monotonic())
+        spec, now, sleep = self.spec, self._now, self._sleep
+        result = TrajectoryResult(spec.id, spec.group_id, now())
         try:
-            await asyncio.sleep(spec.setup_s / speed)
-            result.setup_s = time.monotonic() - result.start
+            await sleep(spec.setup_s)
+            result.setup_s = now() - result.start
             for turn in spec.turns:
-                t0 = time.monotonic()
+                t0 = now()
                 text, n = await self._llm(turn)
-                t1 = time.monotonic()
+                t1 = now()
                 self.messages.append({"role": "assistant", "content": text})
                 result.turns.append(TurnResult(t0, t1, n, turn.tool_s))
                 if turn.obs_tokens or turn.tool_s:
-                    await asyncio.sleep(turn.tool_s / speed)
+                    await sleep(turn.tool_s)
                     self.messages.append(self._observe(turn))
             if self.cfg.reward_latency:
-                t0 = time.monotonic()
-                await asyncio.sleep(spec.reward_s / speed)
-                result.reward_s = time.monotonic() - t0
+                t0 = now()
+                await sleep(spec.reward_s)
+                result.reward_s = now() - t0
         except (openai.APIError, httpx2.HTTPError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
-        result.end = time.monotonic()
+        result.end = now()
         return result
 
 
@@ -186,7 +201,8 @@ async def run_batch(
     limits = httpx2.Limits(max_connections=len(specs) + 16, max_keepalive_connections=len(specs))
     # the openai client's own transport (httpx2), shared by every agent of the batch
     async with openai.DefaultAsyncHttpxClient(limits=limits, timeout=cfg.request_timeout_s) as http:
-        start = time.monotonic()
+        now, _, per_unit = cfg.timebase()
+        start = now()
 
         async def one(spec: TrajectorySpec) -> TrajectoryResult:
             res = await Agent(spec, cfg, http).run()
@@ -197,4 +213,4 @@ async def run_batch(
             return res
 
         results = await asyncio.gather(*(one(s) for s in specs))
-        return BatchResult(start, time.monotonic(), list(results), cfg.speed)
+        return BatchResult(start, now(), list(results), per_unit)

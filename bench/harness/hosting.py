@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
@@ -27,6 +29,26 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[no-untyped-def]
         yield
+
+
+@contextlib.contextmanager
+def rare_full_collections(every: int = 500) -> Iterator[None]:
+    """Python's full garbage collections ``every`` young ones instead of every 10 while
+    the block runs (and the heap built so far frozen out of them).
+
+    A process that holds a pool's worth of simulated engines, the gateway and the agents
+    keeps millions of token ids alive; a full collection walks all of them (~300 ms on
+    the 2-core machine, 22 times in 80 s of the demo, at 3x collecting a few dozen
+    objects each) and every engine on the event loop loses that much simulated time.
+    Young collections still run, so short-lived cycles are still freed."""
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(old[0], old[1], every)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -45,10 +67,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(settings: Settings) -> AsyncIterator[str]:
-    """Run the gateway on ``settings.server`` until the block exits; yields its URL."""
+async def serve_gateway(settings: Settings, app: FastAPI | None = None) -> AsyncIterator[str]:
+    """Run the gateway (``app``, default ``create_app(settings)``) on ``settings.server``
+    until the block exits; yields its URL."""
     host, port = settings.server.host, settings.server.port
-    config = uvicorn_config(create_app(settings), settings, log_level="warning",
+    config = uvicorn_config(app or create_app(settings), settings, log_level="warning",
                             lifespan="on", timeout_graceful_shutdown=5)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
@@ -135,12 +158,15 @@ SIM_STARTUP_S: float = DispatchSettings.model_fields["restart_s"].default
 
 
 def sim_pool_spec(path: Path, layout: Sequence[int], *, model: str, gpu: str, speed: float,
-                  seed: int = 0, startup_s: float = SIM_STARTUP_S) -> Path:
+                  seed: int = 0, startup_s: float = SIM_STARTUP_S,
+                  clock: str | None = None) -> Path:
     """Write a managed-pool spec (``--pool``) for ``layout`` (TP per instance) on
-    ``sum(layout)`` simulated GPUs, started by the in-process sim launcher."""
+    ``sum(layout)`` simulated GPUs, started by the in-process sim launcher (on the shared
+    clock ``clock``, if named: :func:`backends.sim.clock.shared_clock`)."""
     spec = {"model": model, "inventory": {"gpus": sum(layout)},
             "launcher": {"kind": "sim", "profile": model, "gpu": gpu, "speed": speed,
-                         "seed": seed, "startup_s": startup_s},
+                         "seed": seed, "startup_s": startup_s,
+                         "options": {"clock": clock} if clock else {}},
             "layout": [{"tp": tp} for tp in layout]}
     path.write_text(json.dumps(spec, indent=2))
     return path
@@ -163,13 +189,14 @@ async def wait_routable(http: httpx.AsyncClient, gateway: str, count: int,
 @contextlib.asynccontextmanager
 async def pool_settings(spec_path: Path, layout: Sequence[int], *, model: str, gpu: str,
                         speed: float, seed: int,
-                        static: contextlib.AbstractAsyncContextManager[list[str]] | None = None
-                        ) -> AsyncIterator[dict[str, Any]]:
+                        static: contextlib.AbstractAsyncContextManager[list[str]] | None = None,
+                        clock: str | None = None) -> AsyncIterator[dict[str, Any]]:
     """``Settings`` fields for a simulated pool: a managed one (a spec file at
-    ``spec_path``), or, with ``static``, the backends that fixed pool yields while open."""
+    ``spec_path``, its servers on the shared clock ``clock`` if named), or, with
+    ``static``, the backends that fixed pool yields while open."""
     if static is None:
         yield {"pool": sim_pool_spec(spec_path, layout, model=model, gpu=gpu, speed=speed,
-                                     seed=seed)}
+                                     seed=seed, clock=clock)}
         return
     async with static as backends:
         yield {"backends": backends}

@@ -118,12 +118,24 @@ class Scheduler:
                 w.future.set_exception(Overloaded("the gateway is shutting down"))
         self._waiting.clear()
 
+    @property
+    def time_scale(self) -> float:
+        """Policy seconds per wall second: ``DispatchSettings.time_scale``, until an
+        embedding process whose simulated pool slows its clock says otherwise
+        (:meth:`set_time_scale`, the demo)."""
+        return self.meter.time_scale
+
+    def set_time_scale(self, scale: float) -> None:
+        if scale <= 0:
+            raise ValueError(f"time_scale must be positive, got {scale}")
+        self.meter.time_scale = scale
+
     async def _tick(self) -> None:
         """The periodic pass: aging priorities, the watchdog, the policy's ``plan``."""
         self.kick()
         self.watch()
         interval = self.policy.plan_interval_s
-        if interval and self.clock() - self._last_plan >= interval / self.settings.time_scale:
+        if interval and self.clock() - self._last_plan >= interval / self.time_scale:
             self._last_plan = self.clock()
             await self._plan()
 
@@ -315,7 +327,7 @@ class Scheduler:
             now=self.wall(), total_gpus=sum(i.gpus for i in instances), instances=instances,
             trajectories=LiveTrajectories(self.tracker), groups=Groups(self.tracker),
             speeds=self.meter.current(), restart_s=self.settings.restart_s,
-            finished=self.tracker.finished_count, time_scale=self.settings.time_scale)
+            finished=self.tracker.finished_count, time_scale=self.time_scale)
 
     # ------------------------------------------------------------------ hooks
     def call_completed(self, state: TrajectoryState, *, ok: bool) -> None:
