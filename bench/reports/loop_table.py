@@ -31,16 +31,19 @@ def _row(workload: str, band: str, name: str, row: dict[str, Any]) -> str:
            f"{row['lag2_share'] + row['lag3plus_share']:.0%}")
     tokens = (f"{row['tokens_per_hour'] / 1e6:.2f} | {_x(row['tokens_vs_best_sync'])}"
               if "tokens_per_hour" in row else "not recorded | not recorded")
+    sandboxes = (f"{row['sandboxes_mean']:.0f} / {row['sandboxes_peak']:.0f}"
+                 if "sandboxes_mean" in row else "not recorded")
     return (f"| {workload} | {band} | `{name}` | {tokens} | {row['samples_per_hour']:.0f} | "
             f"{_x(row['vs_best_sync'])} | {lag} | {row['wasted_share']:.0%} | "
-            f"{row['idle_share']:.0%} | {row['length_bias']:.2f} |")
+            f"{row['idle_share']:.0%} | {row['length_bias']:.2f} | {sandboxes} |")
 
 
 def loop_table(root: Path) -> str:
     out = ["| workload | TP efficiency | mode @ layout | trained tokens/h (M) | x best static "
            "sync, tokens (paired 95% CI) | samples/h | x best static sync, samples | trained "
-           "tokens 0 / 1 / 2+ versions stale | wasted tokens | pool idle | length bias |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "tokens 0 / 1 / 2+ versions stale | wasted tokens | pool idle | length bias | "
+           "tool sandboxes mean / peak |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     commands, notes, seen = [], [], set[str]()
     for rel in LOOP:
         path = root / BENCH / rel

@@ -29,6 +29,7 @@ from typing import Any
 from bench.simulator.loop import run_loop
 from bench.simulator.loop_run import LoopRun, LoopScenario
 from bench.simulator.steps import interval, paired_ratio
+from bench.workloads import load_workloads
 
 STATIC = ("verl-tp1", "verl-tp2", "verl-tp4", "verl-tp8")
 #: the step modes a cell runs besides ``sync``: name -> LoopScenario fields
@@ -39,7 +40,9 @@ MODE_RUNS: dict[str, dict[str, Any]] = {
     "tail-batching": {"mode": "tail-batching"},
 }
 SHARES = ("lag0_share", "lag1_share", "lag2_share", "lag3plus_share", "max_staleness",
-          "idle_share", "wasted_share", "length_bias", "restarts", "dropped_groups")
+          "idle_share", "wasted_share", "length_bias", "restarts", "dropped_groups",
+          "sandboxes_mean", "sandboxes_peak")
+PEAKS = ("max_staleness", "sandboxes_peak")
 
 
 def _run_all(todo: list[LoopScenario], jobs: int,
@@ -86,9 +89,13 @@ def _per_seed(runs: list[LoopRun], train_s: float, tokens: bool) -> dict[str, fl
         train_s if r.scenario.mode == "sync" else None) for r in runs}
 
 
-def _entry(runs: list[LoopRun], base: list[LoopRun], train_s: float) -> dict[str, Any]:
-    sph, tph = _per_seed(runs, train_s, False), _per_seed(runs, train_s, True)
-    sums = [r.summary(train_s if r.scenario.mode == "sync" else None) for r in runs]
+def _entry(runs: list[LoopRun], base: list[LoopRun], train_s: float,
+           own_train_s: float | None = None) -> dict[str, Any]:
+    """``runs`` against the best static sync ``base`` at trainer time ``train_s``
+    (``runs`` at ``own_train_s`` if given: a sync run with a larger batch trains longer)."""
+    own = train_s if own_train_s is None else own_train_s
+    sph, tph = _per_seed(runs, own, False), _per_seed(runs, own, True)
+    sums = [r.summary(own if r.scenario.mode == "sync" else None) for r in runs]
     mean, half = interval(list(sph.values()))
     out: dict[str, Any] = {"samples_per_hour": mean, "ci95": half, "per_seed": sph,
                            "seeds": len(runs)}
@@ -100,15 +107,20 @@ def _entry(runs: list[LoopRun], base: list[LoopRun], train_s: float) -> dict[str
     g, lo, hi = paired_ratio(tph, _per_seed(base, train_s, True))
     out["tokens_vs_best_sync"] = {"geomean": g, "ci95_low": lo, "ci95_high": hi}
     for k in SHARES:
-        out[k] = (max if k == "max_staleness" else statistics.fmean)(s[k] for s in sums)
+        out[k] = (max if k in PEAKS else statistics.fmean)(s[k] for s in sums)
     return out
 
 
 def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str],
              policies: Sequence[str], seeds: Sequence[int], screen_seeds: int,
-             train_ratios: Sequence[float], jobs: int,
+             train_ratios: Sequence[float], jobs: int, sync_batches: Sequence[int] = (),
              progress: Callable[[int], None] = lambda _: None) -> dict[str, Any]:
-    """One cell: the best static sync layout, then every mode at every trainer ratio."""
+    """One cell: the best static sync layout, then every mode at every trainer ratio.
+
+    ``sync_batches``: also ``sync`` on the best layout with k times the groups per step
+    (``sync x{k}``), its trainer taking k times as long (the trainer's time grows with
+    the batch): the baseline a sync user gets by raising the batch until the pool is
+    busy, which an asynchronous mode's concurrency has to beat."""
     best, sync_runs = best_sync(base, layouts, seeds, screen_seeds, jobs, progress)
     rollout = statistics.fmean(_rollout(r) for r in sync_runs[best])
     cell: dict[str, Any] = {
@@ -119,6 +131,10 @@ def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str]
     subjects = [best, *[p for p in policies if p != best]]
     other_sync = _run_all([replace(base, policy=p, mode="sync", seed=s, train_s=0.0)
                            for p in subjects[1:] for s in seeds], jobs, progress)
+    prompts = base.prompts or load_workloads()[base.workload]["prompts"]
+    bigger = {k: _run_all([replace(base, policy=best, mode="sync", seed=s, train_s=0.0,
+                                   prompts=prompts * k) for s in seeds], jobs, progress)
+              for k in sync_batches}
     for ratio in train_ratios:
         t = ratio * rollout
         best_runs = sync_runs[best]
@@ -128,6 +144,8 @@ def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str]
         rows: dict[str, Any] = {f"sync@{best}": _entry(best_runs, best_runs, t)}
         for j, p in enumerate(subjects[1:]):
             rows[f"sync@{p}"] = _entry(other_sync[j * len(seeds):][:len(seeds)], best_runs, t)
+        for k, runs in bigger.items():
+            rows[f"sync x{k}@{best}"] = _entry(runs, best_runs, t, own_train_s=k * t)
         for k, m in enumerate(modes):
             for j, who in enumerate(subjects):
                 part = done[(k * len(subjects) + j) * len(seeds):][:len(seeds)]
@@ -137,7 +155,7 @@ def run_cell(base: LoopScenario, *, layouts: Sequence[str], modes: Sequence[str]
 
 
 def cell_count(layouts: int, modes: int, policies: int, seeds: int, screen: int,
-               ratios: int) -> int:
+               ratios: int, batches: int = 0) -> int:
     """Runs one cell takes (for a progress bar)."""
-    return layouts * screen + (seeds - screen) + policies * seeds + ratios * (
+    return layouts * screen + (seeds - screen) + (policies + batches) * seeds + ratios * (
         modes * (1 + policies) * seeds)

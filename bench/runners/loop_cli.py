@@ -23,7 +23,8 @@ def _fmt(row: dict[str, Any]) -> str:
             f"({t['ci95_low']:.2f}-{t['ci95_high']:.2f})  {row['samples_per_hour']:6.0f} "
             f"samples/h {v['geomean']:.2f}x  staleness 0/1/2/3+ {lags} "
             f"(max {row['max_staleness']:.0f})  wasted {row['wasted_share']:.0%}  "
-            f"idle {row['idle_share']:.0%}  length bias {row['length_bias']:.2f}")
+            f"idle {row['idle_share']:.0%}  length bias {row['length_bias']:.2f}  "
+            f"sandboxes {row['sandboxes_mean']:.0f} (peak {row['sandboxes_peak']:.0f})")
 
 
 def loop(
@@ -40,6 +41,10 @@ def loop(
     model: Model = "qwen3-14b",
     gpu: Gpu = "H100",
     per_gpu: Annotated[int, typer.Option(help="trajectories per GPU per trainer step")] = 8,
+    sync_batch: Annotated[list[int] | None, typer.Option(
+        help="repeatable: also sync on the best layout with this many times the batch "
+             "(its trainer as many times longer; default 2 and 4: 16 and 32 per GPU at "
+             "--per-gpu 8); 1 or less: none")] = None,
     steps_: Annotated[int, typer.Option("--steps", help="trainer steps (1 is not reported)")]
     = 8,
     seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
@@ -79,7 +84,9 @@ def loop(
     bands = tp_efficiency or ["low", "calibrated"]
     points = [band_point(b, model, gpu) for b in bands]
     ratios = train_ratio or [0.25]
-    per_cell = cell_count(len(STATIC), len(modes), len(pols), seeds, screen_seeds, len(ratios))
+    batches = [k for k in (sync_batch if sync_batch is not None else [2, 4]) if k > 1]
+    per_cell = cell_count(len(STATIC), len(modes), len(pols), seeds, screen_seeds, len(ratios),
+                          len(batches))
     doc: dict[str, Any] = {"command": " ".join(["rollout-gateway", "bench", "loop",
                                                 *sys.argv[3:]]), "cells": {},
                            # policies believe what the engines measured (LoopScenario),
@@ -102,7 +109,7 @@ def loop(
                     raise typer.BadParameter(str(exc)) from None
                 cell = run_cell(base, layouts=STATIC, modes=modes, policies=pols,
                                 seeds=range(1, seeds + 1), screen_seeds=screen_seeds,
-                                train_ratios=ratios, jobs=jobs,
+                                train_ratios=ratios, jobs=jobs, sync_batches=batches,
                                 progress=lambda n: prog.advance(task, n))
                 key = f"{w}/{band}"
                 doc["cells"][key] = cell

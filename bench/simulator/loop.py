@@ -58,8 +58,20 @@ class LoopSim(Simulator):
     def __init__(self, policy: object, cfg: SimConfig, beliefs: SpeedMeter | None = None) -> None:
         super().__init__([], policy, cfg, beliefs=beliefs)  # type: ignore[arg-type]
         self.dropped: set[str] = set()
+        #: tool sandboxes: one held by every trajectory from its start to its end or drop
+        self.sandboxes = 0
+        self.sandbox_s = 0.0  # sandbox-seconds held so far
+        self.sandbox_peak = 0  # the most held at once since the trainer last took a batch
+        self._sandbox_t = 0.0
+
+    def hold(self, n: int) -> None:
+        self.sandbox_s += self.sandboxes * (self.now - self._sandbox_t)
+        self._sandbox_t = self.now
+        self.sandboxes += n
+        self.sandbox_peak = max(self.sandbox_peak, self.sandboxes)
 
     def add(self, specs: list[TrajectorySpec]) -> None:
+        self.hold(len(specs))
         for s in specs:
             tr = Traj(s, len(self.trajs))
             self.trajs[s.id] = tr
@@ -72,6 +84,7 @@ class LoopSim(Simulator):
         if tid in self.dropped or tr.phase is Phase.FINISHED:
             return
         self.dropped.add(tid)
+        self.hold(-1)
         key = f"{tid}#{tr.turn}"
         self.pending.pop(key, None)
         if tr.request and self.req_owner.get(tr.request):
@@ -96,6 +109,7 @@ class LoopSim(Simulator):
 
     def _finish(self, tr: Traj) -> None:
         if tr.spec.id not in self.dropped:
+            self.hold(-1)
             super()._finish(tr)
 
     def run_until(self, done: object) -> None:
@@ -325,6 +339,10 @@ class Loop:
         self.training = False
         self.run_.train_ends.append(self.sim.now)
         self.run_.busy_at_end.append(self.sim.stats.busy_gpu_s)
+        self.sim.hold(0)
+        self.run_.sandbox_s_at_end.append(self.sim.sandbox_s)
+        self.run_.sandbox_peaks.append(self.sim.sandbox_peak)
+        self.sim.sandbox_peak = self.sim.sandboxes
         if self.sc.mode in ("overprovisioned", "async"):
             self._enforce_staleness(self._version())
         if len(self.run_.train_ends) < self.sc.steps:

@@ -53,6 +53,8 @@ class LoopRun:
     train_ends: list[float] = field(default_factory=list)  # each step's push done
     rollout_s: list[float] = field(default_factory=list)  # sync: each round's rollout
     busy_at_end: list[float] = field(default_factory=list)  # GPU-seconds busy, per step
+    sandbox_s_at_end: list[float] = field(default_factory=list)  # tool sandbox-seconds held
+    sandbox_peaks: list[int] = field(default_factory=list)  # most sandboxes at once, per step
     samples: list[int] = field(default_factory=list)  # trajectories trained per step
     trained_tokens: list[int] = field(default_factory=list)  # output tokens trained per step
     lag_tokens: Counter[int] = field(default_factory=Counter)  # trained tokens by staleness
@@ -82,26 +84,32 @@ class LoopRun:
         return self._per_hour(self.trained_tokens, train_s)
 
     def _per_hour(self, per_step: list[int], train_s: float | None) -> float:
+        return 3600.0 * sum(per_step[1:]) / self._seconds(train_s)
+
+    def _seconds(self, train_s: float | None) -> float:
         sc = self.scenario
         if train_s is not None and sc.mode == "sync":
-            seconds = sum(r + train_s + sc.push_s for r in self.rollout_s[1:])
-        else:
-            seconds = self.train_ends[-1] - self.train_ends[0]
-        return 3600.0 * sum(per_step[1:]) / seconds
+            return sum(r + train_s + sc.push_s for r in self.rollout_s[1:])
+        return self.window()[0]
 
     def idle_share(self, train_s: float | None = None) -> float:
         """Share of the pool's GPU-seconds in steps 2..K with no engine step running
         (``train_s`` as in :meth:`samples_per_hour`)."""
-        seconds, _ = self.window()
-        sc = self.scenario
-        if train_s is not None and sc.mode == "sync":
-            seconds = sum(r + train_s + sc.push_s for r in self.rollout_s[1:])
         busy = self.busy_at_end[-1] - self.busy_at_end[0]
-        return max(0.0, 1.0 - busy / (self.scenario.gpus * seconds))
+        return max(0.0, 1.0 - busy / (self.scenario.gpus * self._seconds(train_s)))
+
+    def sandboxes(self, train_s: float | None = None) -> tuple[float, int]:
+        """Tool sandboxes (one per running trajectory) over steps 2..K: (mean held, most
+        at once). ``sync`` holds none while the trainer trains, so its mean falls with a
+        longer ``train_s`` (as in :meth:`samples_per_hour`)."""
+        held = self.sandbox_s_at_end[-1] - self.sandbox_s_at_end[0]
+        return held / self._seconds(train_s), max(self.sandbox_peaks[1:], default=0)
 
     def summary(self, train_s: float | None = None) -> dict[str, float]:
         trained = sum(self.lag_tokens.values())
-        out = {"samples_per_hour": self.samples_per_hour(train_s),
+        sandboxes, peak = self.sandboxes(train_s)
+        out = {"sandboxes_mean": sandboxes, "sandboxes_peak": float(peak),
+               "samples_per_hour": self.samples_per_hour(train_s),
                "tokens_per_hour": self.tokens_per_hour(train_s),
                "idle_share": self.idle_share(train_s),
                "wasted_share": self.wasted_tokens / max(1, self.generated_tokens),

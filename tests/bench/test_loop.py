@@ -171,3 +171,17 @@ def test_replay_changes_layout_at_weight_pushes_under_async(monkeypatch) -> None
     monkeypatch.setattr(compose.ComposedPolicy, "at_pause", lambda self, snap: None)
     stuck = run_loop(sc)
     assert _tokens_per_s(stuck) < 0.9 * _tokens_per_s(pinned)
+
+
+def test_tool_sandboxes_are_counted_per_running_trajectory() -> None:
+    """sync holds one round's sandboxes and none while the trainer trains; async keeps up
+    to (bound + 1) * B groups' worth running, which is what its concurrency costs."""
+    sync = run_loop(BASE).summary()
+    asyn = run_loop(replace(BASE, mode="async", max_staleness=1)).summary()
+    assert sync["sandboxes_peak"] == 64  # B=4 groups of 16, all started at once
+    assert 0 < sync["sandboxes_mean"] < 64
+    assert 64 < asyn["sandboxes_peak"] <= 2 * 64
+    assert asyn["sandboxes_mean"] > sync["sandboxes_mean"]
+    zero = run_loop(replace(BASE, train_s=0.0))
+    # the same rounds with the trainer's 20 s added: the sandbox-seconds are unchanged
+    assert zero.sandboxes(20.0)[0] == pytest.approx(sync["sandboxes_mean"], rel=0.01)
