@@ -8,6 +8,7 @@ green run means the rules hold, not that the checker saw nothing.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -122,3 +123,50 @@ def test_client_reaches_no_server_module(graph: grimp.ImportGraph) -> None:
     planted = grimp.build_graph(*PACKAGES)
     planted.add_import(importer="gateway.schema.samples", imported="gateway.store.models")
     assert planted.chain_exists("gateway.client", "gateway.store", as_packages=True)
+
+
+def _tree_sections(doc: str) -> dict[str, set[str]]:
+    """The "What lives where" block of docs/architecture.md: folder -> the names under it
+    (a folder line starts at column 0 with its path and a slash)."""
+    block = doc.split("## What lives where", 1)[1].split("```", 2)[1]
+    sections: dict[str, set[str]] = {}
+    current: set[str] | None = None
+    for line in block.splitlines():
+        head = re.match(r"^([a-z_]+(?:/[a-z_]+)*)/(?:\s|$)", line)
+        if head:
+            current = sections.setdefault(head.group(1), set())
+            current.update(re.findall(r"[A-Za-z_][\w-]*", line[head.end():]))
+        elif current is not None:
+            current.update(re.findall(r"[A-Za-z_][\w-]*", line))
+    return sections
+
+
+def test_architecture_doc_names_every_module() -> None:
+    sections = _tree_sections((ROOT / "docs" / "architecture.md").read_text())
+    missing = []
+    for pkg in LAYERS:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            folder = path.parent.relative_to(ROOT).as_posix()
+            if path.stem not in sections.get(folder, set()):
+                missing.append(f"{folder}/{path.name}")
+    assert not missing, f"docs/architecture.md's tree does not name: {', '.join(missing)}"
+
+
+def test_architecture_doc_names_every_bench_command() -> None:
+    from typer.main import get_command
+
+    from bench.cli import bench_app
+
+    names = list(getattr(get_command(bench_app), "commands", {}))
+    listed = _tree_sections((ROOT / "docs" / "architecture.md").read_text())["bench"]
+    assert len(names) >= 16
+    assert not [n for n in names if n not in listed], "bench commands missing from the doc"
+
+
+def test_the_doc_check_fails_on_a_module_it_does_not_name() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert "governor" in _tree_sections(doc)["bench/harness"]
+    without = doc.replace("  governor          slows", "  other             slows")
+    assert "governor" not in _tree_sections(without)["bench/harness"]
