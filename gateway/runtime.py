@@ -28,6 +28,7 @@ from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
+from gateway.failure_log import FailureLog
 from gateway.http_session import make_session
 from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.mismatch import MismatchBoard, mismatch_limits
@@ -42,6 +43,7 @@ from gateway.store.writer import TraceWriter
 from gateway.trajectories.expiry import Expiry
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.weights.live import LiveCalls
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,13 @@ class Runtime:
     weight_version: str
     restorer: Restorer
     ready: bool = True
-    extras: dict[str, object] = field(default_factory=dict)
+    #: calls with an upstream request open, by engine: what a weight update waits on
+    live_calls: LiveCalls = field(default_factory=LiveCalls)
+    #: the staleness bound in weight versions (``PUT /admin/staleness``; None: no bound)
+    max_staleness: int | None = None
+    #: weight-update jobs waiting for the trainer's push to end, by job id
+    trainer_pushes: dict[str, asyncio.Event] = field(default_factory=dict)
+    failure_log: FailureLog = field(default_factory=FailureLog)  # one line per failed call
     events: EventLog = field(default_factory=EventLog)
     monitor: Monitor = field(default_factory=Monitor)
     jobs: JobBook = field(default_factory=JobBook)

@@ -7,7 +7,6 @@ always drains first: no new calls, in-flight calls finish, then the backend goes
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Response
@@ -22,7 +21,7 @@ from gateway.dispatch.layout import InstanceRequest, LayoutError, slot_json
 from gateway.dispatch.pool import PoolManager
 from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.proxy.aborts import BOUND, enforce_staleness
+from gateway.proxy.aborts import enforce_staleness
 from gateway.proxy.weight_job import checkpoint_problems, no_engine, start_weight_update_job
 from gateway.proxy.weights import pause_engines, relabel, resume_engines, update_engines
 from gateway.runtime import Runtime
@@ -295,15 +294,14 @@ class Staleness(BaseModel):
 @router.get("/staleness")
 async def get_staleness(rt: Runtime = Depends(get_rt)) -> Staleness:
     """The staleness bound (docs/step-modes.md)."""
-    bound = rt.extras.get(BOUND)
-    return Staleness(max_staleness=bound if isinstance(bound, int) else None)
+    return Staleness(max_staleness=rt.max_staleness)
 
 
 @router.put("/staleness")
 async def set_staleness(body: Staleness, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
     """Set (or lift, with null) the staleness bound; trajectories already past it are
     aborted now, the others when a weight version change takes them past it."""
-    rt.extras[BOUND] = body.max_staleness
+    rt.max_staleness = body.max_staleness
     rt.events.emit("staleness", f"staleness bound {body.max_staleness}",
                    max_staleness=body.max_staleness)
     return {"max_staleness": body.max_staleness, "aborted": await enforce_staleness(rt)}
@@ -340,7 +338,7 @@ async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = 
     job, done = start_weight_update_job(
         rt, version=body.version, engine_mode=body.mode, method=body.method,
         weights_path=body.weights_path, timeout_s=body.timeout_s)
-    _trainer_events(rt)[job.id] = done
+    rt.trainer_pushes[job.id] = done
     return _job_ref(job)
 
 
@@ -348,19 +346,13 @@ async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = 
 async def weight_update_done(job_id: str, rt: Runtime = Depends(get_rt)) -> JobRef:
     """The trainer has pushed the new weights into the engines (method ``external``)."""
     job = rt.jobs.get(job_id)
-    event = _trainer_events(rt).get(job_id)
+    event = rt.trainer_pushes.get(job_id)
     if job is None or event is None:
         raise NotFound(f"no weight-update job {job_id!r}")
     if job.done:
         raise Conflict(f"job {job_id} already ended ({job.status.value})")
     event.set()
     return _job_ref(job)
-
-
-def _trainer_events(rt: Runtime) -> dict[str, asyncio.Event]:
-    found = rt.extras.setdefault("weight_update_events", {})
-    assert isinstance(found, dict)
-    return found
 
 
 @router.put("/weight-version")

@@ -30,13 +30,10 @@ from typing import Any
 
 from gateway.dispatch import engines
 from gateway.errors import Conflict, NotFound
-from gateway.proxy.live import engine_ids, live_calls
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.trajectories.tracker import TrajectoryState
-
-#: ``Runtime.extras`` key of the bound (None: no bound)
-BOUND = "max_staleness"
+from gateway.weights.live import engine_ids
 
 
 async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
@@ -57,7 +54,7 @@ async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
             metadata={"aborted": reason}, now=now, attempt=state.attempt)
     rt.tracker.finish(trajectory_id, None, now, aborted=reason)
     rt.dispatcher.scheduler.trajectory_finished(state)
-    calls = live_calls(rt).of(trajectory_id)
+    calls = rt.live_calls.of(trajectory_id)
     errors = []
     for backend_id, ids in calls.items():
         backend = rt.registry.get(backend_id)
@@ -87,9 +84,9 @@ def _version(text: str | None) -> int | None:
 
 def stale(rt: Runtime) -> list[TrajectoryState]:
     """Live trajectories the bound no longer lets a trainer step take."""
-    bound = rt.extras.get(BOUND)
+    bound = rt.max_staleness
     current = _version(rt.weight_version)
-    if not isinstance(bound, int) or current is None:
+    if bound is None or current is None:
         return []
     out = []
     for state in list(rt.tracker.live.values()):
@@ -104,7 +101,7 @@ async def enforce_staleness(rt: Runtime) -> list[str]:
     done = []
     for state in stale(rt):
         reason = (f"staleness: it started on weights {state.first_version}, "
-                  f"the engines now serve {rt.weight_version}, bound {rt.extras[BOUND]}")
+                  f"the engines now serve {rt.weight_version}, bound {rt.max_staleness}")
         try:
             await abort_trajectory(rt, state.id, reason)
         except Conflict:  # finished meanwhile: nothing to cut

@@ -16,7 +16,6 @@ from gateway.proxy.admission import Slot
 from gateway.proxy.bodies import stored_chars
 from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
-from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.branches import Continuation, words
@@ -120,7 +119,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
     policy, hand the record to the writer. Only :func:`gateway.proxy.lifecycle.end` calls
     it, once per call."""
     assert ctx.lease is not None
-    live_calls(rt).remove(ctx.id)
+    rt.live_calls.remove(ctx.id)
     status = _status(error)
     running = ctx.lease.backend.in_flight  # this call included, before it is released
     ctx.lease.release(ok=status != "error" if backend_ok is None else backend_ok)

@@ -17,7 +17,7 @@ re-tokenizing the text is not.
 Not every call can be continued that way: tool-call parsing, structured output
 (``response_format``, guided decoding), ``n > 1`` and ``echo`` depend on the engine
 seeing the whole generation in one request. A streamed one is frozen in place instead
-(its engine is paused with ``keep``, see :mod:`gateway.proxy.live`); one that is not
+(its engine is paused with ``keep``, see :mod:`gateway.weights.live`); one that is not
 streamed, whose client has seen nothing yet, is sent again from the start after resume,
 so that all its tokens come from the new weights.
 
@@ -36,10 +36,10 @@ import orjson
 
 from gateway.errors import UpstreamError
 from gateway.proxy.calls import CallContext
-from gateway.proxy.live import continuable, live_calls
 from gateway.proxy.sse import SSEDecoder
 from gateway.proxy.upstream import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.runtime import Runtime
+from gateway.weights.live import continuable
 
 #: Sampling fields carried over to the continuation unchanged.
 CARRIED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -54,7 +54,7 @@ def should_continue(rt: Runtime, ctx: CallContext) -> bool:
     """The engine aborted this call's generation: continue it (True) or pass the abort on."""
     cap = ctx.capture.completion(0)
     known = ctx.capture.prompt_ids is not None or not cap.token_ids  # else: cannot rebuild
-    live = live_calls(rt)
+    live = rt.live_calls
     go = (cap.finish_reason == "abort" and live.aborted(ctx.id) and ctx.lease is not None
           and ((continuable(ctx.body) and known) or not ctx.stream))
     if go:
@@ -145,7 +145,7 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
-    live_calls(rt).continued(ctx.id)
+    rt.live_calls.continued(ctx.id)
     ctx.resume_mark = None  # the engine's own count (the abort's end) is the boundary
     label = ctx.lease.backend.weight_version or rt.weight_version
     ctx.segments.append((len(ctx.capture.completion(0).token_ids), label))
@@ -184,7 +184,7 @@ class HoldingDecoder(SSEDecoder):
     def __init__(self, rt: Runtime, ctx: CallContext) -> None:
         super().__init__(ctx.capture, fast=rt.settings.capture.fast_relay)
         self._rt, self._ctx = rt, ctx
-        self._live = live_calls(rt)
+        self._live = rt.live_calls
         self.held = False
         self.head: dict[str, Any] | None = None
 
@@ -273,7 +273,7 @@ async def continue_stream(rt: Runtime, ctx: CallContext, head: dict[str, Any]
                     had = len(ctx.capture.completion(0).token_ids)
                     ctx.capture.feed(payload, stream=True)
                     if len(ctx.capture.completion(0).token_ids) > had:
-                        live_calls(rt).got_tokens(ctx.id)
+                        rt.live_calls.got_tokens(ctx.id)
                     if not payload:  # the usage chunk, which the client did not ask for
                         continue
                     if ctx.capture.completion(0).finish_reason == "abort":

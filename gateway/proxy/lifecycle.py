@@ -8,7 +8,7 @@ the connector report events here and touch none of those directly.
 :func:`end` is the only way out and is idempotent, so every exit path may call it: a call
 that reached a backend is recorded (:func:`gateway.proxy.calls.record_call`), one that did
 not is abandoned (it takes no ``seq``), and either way its admission slot is released; a
-call that failed leaves its one line in the log (:mod:`gateway.proxy.failures`).
+call that failed leaves its one line in the log (:mod:`gateway.failure_log`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import time
 
 from gateway.dispatch.dispatcher import Lease
 from gateway.proxy.calls import CallContext, record_call
-from gateway.proxy.failures import failure_log
-from gateway.proxy.live import live_calls
 from gateway.runtime import Runtime
 from gateway.trajectories.tools import ToolOutcome
 from gateway.trajectories.tracker import TrajectoryState
@@ -39,7 +37,7 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> 
 def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
     """The scheduler gave ``ctx`` to ``lease``'s backend."""
     ctx.bind(lease, rt.weight_version)
-    live_calls(rt).add(ctx.id, lease.backend.id, ctx.body,
+    rt.live_calls.add(ctx.id, lease.backend.id, ctx.body,
                        ctx.mark_version if ctx.stream else None, ctx.state.id)
     rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
 
@@ -50,7 +48,7 @@ def requeue(rt: Runtime, ctx: CallContext, *, keep_out: list[str] | None) -> Non
     lease = ctx.lease
     assert lease is not None, "requeue of a call that was not dispatched"
     lease.release(ok=False)
-    live_calls(rt).remove(ctx.id)
+    rt.live_calls.remove(ctx.id)
     if keep_out is not None:
         keep_out.append(lease.backend.id)
     ctx.lease = None
@@ -74,7 +72,7 @@ def end(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
         return
     ctx.ended = True
     if error is not None:
-        failure_log(rt).failed(ctx.state.id, ctx.endpoint, error)
+        rt.failure_log.failed(ctx.state.id, ctx.endpoint, error)
     try:
         if ctx.lease is None:  # never reached a backend: refused, or the client left
             rt.tracker.call_abandoned(ctx.state)

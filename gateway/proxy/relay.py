@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
 from gateway.envelopes import openai_error_body
 from gateway.errors import GatewayError, RecordingUnavailable, UpstreamError
+from gateway.failure_log import refusals_logged
 from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import (
@@ -49,7 +50,6 @@ from gateway.proxy.continuation import (
 from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.open import open_door
-from gateway.proxy.failures import refusals_logged
 from gateway.proxy.lifecycle import abandon, arrive, end
 from gateway.proxy.sse import error_event
 from gateway.proxy.tokens import PromptPlanner
@@ -172,7 +172,7 @@ class Proxy:
         self, request: Request, endpoint: Endpoint, *, path_traj: str | None, path_group: str | None
     ) -> Response:
         """A call through the FastAPI routes (the front doors): the response to send."""
-        with refusals_logged(self.rt, endpoint.name, path_traj, request.headers):
+        with refusals_logged(self.rt.failure_log, endpoint.name, path_traj, request.headers):
             ctx = await self._admit(request, endpoint, path_traj, path_group)
         try:
             return await _unless_disconnected(request, self._run(ctx, endpoint))
@@ -185,7 +185,7 @@ class Proxy:
         """A call through the raw ASGI route (``gateway.api.openai.serve_raw``): the
         upstream call and the relay of its answer run under one disconnect watcher. A
         :class:`GatewayError` raised before the answer starts is the caller's to send."""
-        with refusals_logged(self.rt, endpoint.name, path_traj, request.headers):
+        with refusals_logged(self.rt.failure_log, endpoint.name, path_traj, request.headers):
             ctx = await self._admit(request, endpoint, path_traj, path_group)
         try:
             await _unless_disconnected_do(request.receive,

@@ -2,7 +2,7 @@
 
 ``pause_engines`` closes the gateway's gate and pauses every engine through vLLM's own
 routes (``gateway.dispatch.engines``), deciding per engine from the calls it runs
-(``gateway.proxy.live``):
+(``gateway.weights.live``):
 
 * ``wait``: each engine finishes what it runs, then stops; the pause answers when idle.
 * ``abort-and-continue``: each engine aborts what it runs (vLLM ``abort``); the relay
@@ -41,8 +41,8 @@ from gateway.dispatch.checkpoint import Weights
 from gateway.dispatch.gate import EngineMode, PauseMode
 from gateway.dispatch.poolspec import stream_interval
 from gateway.proxy.aborts import enforce_staleness
-from gateway.proxy.live import LiveCall, LiveCalls, engine_ids, live_calls
 from gateway.runtime import Runtime
+from gateway.weights.live import LiveCall, LiveCalls, engine_ids
 
 ENGINE_CALL = {"wait": "wait", "keep": "keep", "abort-and-continue": "abort"}
 #: a frozen stream has delivered what its paused engine made once it was quiet this long
@@ -111,7 +111,7 @@ async def pause_engines(rt: Runtime, engine_mode: EngineMode, timeout_s: float,
     gate = rt.dispatcher.gate
     gate.pause(admission, engine_mode)
     started = time.monotonic()
-    live = live_calls(rt)
+    live = rt.live_calls
     grouped = rt.pool is not None and stream_interval(rt.pool.spec) > 1
 
     async def one(b: Backend) -> EngineAnswer:
@@ -204,7 +204,7 @@ def take_out(rt: Runtime, b: Backend, reason: str) -> None:
 
 async def resume_all(rt: Runtime, version: str | None, timeout_s: float,
                   targets: list[Backend], weights: Weights | None) -> dict[str, Any]:
-    live = live_calls(rt)
+    live = rt.live_calls
     answers = await each_engine(targets, lambda b: _resume_one(rt, live, b, version, timeout_s))
     if version is not None and version != rt.weight_version:
         previous, rt.weight_version = rt.weight_version, version

@@ -11,9 +11,9 @@ from gateway.config import CaptureSettings
 from gateway.proxy.calls import weight_segments
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.continuation import HoldingDecoder
-from gateway.proxy.live import LiveCalls, continuable, engine_ids
 from gateway.proxy.weights import _plan
 from gateway.store.samples import staleness
+from gateway.weights.live import LiveCalls, continuable, engine_ids
 
 
 @pytest.mark.parametrize(("extra", "ok"), [
@@ -134,7 +134,7 @@ def _decoder(chat: bool, aborted: bool, fast: bool = True) -> tuple[HoldingDecod
     live.add("c1", "b1", body)
     if aborted:  # its engine was told to abort for abort-and-continue
         live.mark_aborted(["c1"])
-    rt = SimpleNamespace(extras={"live_calls": live},
+    rt = SimpleNamespace(live_calls=live,
                          settings=SimpleNamespace(capture=CaptureSettings(fast_relay=fast)))
     return HoldingDecoder(rt, ctx), capture  # type: ignore[arg-type]
 

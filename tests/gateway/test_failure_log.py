@@ -1,6 +1,6 @@
 """A failed call leaves one line in the gateway's log (trajectory, door, status, reason):
 WARNING for a 5xx, INFO for a 4xx; repeats are rate-limited with a count of what was held
-back (gateway/proxy/failures.py). Through a real gateway and scripted upstreams."""
+back (gateway/failure_log.py). Through a real gateway and scripted upstreams."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from gateway.errors import UpstreamTimeout
-from gateway.proxy.failures import FailureLog
+from gateway.failure_log import FailureLog
 from tests.scripted_upstream import Script
 
 BODY = {"model": "scripted", "messages": [{"role": "user", "content": "x"}]}
-LOGGER = "gateway.proxy.failures"
+LOGGER = "gateway.failure_log"
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:

@@ -1,6 +1,8 @@
 """A failed call leaves one line in the gateway's log: trajectory, door, status, reason.
 
-Metrics count failures and a call that reached a backend leaves its record; neither says
+The runtime holds one :class:`FailureLog` (``Runtime.failure_log``); the logger is
+``gateway.failure_log``. Metrics count failures and a call that reached a backend leaves
+its record; neither says
 at a glance why a harness's call failed. Every call that fails logs once: when it ends
 (:func:`gateway.proxy.lifecycle.end`: an engine's refusal, a broken or timed-out backend,
 no backend, a queue timeout, a client that left), or when it is refused before it became
@@ -26,7 +28,6 @@ import orjson
 
 from gateway.errors import GatewayError
 from gateway.loops import RateLimit
-from gateway.runtime import Runtime
 from gateway.schema.ids import ID_PATTERN
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _shown(trajectory: str | None) -> str:
 
 
 @contextmanager
-def refusals_logged(rt: Runtime, door: str, path_trajectory: str | None,
+def refusals_logged(failures: FailureLog, door: str, path_trajectory: str | None,
                     headers: Mapping[str, str]) -> Iterator[None]:
     """Log a :class:`GatewayError` raised in the block: a call refused before it had a
     context (so before :func:`gateway.proxy.lifecycle.end` could log it), named by the
@@ -87,13 +88,6 @@ def refusals_logged(rt: Runtime, door: str, path_trajectory: str | None,
     try:
         yield
     except GatewayError as exc:
-        failure_log(rt).failed(path_trajectory or headers.get("x-trajectory-id"), door, exc)
+        failures.failed(path_trajectory or headers.get("x-trajectory-id"), door, exc)
         raise
 
-
-def failure_log(rt: Runtime) -> FailureLog:
-    """The runtime's :class:`FailureLog` (made on first use)."""
-    found = rt.extras.get("failure_log")
-    if not isinstance(found, FailureLog):
-        found = rt.extras["failure_log"] = FailureLog()
-    return found

@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.runtime import Runtime
-
 #: Request fields that make a call impossible to continue token-in.
 BLOCKING_FIELDS = ("tools", "functions", "response_format", "guided_json", "guided_regex",
                    "guided_choice", "guided_grammar", "structured_outputs", "echo",
@@ -151,9 +149,3 @@ class LiveCalls:
     def __len__(self) -> int:
         return len(self._calls)
 
-
-def live_calls(rt: Runtime) -> LiveCalls:
-    found = rt.extras.get("live_calls")
-    if not isinstance(found, LiveCalls):
-        found = rt.extras["live_calls"] = LiveCalls()
-    return found
