@@ -22,11 +22,11 @@ from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, p
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.jobs import JobBook
 from gateway.dispatch.layout import LayoutError
+from gateway.dispatch.monitor import Monitor
 from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.prewarm import prewarm
 from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scheduler import Scheduler
-from gateway.dispatch.scrape import Monitor
 from gateway.dispatch.speeds import speeds_for
 from gateway.failure_log import FailureLog
 from gateway.http_session import make_session

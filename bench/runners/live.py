@@ -45,7 +45,7 @@ from bench.simulator.metrics import lower_bound
 from bench.simulator.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, generate
 from gateway.config import DispatchSettings, ServerSettings, Settings
-from gateway.dispatch.scrape import EngineSample, parse_vllm_metrics
+from gateway.dispatch.monitor import EngineSample, parse_vllm_metrics
 from gateway.policies.base import Policy, Relayout, Snapshot
 from gateway.policies.registry import get_policy
 

@@ -26,11 +26,11 @@ import logging
 from collections.abc import Callable, Iterable
 
 from gateway.policies.base import Policy
+from gateway.policies.blend import BlendPredictor
 from gateway.policies.compose import ComposedPolicy
 from gateway.policies.lane import LaneMigrator, LanePlacer, LanePlanner, LanePriority
 from gateway.policies.learned import LearnedPredictor
 from gateway.policies.libra import LIBRA_CONFIGS, LibraPlanner, LibraTree
-from gateway.policies.ours import BlendPredictor
 from gateway.policies.placement import (
     FCFS,
     CacheAwarePlacer,

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from gateway.api.snapshot import gantt, length_distribution
 from gateway.dispatch.jobs import Job
 from gateway.dispatch.jobs import Phase as JobPhase
+from gateway.dispatch.monitor import EngineSample, derive, parse_vllm_metrics
 from gateway.dispatch.relayouts import RelayoutLog
-from gateway.dispatch.scrape import EngineSample, derive, parse_vllm_metrics
 from gateway.metrics import EventLog, History, Point, histogram_quantile
 from gateway.trajectories.tracker import MAX_SEGMENTS, Tracker
 
