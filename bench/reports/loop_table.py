@@ -12,7 +12,11 @@ LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-s
         "loop/qwen3-14b-h100-64gpu-swe.json",
         # the trainer's time swept, and the modes under the replay policy
         "loop/qwen3-14b-h100-64gpu-math-code-trainer-sweep.json",
-        "loop/qwen3-14b-h100-64gpu-math-code-replay.json"]
+        "loop/qwen3-14b-h100-64gpu-math-code-replay.json",
+        # sync with 2x and 4x the batch beside async, tool sandboxes counted (16 GPUs)
+        "loop/qwen3-14b-h100-16gpu-math-code-sync-batches.json",
+        # async against sync both at 32 per GPU, where the rollout is busier (16 GPUs)
+        "loop/qwen3-14b-h100-16gpu-math-code-32pg-async.json"]
 BENCH = "docs/benchmarks"
 
 
@@ -52,6 +56,7 @@ def loop_table(root: Path) -> str:
         doc = json.loads(path.read_text())
         commands.append(doc["command"])
         per_gpu = option(doc["command"], "--per-gpu", "8")
+        gpus = option(doc["command"], "--gpus", "64")
         if not any("tokens_per_hour" in row for cell in doc["cells"].values()
                    for part in cell["ratios"].values() for row in part["rows"].values()):
             notes.append(f"- `{rel}` is from the simulator before trained tokens per hour "
@@ -67,6 +72,8 @@ def loop_table(root: Path) -> str:
             workload, band = key.split("/")
             if per_gpu != "8":  # the page's prose says 8 per GPU: say where it is not
                 band = f"{band}, {per_gpu}/GPU"
+            if gpus != "64":  # ... and 64 GPUs
+                band = f"{band}, {gpus} GPUs"
             sync = ", ".join(f"`{k}` {s:.0f} s" for k, s in cell["sync_rollout_s"].items())
             note = (f"- {workload}, {band}: sync rollout per step {sync}; best static "
                     f"`{cell['best_static']}`")
