@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +26,7 @@ from backends.sim.clock import WallClock
 
 @dataclass(slots=True)
 class Governor:
-    clock: WallClock
-    #: each server's cumulative lag in simulated seconds, by any key (default: what the
-    #: servers on ``clock`` report to it, ``WallClock.behind``)
-    lags: Callable[[], Awaitable[dict[Any, float]]] | None = None
+    clock: WallClock  # its servers report their lag to it (``WallClock.behind``)
     #: told every new speed (the gateway's ``Scheduler.set_time_scale``)
     on_speed: Callable[[float], None] = lambda _speed: None
     window_s: float = 1.0  # wall seconds between looks
@@ -48,9 +45,6 @@ class Governor:
 
     def __post_init__(self) -> None:
         self.initial_speed = self.clock.speed
-
-    async def _lags(self) -> dict[Any, float]:
-        return await self.lags() if self.lags is not None else dict(self.clock.behind)
 
     def observe(self, before: dict[Any, float], after: dict[Any, float], sim_s: float,
                 busy: float) -> None:
@@ -74,11 +68,11 @@ class Governor:
 
     async def run(self) -> None:
         """Look every ``window_s`` until cancelled."""
-        before, t0 = await self._lags(), self.clock.now()
+        before, t0 = dict(self.clock.behind), self.clock.now()
         cpu0, wall0 = time.thread_time(), time.monotonic()
         while True:
             await asyncio.sleep(self.window_s)
-            after, t1 = await self._lags(), self.clock.now()
+            after, t1 = dict(self.clock.behind), self.clock.now()
             cpu1, wall1 = time.thread_time(), time.monotonic()
             self.observe(before, after, t1 - t0, (cpu1 - cpu0) / max(wall1 - wall0, 1e-9))
             before, t0, cpu0, wall0 = after, t1, cpu1, wall1
