@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
-class InstanceState(enum.StrEnum):
+class ServerState(enum.StrEnum):
+    """Where a launched server process is in its life (the pool's view); a policy sees
+    only the routable state derived from it, ``gateway.policies.base.InstanceState``."""
+
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"

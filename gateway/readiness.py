@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from backends.base import InstanceState
+from backends.base import ServerState
 from gateway.dispatch.pool import PoolManager
 from gateway.runtime import Runtime
 
@@ -72,7 +72,7 @@ def readiness(rt: Runtime) -> Readiness:
     pool = rt.pool
     if pool is None:
         return Readiness(True, "serving (no managed pool)")
-    up = sum(1 for i in pool.instances.values() if i.state is InstanceState.READY)
+    up = sum(1 for i in pool.instances.values() if i.state is ServerState.READY)
     planned = len(pool.planned)
     job = pool.initial
     if job is None or not job.done:

@@ -33,7 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import ServerSettings, Settings
 
-Phase = Literal["head", "body", "done"]
+Stage = Literal["head", "body", "done"]
 
 
 class ConnectionLimits:
@@ -99,7 +99,7 @@ class GuardedHttpProtocol(StreamsEndAtShutdown):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
-        self._deadline_phase: Phase | None = None
+        self._deadline_phase: Stage | None = None
         self._peer = self.client[0] if self.client else ""
         self._admitted = self.limits.admit(self._peer)
         if not self._admitted:
@@ -129,13 +129,13 @@ class GuardedHttpProtocol(StreamsEndAtShutdown):
         elif phase == "head" and self._deadline is None:
             self._arm("head")  # the first byte of the next request on this connection
 
-    def _phase(self) -> Phase:
+    def _phase(self) -> Stage:
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return "head"
         return "body" if cycle.more_body else "done"
 
-    def _arm(self, phase: Phase) -> None:
+    def _arm(self, phase: Stage) -> None:
         self._disarm()
         delay = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
         self._deadline = self.loop.call_later(delay, self._expired)

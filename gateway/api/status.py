@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.deps import get_rt, is_admin
-from gateway.api.snapshot import backend_row, live_view, phase_counts
+from gateway.api.live_status import backend_row, live_view, phase_counts
 from gateway.policies.registry import LIVE_NAMES
 from gateway.readiness import readiness
 from gateway.runtime import Runtime

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from backends.base import InstanceState
+from backends.base import ServerState
 from gateway.config import UpstreamSettings
 from gateway.http_session import make_health_session
 from gateway.loops import Periodic
@@ -32,7 +32,7 @@ class Backend:
     url: str
     tp: int | None = None
     models: set[str] = field(default_factory=set)
-    state: InstanceState = InstanceState.READY
+    state: ServerState = ServerState.READY
     healthy: bool = False
     in_flight: int = 0
     served: int = 0
@@ -59,7 +59,7 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        if not (self.healthy and self.state is InstanceState.READY):
+        if not (self.healthy and self.state is ServerState.READY):
             return False
         breaker = self.breaker_state
         # half-open: a single probe, i.e. only while nothing else is in flight there

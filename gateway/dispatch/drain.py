@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from backends.base import InstanceState
+from backends.base import ServerState
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.jobs import Job, JobBook, JobStatus
 
@@ -34,7 +34,7 @@ async def drain(job: Job, backends: Sequence[Backend], timeout_s: float) -> None
     with job.phase("drain", instances=[b.id for b in backends],
                    in_flight={b.id: b.in_flight for b in backends}) as ph:
         for b in backends:
-            b.state = InstanceState.DRAINING
+            b.state = ServerState.DRAINING
         forced = await wait_idle(backends, timeout_s)
         if forced:
             ph.detail["forced"] = forced

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backends.base import InstanceState
+from backends.base import ServerState
 from gateway.dispatch.jobs import Job
 from gateway.dispatch.layout import (
+    GpuSlot,
     InstanceRequest,
     LayoutError,
-    Slot,
     parse_slot,
     place,
     request_of,
@@ -57,7 +57,7 @@ def release(pool: PoolManager, instance_id: str) -> Job:
     if not spec.gpus:
         raise LayoutError(f"{instance_id!r} holds no GPUs")
     serving = [i for i in pool.instances.values()
-               if i.state is InstanceState.READY and i.spec.id != instance_id]
+               if i.state is ServerState.READY and i.spec.id != instance_id]
     if len(pool.planned) == 1 or not serving:
         raise HandoverConflict(f"{instance_id!r} is this pool's last instance (or its last "
                                "serving one): its trajectories would have no engine")
@@ -76,7 +76,7 @@ def adopt(pool: PoolManager, gpus: Sequence[int | str], tp: int | None = None,
     already this pool's or they do not make one instance."""
     if pool.static:
         raise LayoutError("a static pool cannot start instances")
-    slots: list[Slot] = [parse_slot(g) for g in gpus]
+    slots: list[GpuSlot] = [parse_slot(g) for g in gpus]
     if not slots or len(set(slots)) != len(slots):
         raise LayoutError(f"give the GPUs to adopt, each once: {list(gpus)}")
     held = sorted(set(slots) & set(pool.inventory))

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from backends.base import InstanceSpec, InstanceState, LaunchedInstance
+from backends.base import InstanceSpec, LaunchedInstance, ServerState
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights
 
@@ -26,7 +26,7 @@ class PoolInstance:
     """
 
     spec: InstanceSpec
-    state: InstanceState = InstanceState.STARTING
+    state: ServerState = ServerState.STARTING
     launched: LaunchedInstance | None = None
     backend: Backend | None = None
     restarts: int = 0
@@ -38,11 +38,11 @@ class PoolInstance:
     #: the version it waits for (the trainer pushed it; no path holds it), not admitted
     awaiting: str | None = None
 
-    def set_state(self, state: InstanceState) -> None:
+    def set_state(self, state: ServerState) -> None:
         self.state, self.since = state, time.time()
         if self.backend is not None:
             self.backend.state = state
-            if state is InstanceState.FAILED:
+            if state is ServerState.FAILED:
                 self.backend.healthy = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from typing import Any
 
 from gateway.schema.jobs import JobStatus
 
-__all__ = ["Job", "JobBook", "JobStatus", "Phase"]
+__all__ = ["Job", "JobBook", "JobPhase", "JobStatus"]
 
 MAX_JOBS = 200
 
 
 @dataclass(slots=True)
-class Phase:
+class JobPhase:
     name: str
     started: float
     finished: float | None = None
@@ -47,7 +47,7 @@ class Job:
     started: float | None = None
     finished: float | None = None
     plan: dict[str, Any] = field(default_factory=dict)
-    phases: list[Phase] = field(default_factory=list)
+    phases: list[JobPhase] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -63,9 +63,9 @@ class Job:
         self.status = status or (JobStatus.FAILED if self.errors else JobStatus.SUCCEEDED)
 
     @contextlib.contextmanager
-    def phase(self, name: str, **detail: Any) -> Iterator[Phase]:
+    def phase(self, name: str, **detail: Any) -> Iterator[JobPhase]:
         """Record a timed phase; the caller may add to ``phase.detail`` while it runs."""
-        ph = Phase(name, time.time(), detail=dict(detail))
+        ph = JobPhase(name, time.time(), detail=dict(detail))
         self.phases.append(ph)
         try:
             yield ph

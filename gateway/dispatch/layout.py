@@ -15,7 +15,7 @@ from typing import Any
 
 from backends.base import InstanceSpec
 
-Slot = tuple[str, int]  # (node, GPU id)
+GpuSlot = tuple[str, int]  # (node, GPU id)
 
 
 class LayoutError(ValueError):
@@ -53,7 +53,7 @@ def default_id(node: str, gpus: Sequence[int], tp: int, single_node: bool) -> st
     return base if single_node else f"{node}-{base}"
 
 
-def slots_of(spec: InstanceSpec) -> set[Slot]:
+def slots_of(spec: InstanceSpec) -> set[GpuSlot]:
     return {(spec.node, g) for g in spec.gpus}
 
 
@@ -70,7 +70,7 @@ def diff(current: Iterable[InstanceSpec], target: Iterable[InstanceSpec]) -> Pla
 
 def place(
     requests: Sequence[InstanceRequest],
-    active: Sequence[Slot],
+    active: Sequence[GpuSlot],
     model: str,
     current: Sequence[InstanceSpec] = (),
 ) -> list[InstanceSpec]:
@@ -96,7 +96,7 @@ def place(
 
 
 def _choose(
-    req: InstanceRequest, free: list[Slot], nodes: list[str], current: Sequence[InstanceSpec]
+    req: InstanceRequest, free: list[GpuSlot], nodes: list[str], current: Sequence[InstanceSpec]
 ) -> tuple[str, tuple[int, ...]]:
     if req.tp < 1:
         raise LayoutError(f"tp must be >= 1, got {req.tp}")
@@ -129,8 +129,8 @@ def _check_unique_ids(specs: Sequence[InstanceSpec]) -> None:
         seen.add(s.id)
 
 
-def select_gpus(inventory: Sequence[Slot], current: Sequence[InstanceSpec],
-                count: int) -> list[Slot]:
+def select_gpus(inventory: Sequence[GpuSlot], current: Sequence[InstanceSpec],
+                count: int) -> list[GpuSlot]:
     """``count`` GPUs of the inventory to keep for rollout, disrupting the fewest instances.
 
     Whole current instances are kept in layout order while they fit; the rest of the
@@ -138,7 +138,7 @@ def select_gpus(inventory: Sequence[Slot], current: Sequence[InstanceSpec],
     """
     if not 0 <= count <= len(inventory):
         raise LayoutError(f"gpus must be between 0 and {len(inventory)}, got {count}")
-    chosen: set[Slot] = set()
+    chosen: set[GpuSlot] = set()
     for spec in current:
         need = slots_of(spec) - chosen
         if need and len(chosen) + len(need) <= count and need <= set(inventory):
@@ -150,7 +150,7 @@ def select_gpus(inventory: Sequence[Slot], current: Sequence[InstanceSpec],
     return [s for s in inventory if s in chosen]
 
 
-def resize(current: Sequence[InstanceSpec], active: Sequence[Slot],
+def resize(current: Sequence[InstanceSpec], active: Sequence[GpuSlot],
            default_tp: int) -> list[InstanceRequest]:
     """The layout after the active GPUs changed: current instances that still fit stay;
     GPUs that became free get instances of ``default_tp`` (TP1 for a remainder)."""
@@ -169,11 +169,11 @@ def resize(current: Sequence[InstanceSpec], active: Sequence[Slot],
     return requests
 
 
-def _fmt(slots: Iterable[Slot]) -> str:
+def _fmt(slots: Iterable[GpuSlot]) -> str:
     return ", ".join(f"{n}:{g}" for n, g in slots) or "none"
 
 
-def parse_slot(value: int | str) -> Slot:
+def parse_slot(value: int | str) -> GpuSlot:
     """A GPU as the admin API names it: ``3`` (this node) or ``"node:3"``."""
     if isinstance(value, int):
         return ("local", value)
@@ -183,7 +183,7 @@ def parse_slot(value: int | str) -> Slot:
     return (node or "local", int(gpu))
 
 
-def slot_json(slot: Slot) -> int | str:
+def slot_json(slot: GpuSlot) -> int | str:
     """The inverse of :func:`parse_slot`."""
     return slot[1] if slot[0] == "local" else f"{slot[0]}:{slot[1]}"
 

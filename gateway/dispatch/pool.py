@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from backends.base import InstanceSpec, InstanceState, Launcher
+from backends.base import InstanceSpec, Launcher, ServerState
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights
 from gateway.dispatch.drain import drain
 from gateway.dispatch.instance import PoolInstance, warm_up
 from gateway.dispatch.jobs import Job, JobStatus
 from gateway.dispatch.layout import (
+    GpuSlot,
     InstanceRequest,
     LayoutError,
     Plan,
-    Slot,
     diff,
     parse_slot,
     place,
@@ -99,8 +99,8 @@ class PoolManager:
     def __init__(self, spec: PoolSpec, launcher: Launcher, rt: PoolHost) -> None:
         self.spec, self.launcher, self.rt = spec, launcher, rt
         self.static = isinstance(spec.launcher, StaticLauncherSpec)
-        self.inventory: list[Slot] = spec.inventory.slots()
-        self.active: list[Slot] = list(self.inventory)
+        self.inventory: list[GpuSlot] = spec.inventory.slots()
+        self.active: list[GpuSlot] = list(self.inventory)
         self.instances: dict[str, PoolInstance] = {}
         self.planned: list[InstanceSpec] = []  # the target of the last accepted job
         self.initial: Job | None = None  # the job that starts the spec's layout (readiness)
@@ -122,7 +122,7 @@ class PoolManager:
 
     def expecting_capacity(self) -> bool:
         return (self.restarts.pending > 0 or self.rt.jobs.running > 0
-                or any(i.state is InstanceState.STARTING for i in self.instances.values()))
+                or any(i.state is ServerState.STARTING for i in self.instances.values()))
 
     def served_models(self) -> set[str]:
         return {self.spec.model}
@@ -158,7 +158,7 @@ class PoolManager:
 
     def plan_change(self, *, gpus: GpuSelection | None = None,
                     layout: Sequence[InstanceRequest] | None = None,
-                    tp: int | None = None) -> tuple[list[Slot], list[InstanceSpec]]:
+                    tp: int | None = None) -> tuple[list[GpuSlot], list[InstanceSpec]]:
         """What :meth:`reconfigure` would apply (active GPUs, instances), changing nothing."""
         if self.static:
             raise LayoutError("a static pool cannot be reconfigured (only backends removed)")
@@ -198,7 +198,7 @@ class PoolManager:
         return self.submit("relayout", {"retire": list(retire), "launch": list(launch),
                                          "reason": reason}, target)
 
-    def _select(self, gpus: GpuSelection) -> list[Slot]:
+    def _select(self, gpus: GpuSelection) -> list[GpuSlot]:
         if isinstance(gpus, int):
             return select_gpus(self.inventory, self.planned, gpus)
         wanted = {parse_slot(g) for g in gpus}
@@ -243,8 +243,8 @@ class PoolManager:
 
     async def _apply(self, job: Job, target: list[InstanceSpec]) -> None:
         insts = list(self.instances.values())
-        failed = [i.spec for i in insts if i.state is InstanceState.FAILED]
-        healthy = [i.spec for i in insts if i.state is not InstanceState.FAILED]
+        failed = [i.spec for i in insts if i.state is ServerState.FAILED]
+        healthy = [i.spec for i in insts if i.state is not ServerState.FAILED]
         plan = diff(healthy, target)
         plan = Plan(plan.keep, (*plan.stop, *failed), plan.start)
         job.plan = plan.describe()
@@ -260,14 +260,14 @@ class PoolManager:
             return
         insts = [self.instances[s.id] for s in specs]
         for inst in insts:
-            inst.set_state(InstanceState.DRAINING)
+            inst.set_state(ServerState.DRAINING)
         await drain(job, [i.backend for i in insts if i.backend is not None],
                     self.spec.drain_timeout_s)
         with job.phase("stop", instances=[s.id for s in specs]):
             await asyncio.gather(*(self.stop_instance(i, job) for i in insts))
 
     async def stop_instance(self, inst: PoolInstance, job: Job | None = None) -> None:
-        inst.set_state(InstanceState.STOPPING)
+        inst.set_state(ServerState.STOPPING)
         if inst.backend is not None:
             self.rt.registry.remove(inst.backend.id)
         try:
@@ -277,7 +277,7 @@ class PoolManager:
             log.exception("stopping %s failed", inst.spec.id)
             if job is not None:
                 job.errors.append(f"{inst.spec.id}: stop failed: {exc}")
-        inst.set_state(InstanceState.STOPPED)
+        inst.set_state(ServerState.STOPPED)
         if self.instances.get(inst.spec.id) is inst:
             del self.instances[inst.spec.id]
 
@@ -304,11 +304,11 @@ class PoolManager:
                 await warm_up(self.rt.session, inst.launched.url, self.spec.model)
             inst.backend = Backend(id=spec.id, url=inst.launched.url, tp=spec.tp,
                                    gpus=spec.gpus, source=self.launcher.name,
-                                   state=InstanceState.STARTING)
+                                   state=ServerState.STARTING)
             admitted = await self.keeper.admit(inst, static=self.static)
         except Exception as exc:
             inst.error = str(exc)[:2000]
-            inst.set_state(InstanceState.FAILED)
+            inst.set_state(ServerState.FAILED)
             self.rt.events.emit("backend", f"{spec.id} failed to start", backend=spec.id)
             self.restarts.schedule(inst)
             return inst
@@ -320,17 +320,17 @@ class PoolManager:
     async def _register(self, inst: PoolInstance) -> None:
         backend = inst.backend
         assert backend is not None
-        backend.state = InstanceState.READY
+        backend.state = ServerState.READY
         await self.rt.health.check(backend)  # fills its models; routable as it is added
         self.rt.registry.add(backend)
         inst.awaiting = None
-        inst.set_state(InstanceState.READY)
+        inst.set_state(ServerState.READY)
 
     def held(self) -> list[Backend]:
         """Started engines held out of rotation until they have the pushed weights."""
         return [i.backend for i in self.instances.values()
                 if i.awaiting is not None and i.backend is not None
-                and i.state is InstanceState.STARTING]
+                and i.state is ServerState.STARTING]
 
     async def commit(self, weights: Weights, labels: dict[str, str | None]) -> None:
         """A weight update brought ``weights`` to the engines in ``labels`` (id -> what
@@ -350,10 +350,10 @@ class PoolManager:
         """Take an instance whose weights are not the pool's out of rotation and restart
         it (on the current weights); False if the pool has no such running instance."""
         inst = self.instances.get(instance_id)
-        if inst is None or inst.state not in (InstanceState.READY, InstanceState.STARTING):
+        if inst is None or inst.state not in (ServerState.READY, ServerState.STARTING):
             return False
         inst.error = reason[:2000]
-        inst.set_state(InstanceState.FAILED)
+        inst.set_state(ServerState.FAILED)
         self.rt.events.emit("backend", f"{instance_id}: {reason}", backend=instance_id,
                             state="failed")
         self.restarts.schedule(inst)

@@ -35,7 +35,7 @@ from pydantic import (
 
 from backends.base import Launcher
 from backends.vllm_local import STREAM_INTERVAL
-from gateway.dispatch.layout import InstanceRequest, Slot, place
+from gateway.dispatch.layout import GpuSlot, InstanceRequest, place
 from gateway.dispatch.speeds import TP_DEGREES
 from gateway.policies.replay import probe_layout
 
@@ -73,7 +73,7 @@ class InventorySpec(_Strict):
             raise ValueError(f"node names must be unique: {names}")
         return self
 
-    def slots(self) -> list[Slot]:
+    def slots(self) -> list[GpuSlot]:
         return [(n.name, g) for n in self.nodes for g in n.ids()]
 
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from backends.base import InstanceSpec, InstanceState, Launcher
+from backends.base import InstanceSpec, Launcher, ServerState
 from gateway.dispatch.instance import PoolInstance
 from gateway.dispatch.poolspec import PoolSpec
 from gateway.loops import Periodic
@@ -59,7 +59,7 @@ class Restarts:
 
     async def _check_all_alive(self) -> None:
         for inst in list(self.pool.instances.values()):
-            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+            if inst.state in (ServerState.READY, ServerState.DRAINING):
                 await self._check_alive(inst)
 
     async def _check_alive(self, inst: PoolInstance) -> None:
@@ -70,11 +70,11 @@ class Restarts:
         except Exception:  # a launcher bug: do not restart on it
             log.exception("alive() of %s failed", inst.spec.id)
             return
-        if alive or inst.state not in (InstanceState.READY, InstanceState.DRAINING):
+        if alive or inst.state not in (ServerState.READY, ServerState.DRAINING):
             return
-        was_ready = inst.state is InstanceState.READY
+        was_ready = inst.state is ServerState.READY
         inst.error = "the server exited"
-        inst.set_state(InstanceState.FAILED)
+        inst.set_state(ServerState.FAILED)
         self.pool.rt.events.emit("backend", f"{inst.spec.id} crashed", backend=inst.spec.id,
                                  state="failed")
         if was_ready:  # a draining instance was on its way out anyway

@@ -8,26 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from backends.base import InstanceState as BackendState
+from backends.base import ServerState
 from gateway.dispatch.backends import Backend
 from gateway.policies.base import (
     GroupView,
     InstanceState,
     InstanceView,
-    Phase,
     TrajectoryView,
 )
 from gateway.trajectories.tracker import GroupState, Tracker, TrajectoryState
-
-_PHASES = {"queued": Phase.QUEUED, "generating": Phase.GENERATING, "tool": Phase.TOOL,
-           "finished": Phase.FINISHED}
 
 
 def instance_view(b: Backend, cap_per_gpu: int, kv_usage: float | None = None) -> InstanceView:
     gpus = len(b.gpus) or (b.tp or 1)
     if b.routable:
         state = InstanceState.UP
-    elif b.state is BackendState.DRAINING:
+    elif b.state is ServerState.DRAINING:
         state = InstanceState.DRAINING
     else:
         state = InstanceState.STARTING
@@ -44,7 +40,7 @@ def trajectory_view(st: TrajectoryState) -> TrajectoryView:
         generated_tokens=st.completion_tokens, last_output_tokens=st.last_completion_tokens,
         outcomes=tuple(o.state for o in st.outcomes), llm_time_s=st.llm_time_s,
         tool_time_s=st.tool_time_s, queue_time_s=st.queue_time_s,
-        instance=st.preferred_backend or st.backend_id, phase=_PHASES[st.phase.value],
+        instance=st.preferred_backend or st.backend_id, phase=st.phase,
     )
     st.view = view
     return view

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.errors import Overloaded
 
 
-class Slot:
+class AdmissionSlot:
     """One admitted call; ``release`` is idempotent so every exit path may call it."""
 
     __slots__ = ("_admission", "released")
@@ -39,7 +39,7 @@ class Admission:
         self.admitted = 0
         self.rejected = 0
 
-    def enter(self) -> Slot:
+    def enter(self) -> AdmissionSlot:
         """A slot, or :class:`~gateway.errors.Overloaded` (503 + Retry-After) when full."""
         if self.limit and self.active >= self.limit:
             self.rejected += 1
@@ -48,7 +48,7 @@ class Admission:
                 retry_after_s=self.retry_after_s)
         self.active += 1
         self.admitted += 1
-        return Slot(self)
+        return AdmissionSlot(self)
 
     def collect(self) -> Iterator[Metric]:
         active = GaugeMetricFamily("rollout_gateway_calls_in_flight",

@@ -12,7 +12,7 @@ import orjson
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
-from gateway.proxy.admission import Slot
+from gateway.proxy.admission import AdmissionSlot
 from gateway.proxy.bodies import stored_chars
 from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
@@ -41,7 +41,7 @@ class CallContext:
     first_byte: float | None = None
     retries: int = 0
     ended: bool = False  # :func:`gateway.proxy.lifecycle.end` ran
-    slot: Slot | None = None  # its admission slot, released when it ends
+    slot: AdmissionSlot | None = None  # its admission slot, released when it ends
     door: Translation | None = None  # a front door answering in its own wire format
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)

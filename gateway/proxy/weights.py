@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import InstanceState
+from backends.base import ServerState
 from gateway.dispatch import engines
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.checkpoint import Weights
@@ -70,7 +70,7 @@ def update_engines(rt: Runtime) -> list[Backend]:
     """The engines an update covers: every registered engine in service (routable or
     not; a draining one finishes its calls under its own label and goes away) and the
     engines the pool holds back until they get pushed weights."""
-    found = [b for b in rt.registry if b.state is InstanceState.READY]
+    found = [b for b in rt.registry if b.state is ServerState.READY]
     return found + (rt.pool.held() if rt.pool is not None else [])
 
 
@@ -198,7 +198,7 @@ def take_out(rt: Runtime, b: Backend, reason: str) -> None:
     restarted on the pool's weights; another engine stays out until an update)."""
     if rt.pool is not None and rt.pool.fail(b.id, reason):
         return
-    b.state, b.last_error = InstanceState.FAILED, reason[:300]
+    b.state, b.last_error = ServerState.FAILED, reason[:300]
     rt.events.emit("backend", f"{b.id}: {reason}", backend=b.id, state="failed")
 
 

@@ -12,13 +12,13 @@ branch it extends, and a call that extends none opens a branch of its own.
 
 from __future__ import annotations
 
-import enum
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import TrajectoryAborted
+from gateway.policies.base import Phase
 from gateway.trajectories.branches import Placement, Tree
 from gateway.trajectories.tools import ToolOutcome
 
@@ -26,13 +26,6 @@ from gateway.trajectories.tools import ToolOutcome
 # packed in an array of doubles, the most recent MAX_SEGMENTS only (bounded memory).
 SEGMENT_KINDS = ("queue", "llm", "tool")
 MAX_SEGMENTS = 64
-
-
-class Phase(enum.StrEnum):
-    QUEUED = "queued"
-    GENERATING = "generating"
-    TOOL = "tool"
-    FINISHED = "finished"
 
 
 @dataclass(slots=True)

@@ -13,8 +13,9 @@ from typing import Any
 
 from gateway.dispatch.backends import Backend
 from gateway.metrics import histogram_quantile, sample_sum
+from gateway.policies.base import Phase
 from gateway.runtime import Runtime
-from gateway.trajectories.tracker import Phase, TrajectoryState
+from gateway.trajectories.tracker import TrajectoryState
 
 GANTT_ROWS = 12
 EVENTS_SHOWN = 50
