@@ -40,7 +40,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-#: The all-reduce term replaced the old multiplicative penalty (was 0.08).
+#: A multiplicative per-TP slowdown on top of the all-reduce term (0: the all-reduce term
+#: below models the TP cost; a profile may set its own).
 DEFAULT_TP_PENALTY = 0.0
 #: Fixed cost of one all-reduce (launch + sync), microseconds.
 ALLREDUCE_US = 10.0

@@ -209,11 +209,10 @@ class LanePlanner:
 
     Every step starts with the lane layout (:func:`lane_layout`: all GPUs at the highest
     TP, the first instance the lane), because one high-TP instance serves a straggler
-    fastest; with 8 GPUs this *is* the best static layout. No relayout inside a step.
-    (A switch to the best-throughput uniform layout when the last step looked
-    work-bound, scored with the fitted speeds, was tried and removed: the fitted linear
-    interference overstated math-code's work at high load, so it moved to 2xTP4 and
-    lost; see ``docs/policies.md``.)
+    fastest; with 8 GPUs this *is* the best static layout. No relayout inside a step,
+    and none between steps by a throughput score: the fitted interference overstates
+    work at high load, so such a score picks lower TP where the lane layout wins
+    (``docs/policies.md``).
 
     The lane itself is tried in the first step and kept only while it pays its way: if
     the trajectory that finished last in the last step did not join the lane with at

@@ -18,11 +18,11 @@ tried again on fresh connections, and is then refused with 503 ``store_unavailab
 Why refuse rather than serve the call and fix its record later: what the call records
 (its ``seq``, the branch it extends, the prompt delta and its offset) and what the engine
 runs (with token in, the branch's recorded tokens) both come from the state the store
-holds. Run without it, the call either guesses, which is how a store stall used to corrupt
-samples (``seq`` again from 0, duplicate ``(attempt, seq)``, the prompt stored whole on a
-new branch, mismatches, loss tokens missing), or would have to hold its record until the
-store answers and re-place it, which a second restart loses and which still cannot give
-the engine the record's tokens. A refused call has no side effect, a 503 with
+holds. Run without it, the call either guesses, and a wrong guess corrupts the sample
+(``seq`` again from 0, duplicate ``(attempt, seq)``, the prompt stored whole on a new
+branch, mismatches, loss tokens missing), or holds its record until the store answers and
+re-places it, which a second restart loses and which still cannot give the engine the
+record's tokens. A refused call has no side effect, a 503 with
 ``Retry-After`` is what OpenAI clients retry on their own (the official SDKs honour the
 header), and a harness that gives up sees an error instead of a training sample silently
 wrong.
