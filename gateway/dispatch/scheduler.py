@@ -356,8 +356,7 @@ class Scheduler:
         move = self.policy.on_tool_gap(self.snapshot(routable), view)
         if move is not None and move.target != state.backend_id and \
                 self.registry.get(move.target) is not None:
-            state.preferred_backend = move.target
-            state.view = None
+            self.tracker.prefer(state, move.target)
             self.migrations += 1
             if self.on_migrate is not None:
                 self.on_migrate(state, move)

@@ -32,7 +32,7 @@ def instance_view(b: Backend, cap_per_gpu: int, kv_usage: float | None = None) -
 
 
 def trajectory_view(st: TrajectoryState) -> TrajectoryView:
-    if isinstance(st.view, TrajectoryView):
+    if st.view is not None:
         return st.view
     view = TrajectoryView(
         id=st.id, group_id=st.group_id or st.id, prompt_id=st.prompt_id or st.id,
@@ -47,7 +47,7 @@ def trajectory_view(st: TrajectoryState) -> TrajectoryView:
 
 
 def group_view(group_id: str, g: GroupState) -> GroupView:
-    if isinstance(g.view, GroupView):
+    if g.view is not None:
         return g.view
     view = GroupView(group_id, tuple(g.members), tuple(g.finished_lengths),
                      tuple(g.finished_turns))

@@ -244,9 +244,8 @@ class Proxy:
             await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
         if state.prompt_id is None:
-            state.prompt_id = prompt_identity(body)
-            state.model = body["model"]
-            state.auto = ident.generated
+            self.rt.tracker.describe(state, prompt_id=prompt_identity(body),
+                                     model=body["model"], auto=ident.generated)
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
         if door is not None:
             outcomes = door.adjust_outcomes(outcomes)

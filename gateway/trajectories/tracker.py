@@ -12,15 +12,23 @@ branch it extends, and a call that extends none opens a branch of its own.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from gateway.errors import TrajectoryAborted
 from gateway.policies.base import Phase
 from gateway.trajectories.branches import Placement, Tree
 from gateway.trajectories.tools import ToolOutcome
+
+if TYPE_CHECKING:
+    from gateway.policies.base import GroupView, TrajectoryView
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # Timeline kept per trajectory for the status page's Gantt: (kind, start, end) triples
 # packed in an array of doubles, the most recent MAX_SEGMENTS only (bounded memory).
@@ -59,7 +67,9 @@ class TrajectoryState:
     last_completion_tokens: int = 0
     preferred_backend: str | None = None  # a migration target whose cache was prewarmed
     auto: bool = False  # untagged call: a one-call trajectory, never continued
-    view: object | None = None  # the policies' cached TrajectoryView (None when stale)
+    #: the policies' cached view of it (``gateway.dispatch.views``); None when stale. Only
+    #: the tracker's methods that change what it shows drop it (:func:`_changes_view`)
+    view: TrajectoryView | None = None
     final_context: int = 0  # context length at finish (the sequence itself is released)
     aborted: str | None = None  # why the trainer aborted this attempt (calls are refused)
     first_version: str | None = None  # weights being served when its first call arrived
@@ -113,7 +123,37 @@ class GroupState:
     members: list[str] = field(default_factory=list)
     finished_lengths: list[int] = field(default_factory=list)
     finished_turns: list[int] = field(default_factory=list)
-    view: object | None = None
+    view: GroupView | None = None  # the policies' cached view; its methods drop it
+
+    def join(self, trajectory_id: str) -> None:
+        if trajectory_id not in self.members:
+            self.members.append(trajectory_id)
+        self.view = None
+
+    def leave(self, trajectory_id: str) -> None:
+        if trajectory_id in self.members:
+            self.members.remove(trajectory_id)
+            self.view = None
+
+    def member_finished(self, tokens: int, turns: int) -> None:
+        self.finished_lengths.append(tokens)
+        self.finished_turns.append(turns)
+        self.view = None
+
+
+def _changes_view(method: Callable[Concatenate[Tracker, TrajectoryState, _P], _R]
+                  ) -> Callable[Concatenate[Tracker, TrajectoryState, _P], _R]:
+    """Mark a :class:`Tracker` method that changes what its trajectory's view shows: the
+    cached view is dropped when it returns. The one place a trajectory view goes stale,
+    so a policy never reads a view older than the state it was built from."""
+    @functools.wraps(method)
+    def changing(self: Tracker, state: TrajectoryState, /, *args: _P.args,
+                 **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, state, *args, **kwargs)
+        finally:
+            state.view = None
+    return changing
 
 
 class Tracker:
@@ -166,9 +206,28 @@ class Tracker:
                                               attempt=attempt))
         self._states.move_to_end(trajectory_id)
         if group_id and not state.group_id:
-            state.group_id = group_id
-            self._join_group(state)
+            self._set_group(state, group_id)
         return state
+
+    @_changes_view
+    def _set_group(self, state: TrajectoryState, group_id: str) -> None:
+        state.group_id = group_id
+        self._join_group(state)
+
+    @_changes_view
+    def describe(self, state: TrajectoryState, *, prompt_id: str, model: str,
+                 auto: bool) -> None:
+        """What the first call of an attempt says of it: its task prompt's identity, the
+        model, and whether it was untagged (a one-call trajectory)."""
+        state.prompt_id = prompt_id
+        state.model = model
+        state.auto = auto
+
+    @_changes_view
+    def prefer(self, state: TrajectoryState, backend_id: str) -> None:
+        """Send the trajectory's next call to ``backend_id`` (a migration whose prefix
+        cache was prewarmed there)."""
+        state.preferred_backend = backend_id
 
     def adopt(self, state: TrajectoryState) -> TrajectoryState:
         """Install ``state`` as the live state of its id (a new attempt, or one restored
@@ -187,10 +246,7 @@ class Tracker:
 
     def _join_group(self, state: TrajectoryState) -> None:
         if state.group_id is not None:
-            group = self.groups.setdefault(state.group_id, GroupState())
-            if state.id not in group.members:
-                group.members.append(state.id)
-            group.view = None
+            self.groups.setdefault(state.group_id, GroupState()).join(state.id)
 
     def _evict(self) -> None:
         while len(self._states) > self._capacity:
@@ -227,11 +283,11 @@ class Tracker:
         self._retired.pop(victim, None)
         group = self.groups.get(gone.group_id) if gone.group_id else None
         if group is not None and victim in group.members:
-            group.members.remove(victim)
-            group.view = None
+            group.leave(victim)
             if not group.members:
                 del self.groups[gone.group_id]  # type: ignore[arg-type]
 
+    @_changes_view
     def call_arrived(
         self, state: TrajectoryState, outcomes: list[ToolOutcome], now: float
     ) -> int:
@@ -243,7 +299,6 @@ class Tracker:
             state.add_segment(2, state.last_call_end, now)
         state.outcomes.extend(outcomes)
         state.queued += 1
-        state.view = None
         state.turns += 1
         return state.recorded + state.queued + state.in_flight - 1
 
@@ -260,6 +315,7 @@ class Tracker:
         state.recorded += 1
         return seq
 
+    @_changes_view
     def call_dispatched(
         self, state: TrajectoryState, backend_id: str, queued_s: float
     ) -> None:
@@ -269,19 +325,19 @@ class Tracker:
         state.last_queue_s = queued_s
         state.backend_id = backend_id
         state.preferred_backend = None
-        state.view = None
 
+    @_changes_view
     def call_requeued(self, state: TrajectoryState) -> None:
         """A dispatched call goes back to the queue (its backend failed before answering)."""
         state.in_flight -= 1
         state.queued += 1
-        state.view = None
 
+    @_changes_view
     def call_abandoned(self, state: TrajectoryState) -> None:
         """A call that never reached a backend (rejected, client left while queued)."""
         state.queued -= 1
-        state.view = None
 
+    @_changes_view
     def call_finished(
         self,
         state: TrajectoryState,
@@ -300,7 +356,6 @@ class Tracker:
         state.llm_time_s += llm_s
         state.add_segment(0, now - llm_s - state.last_queue_s, now - llm_s)
         state.add_segment(1, now - llm_s, now)
-        state.view = None
         done = state.auto and not state.in_flight and not state.queued
         if done:
             self._retire(state)
@@ -334,21 +389,22 @@ class Tracker:
         """End the live attempt (with ``aborted``: the trainer cut it short, why; its
         calls are refused until :meth:`restart`, and its length teaches no policy)."""
         state = self._states.get(trajectory_id)
-        if state is None or state.finished_at is not None:
-            return
+        if state is not None and state.finished_at is None:
+            self._end_attempt(state, reward, now, aborted)
+
+    @_changes_view
+    def _end_attempt(self, state: TrajectoryState, reward: float | None, now: float,
+                     aborted: str | None) -> None:
         state.finished_at = now
         state.reward = reward
         state.aborted = aborted
         state.final_context = len(state.sequence)
         state.tree = Tree()  # the store has it; the policies keep the length
-        state.view = None
         self._retire(state)
         self.finished_count += 1
         group = self.groups.get(state.group_id) if state.group_id else None
         if group is not None and aborted is None:
-            group.finished_lengths.append(state.completion_tokens)
-            group.finished_turns.append(state.calls_done)
-            group.view = None
+            group.member_finished(state.completion_tokens, state.calls_done)
 
     def restart(self, trajectory_id: str) -> int | None:
         """Lift an abort: the id's next call opens its next attempt. Returns that attempt's

@@ -6,8 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.api.live_status import gantt, length_distribution
-from gateway.dispatch.jobs import Job
-from gateway.dispatch.jobs import JobPhase
+from gateway.dispatch.jobs import Job, JobPhase
 from gateway.dispatch.monitor import EngineSample, derive, parse_vllm_metrics
 from gateway.dispatch.relayouts import RelayoutLog
 from gateway.metrics import EventLog, History, Point, histogram_quantile
