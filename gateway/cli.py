@@ -86,7 +86,7 @@ def serve(
                              f"{', '.join(LIVE_NAMES)}")
         settings.check_safe_to_serve()
         if settings.pool is not None:  # a bad spec fails here, with the reason, not at start
-            from gateway.dispatch.poolspec import load_pool_spec
+            from gateway.pool.spec import load_pool_spec
 
             load_pool_spec(settings.pool)
     except ValueError as exc:  # PoolSpecError is one

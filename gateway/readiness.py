@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from backends.base import ServerState
-from gateway.dispatch.pool import PoolManager
+from gateway.pool.manager import PoolManager
 from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)

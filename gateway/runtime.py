@@ -20,20 +20,21 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
-from gateway.dispatch.jobs import JobBook
-from gateway.dispatch.layout import LayoutError
-from gateway.dispatch.monitor import Monitor
-from gateway.dispatch.pool import PoolManager, open_pool
 from gateway.dispatch.prewarm import prewarm
-from gateway.dispatch.relayouts import RelayoutLog
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.speeds import speeds_for
 from gateway.failure_log import FailureLog
 from gateway.http_session import make_session
+from gateway.live_calls import LiveCalls
 from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.mismatch import MismatchBoard, mismatch_limits
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
+from gateway.pool.jobs import JobBook
+from gateway.pool.layout import LayoutError
+from gateway.pool.manager import PoolManager, open_pool
+from gateway.pool.monitor import Monitor
+from gateway.pool.relayouts import RelayoutLog
 from gateway.schema.mismatch import MismatchLimits
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.ledger import LOSS_REASONS
@@ -43,7 +44,6 @@ from gateway.store.writer import TraceWriter
 from gateway.trajectories.expiry import Expiry
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.tracker import Tracker, TrajectoryState
-from gateway.weights.live import LiveCalls
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from bench.simulator.metrics import lower_bound
 from bench.simulator.speeds import profiles, speeds
 from bench.workloads import TrajectorySpec, generate
 from gateway.config import DispatchSettings, ServerSettings, Settings
-from gateway.dispatch.monitor import EngineSample, parse_vllm_metrics
 from gateway.policies.base import Policy, Relayout, Snapshot
 from gateway.policies.registry import get_policy
+from gateway.pool.monitor import EngineSample, parse_vllm_metrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,20 +13,20 @@ from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from gateway.api.deps import get_rt, require_admin
-from gateway.dispatch import handover
 from gateway.dispatch.backends import parse_backend_spec
-from gateway.dispatch.drain import start_remove_job, wait_idle
-from gateway.dispatch.jobs import Job
-from gateway.dispatch.layout import InstanceRequest, LayoutError, slot_json
-from gateway.dispatch.pool import PoolManager
-from gateway.dispatch.poolspec import LayoutEntry
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.proxy.aborts import enforce_staleness
-from gateway.proxy.weight_job import checkpoint_problems, no_engine, start_weight_update_job
-from gateway.proxy.weights import pause_engines, relabel, resume_engines, update_engines
+from gateway.pool import handover
+from gateway.pool.drain import start_remove_job, wait_idle
+from gateway.pool.jobs import Job
+from gateway.pool.layout import InstanceRequest, LayoutError, slot_json
+from gateway.pool.manager import PoolManager
+from gateway.pool.spec import LayoutEntry
 from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
 from gateway.schema.weights import WeightVersionChange
+from gateway.weights.aborts import enforce_staleness
+from gateway.weights.job import checkpoint_problems, no_engine, start_weight_update_job
+from gateway.weights.update import pause_engines, relabel, resume_engines, update_engines
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 REMOVE_DRAIN_TIMEOUT_S = 600.0

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
 from gateway.errors import Conflict, Forbidden, NotFound
-from gateway.proxy.aborts import abort_trajectory
 from gateway.runtime import Runtime
 from gateway.schema.samples import Sample, SampleList, SampleTree
 from gateway.schema.trajectories import (
@@ -33,6 +32,7 @@ from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 from gateway.store.samples import build_samples
 from gateway.store.trees import build_tree
 from gateway.trajectories.tagging import validate_id
+from gateway.weights.aborts import abort_trajectory
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"],
                    dependencies=[Depends(require_trainer)])

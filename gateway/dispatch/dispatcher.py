@@ -6,7 +6,7 @@ active trajectory-aware policy decides when it runs, where, and with which vLLM
 priority. It returns a :class:`Lease`; releasing the lease (exactly once, on every path)
 returns the backend's in-flight slot and lets the scheduler dispatch the next call.
 
-Pool reconfiguration contract (``gateway.dispatch.pool``), which any placement code here
+Pool reconfiguration contract (``gateway.pool.manager``), which any placement code here
 must keep:
 
 - only ``Backend.routable`` backends (healthy and ``state == READY``) get NEW calls. A

@@ -23,7 +23,7 @@ EngineMode = Literal["wait", "keep", "abort-and-continue"]
 
 
 class CapacitySource(Protocol):
-    """What the dispatcher asks a managed pool (``gateway.dispatch.pool.PoolManager``)."""
+    """What the dispatcher asks a managed pool (``gateway.pool.manager.PoolManager``)."""
 
     def expecting_capacity(self) -> bool:
         """True while instances are being started or restarted: worth waiting for."""

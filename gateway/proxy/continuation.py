@@ -17,7 +17,7 @@ re-tokenizing the text is not.
 Not every call can be continued that way: tool-call parsing, structured output
 (``response_format``, guided decoding), ``n > 1`` and ``echo`` depend on the engine
 seeing the whole generation in one request. A streamed one is frozen in place instead
-(its engine is paused with ``keep``, see :mod:`gateway.weights.live`); one that is not
+(its engine is paused with ``keep``, see :mod:`gateway.live_calls`); one that is not
 streamed, whose client has seen nothing yet, is sent again from the start after resume,
 so that all its tokens come from the new weights.
 
@@ -35,11 +35,11 @@ from typing import Any
 import orjson
 
 from gateway.errors import UpstreamError
+from gateway.live_calls import continuable
 from gateway.proxy.calls import CallContext
 from gateway.proxy.sse import SSEDecoder
 from gateway.proxy.upstream import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.runtime import Runtime
-from gateway.weights.live import continuable
 
 #: Sampling fields carried over to the continuation unchanged.
 CARRIED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",

@@ -33,7 +33,7 @@ import httpx
 import yaml
 
 from gateway.config import ShardSettings
-from gateway.dispatch.poolspec import (
+from gateway.pool.spec import (
     PoolSpec,
     StaticLauncherSpec,
     load_pool_spec,

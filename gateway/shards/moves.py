@@ -8,7 +8,7 @@ trajectories that used it send their next calls to their shard's other engines.
   (``DELETE /admin/backends/{id}``), then registered on the other
   (``POST /admin/backends``).
 * **An instance of the managed pool** hands its GPUs over
-  (:mod:`gateway.dispatch.handover`): its shard drains and stops it and takes the GPUs
+  (:mod:`gateway.pool.handover`): its shard drains and stops it and takes the GPUs
   out of its inventory (``POST /admin/pool/release``), then the other shard adds them to
   its own and starts an instance of the same TP on them (``POST /admin/pool/adopt``). If
   the other shard refuses them (a 4xx), they go back to the shard they came from; if it
@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 from starlette.responses import JSONResponse, Response
 
-from gateway.dispatch.layout import slot_json
+from gateway.pool.layout import slot_json
 from gateway.shards.shardset import POLL_S, Front, FrontJob
 
 JOB_TIMEOUT_S = 900.0

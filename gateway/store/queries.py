@@ -146,7 +146,7 @@ async def finished_trajectory_ids(
     session: AsyncSession, *, group_id: str | None = None, limit: int | None = None
 ) -> list[str]:
     """Ids whose latest attempt finished, oldest first; an attempt the trainer aborted
-    (``metadata.aborted``, gateway/proxy/aborts.py) is not a finished trajectory here."""
+    (``metadata.aborted``, gateway/weights/aborts.py) is not a finished trajectory here."""
     stmt = select(Trajectory.id, Trajectory.meta).where(Trajectory.finished_at.is_not(None))
     if group_id is not None:
         stmt = stmt.where(Trajectory.group_id == group_id)

@@ -1,7 +1,8 @@
-"""Weight updates and staleness, apart from the request path.
+"""Weight updates and the staleness bound: the control plane a trainer drives.
 
-So far the live-call table (``live``): which calls have an upstream request open on
-which engine, what a weight update waits on and does to each. It is a typed field of the
-runtime (``Runtime.live_calls``), so it sits below ``gateway.runtime`` and imports
-nothing of the proxy.
+``update`` pauses the engines, swaps their weights and resumes them; ``job`` runs an update
+as an admin job; ``aborts`` cuts a trajectory short and enforces the staleness bound at
+each version change. The request path never imports this package (the ``relay-apart``
+contract): it reads the live-call table (``gateway.live_calls``) and the weight version
+through the runtime it is handed.
 """

@@ -64,7 +64,7 @@ def test_url_helpers() -> None:
 
 def test_job_failed_carries_the_job_info_and_still_reads_like_its_json() -> None:
     from gateway.client import JobFailed, JobInfo
-    from gateway.dispatch.jobs import JobStatus
+    from gateway.pool.jobs import JobStatus
 
     raw = {"id": "7", "kind": "reconfigure", "status": "failed", "errors": ["a: boom"],
            "phases": [{"name": "start"}]}

@@ -1,4 +1,4 @@
-"""The trainer cuts trajectories short (gateway/proxy/aborts.py) against simulated engines:
+"""The trainer cuts trajectories short (gateway/weights/aborts.py) against simulated engines:
 an abort ends the generating call in the engine and refuses later calls until a restart;
 the staleness bound aborts what a version change took past it, and nothing else."""
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from gateway.config import CaptureSettings
+from gateway.live_calls import LiveCalls, continuable, engine_ids
 from gateway.proxy.calls import weight_segments
 from gateway.proxy.capture import Capture, inject
 from gateway.proxy.continuation import HoldingDecoder
-from gateway.proxy.weights import _plan
 from gateway.store.samples import staleness
-from gateway.weights.live import LiveCalls, continuable, engine_ids
+from gateway.weights.update import _plan
 
 
 @pytest.mark.parametrize(("extra", "ok"), [

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from backends.base import InstanceSpec
-from gateway.dispatch.layout import InstanceRequest, LayoutError, diff, place, resize, select_gpus
-from gateway.dispatch.poolspec import PoolSpecError, load_pool_spec, parse_pool_spec
+from gateway.pool.layout import InstanceRequest, LayoutError, diff, place, resize, select_gpus
+from gateway.pool.spec import PoolSpecError, load_pool_spec, parse_pool_spec
 
 EIGHT = [("local", g) for g in range(8)]
 
@@ -105,7 +105,7 @@ def test_example_specs_are_valid(path: Path) -> None:
 def test_a_simulated_pool_sets_its_engines_context() -> None:
     """``max_model_len`` under a ``sim`` launcher: each engine's context (default: the
     profile model's own, Qwen3's 40,960)."""
-    from gateway.dispatch.poolspec import build_launcher
+    from gateway.pool.spec import build_launcher
 
     def context(launcher: dict[str, Any]) -> int:
         spec = parse_pool_spec({"model": "policy-a", "inventory": {"gpus": 1},

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from backends.sim_launcher import SimLauncher
-from gateway.dispatch.checkpoint import check_checkpoint
+from gateway.pool.checkpoint import check_checkpoint
 from tests.pool.conftest import ADMIN, PoolGateway
 from tests.pool.test_pool_sim import MODEL, client, ready_pool, reconfigure, sim_spec
 from tests.pool.workload import wait_job

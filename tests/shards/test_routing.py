@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse
 
-from gateway.dispatch.poolspec import parse_pool_spec
+from gateway.pool.spec import parse_pool_spec
 from gateway.shards.haproxy import ProxyPlan, haproxy_config
 from gateway.shards.launch import split_backends, split_pool
 from tests.servers import LoopThread, app_in_thread, free_port

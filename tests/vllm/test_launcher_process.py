@@ -20,7 +20,7 @@ from backends.base import InstanceSpec, Launcher, LaunchError
 from backends.engine_guard import TAG_VAR, start_ticks, tagged
 from backends.engine_records import EngineRecord, ProcessId, reap_orphans, write_record
 from backends.vllm_local import API_SERVER_MODULE, LocalVLLMLauncher, group_members
-from gateway.dispatch.poolspec import PoolSpec, build_launcher, stream_interval
+from gateway.pool.spec import PoolSpec, build_launcher, stream_interval
 
 
 def _script(tmp_path: Path, body: str) -> str:

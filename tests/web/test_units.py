@@ -6,10 +6,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.api.live_status import gantt, length_distribution
-from gateway.dispatch.jobs import Job, JobPhase
-from gateway.dispatch.monitor import EngineSample, derive, parse_vllm_metrics
-from gateway.dispatch.relayouts import RelayoutLog
 from gateway.metrics import EventLog, History, Point, histogram_quantile
+from gateway.pool.jobs import Job, JobPhase
+from gateway.pool.monitor import EngineSample, derive, parse_vllm_metrics
+from gateway.pool.relayouts import RelayoutLog
 from gateway.trajectories.tracker import MAX_SEGMENTS, Tracker
 
 VLLM_TEXT = """# TYPE vllm:num_requests_running gauge

@@ -16,13 +16,13 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from backends.base import InstanceSpec, Launcher, ServerState
-from gateway.dispatch.instance import PoolInstance
-from gateway.dispatch.poolspec import PoolSpec
 from gateway.loops import Periodic
+from gateway.pool.instance import PoolInstance
+from gateway.pool.spec import PoolSpec
 
 if TYPE_CHECKING:
-    from gateway.dispatch.jobs import JobBook
     from gateway.metrics import EventLog
+    from gateway.pool.jobs import JobBook
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class _Host(Protocol):
 
 
 class RestartPool(Protocol):
-    """What restarts need of the pool (:class:`gateway.dispatch.pool.PoolManager`)."""
+    """What restarts need of the pool (:class:`gateway.pool.manager.PoolManager`)."""
 
     spec: PoolSpec
     launcher: Launcher

@@ -11,7 +11,7 @@ import aiohttp
 
 from backends.base import InstanceSpec, LaunchedInstance, ServerState
 from gateway.dispatch.backends import Backend
-from gateway.dispatch.checkpoint import Weights
+from gateway.pool.checkpoint import Weights
 
 log = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 120.0

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from backends.base import ServerState
 from gateway.dispatch.backends import Backend, BackendRegistry
-from gateway.dispatch.jobs import Job, JobBook, JobStatus
+from gateway.pool.jobs import Job, JobBook, JobStatus
 
 POLL_S = 0.05
 

@@ -1,8 +1,8 @@
 """Weight updates that reach the engines: pause, hand over new weights, resume.
 
 ``pause_engines`` closes the gateway's gate and pauses every engine through vLLM's own
-routes (``gateway.dispatch.engines``), deciding per engine from the calls it runs
-(``gateway.weights.live``):
+routes (``gateway.pool.engines``), deciding per engine from the calls it runs
+(``gateway.live_calls``):
 
 * ``wait``: each engine finishes what it runs, then stops; the pause answers when idle.
 * ``abort-and-continue``: each engine aborts what it runs (vLLM ``abort``); the relay
@@ -21,7 +21,7 @@ reads back the engine's own label (``/weight_info``), records it as the boundary
 each frozen stream and as the engine's label for new calls, resumes it; then opens the
 gate. An engine whose label is not the new version is taken out of rotation.
 
-``gateway.proxy.weight_job`` runs the whole cycle as an admin job, after checking the
+``gateway.weights.job`` runs the whole cycle as an admin job, after checking the
 update first (the checkpoint, the engines) so that a bad update pauses nothing.
 """
 
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import ServerState
-from gateway.dispatch import engines
 from gateway.dispatch.backends import Backend
-from gateway.dispatch.checkpoint import Weights
 from gateway.dispatch.gate import EngineMode, PauseMode
-from gateway.dispatch.poolspec import stream_interval
-from gateway.proxy.aborts import enforce_staleness
+from gateway.live_calls import LiveCall, LiveCalls, engine_ids
+from gateway.pool import engines
+from gateway.pool.checkpoint import Weights
+from gateway.pool.spec import stream_interval
 from gateway.runtime import Runtime
-from gateway.weights.live import LiveCall, LiveCalls, engine_ids
+from gateway.weights.aborts import enforce_staleness
 
 ENGINE_CALL = {"wait": "wait", "keep": "keep", "abort-and-continue": "abort"}
 #: a frozen stream has delivered what its paused engine made once it was quiet this long

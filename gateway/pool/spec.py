@@ -35,9 +35,9 @@ from pydantic import (
 
 from backends.base import Launcher
 from backends.vllm_local import STREAM_INTERVAL
-from gateway.dispatch.layout import GpuSlot, InstanceRequest, place
 from gateway.dispatch.speeds import TP_DEGREES
 from gateway.policies.replay import probe_layout
+from gateway.pool.layout import GpuSlot, InstanceRequest, place
 
 
 class PoolSpecError(ValueError):

@@ -1,7 +1,7 @@
 """The pool's weights: the one record of what every engine must serve, and the check an
 engine passes before it joins the pool.
 
-:class:`WeightKeeper` holds the current :class:`~gateway.dispatch.checkpoint.Weights` and
+:class:`WeightKeeper` holds the current :class:`~gateway.pool.checkpoint.Weights` and
 the lock a weight update holds from its pause to its resume. An engine the pool started
 (on the current checkpoint path) is admitted only outside an update: it reloads the
 current path if an update changed it meanwhile, is told the version and must say it back
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 
 from backends.base import LaunchError
-from gateway.dispatch import engines
-from gateway.dispatch.checkpoint import Weights
-from gateway.dispatch.instance import PoolInstance
+from gateway.pool import engines
+from gateway.pool.checkpoint import Weights
+from gateway.pool.instance import PoolInstance
 
 if TYPE_CHECKING:
     from gateway.metrics import EventLog

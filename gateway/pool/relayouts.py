@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dispatch.jobs import Job, JobStatus
+from gateway.pool.jobs import Job, JobStatus
 
 
 @dataclass(slots=True)

@@ -28,12 +28,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.dispatch import engines
 from gateway.errors import Conflict, NotFound
+from gateway.live_calls import engine_ids
+from gateway.pool import engines
 from gateway.runtime import Runtime
 from gateway.store import queries
 from gateway.trajectories.tracker import TrajectoryState
-from gateway.weights.live import engine_ids
 
 
 async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backends.base import ServerState
-from gateway.dispatch.jobs import Job
-from gateway.dispatch.layout import (
+from gateway.pool.jobs import Job
+from gateway.pool.layout import (
     GpuSlot,
     InstanceRequest,
     LayoutError,
@@ -31,7 +31,7 @@ from gateway.dispatch.layout import (
     slot_json,
     slots_of,
 )
-from gateway.dispatch.pool import PoolManager
+from gateway.pool.manager import PoolManager
 
 
 class NoSuchInstance(LayoutError):

@@ -11,11 +11,11 @@ background job at a time:
    every call records) only once it answers, after an optional one-token warm-up call.
 
 While a job runs with nothing routable the dispatcher holds calls (``CapacitySource``); a
-crashed instance is restarted with exponential backoff (:mod:`gateway.dispatch.restarts`).
+crashed instance is restarted with exponential backoff (:mod:`gateway.pool.restarts`).
 
 The pool also holds the one record of the weights every engine must serve
-(:class:`~gateway.dispatch.checkpoint.Weights`, kept current by the weight-update job in
-``gateway.proxy.weights``): every instance it starts begins on the current checkpoint
+(:class:`~gateway.pool.checkpoint.Weights`, kept current by the weight-update job in
+``gateway.weights.update``): every instance it starts begins on the current checkpoint
 path, is told the current version and is admitted only when its own ``/weight_info``
 says it (one started before an update finished reloads the new path first; with weights
 the trainer pushed, it is held out of rotation until an update brings them).
@@ -36,11 +36,12 @@ import aiohttp
 
 from backends.base import InstanceSpec, Launcher, ServerState
 from gateway.dispatch.backends import Backend
-from gateway.dispatch.checkpoint import Weights
-from gateway.dispatch.drain import drain
-from gateway.dispatch.instance import PoolInstance, warm_up
-from gateway.dispatch.jobs import Job, JobStatus
-from gateway.dispatch.layout import (
+from gateway.pool.checkpoint import Weights
+from gateway.pool.drain import drain
+from gateway.pool.instance import PoolInstance, warm_up
+from gateway.pool.jobs import Job, JobStatus
+from gateway.pool.keeper import WeightKeeper
+from gateway.pool.layout import (
     GpuSlot,
     InstanceRequest,
     LayoutError,
@@ -55,15 +56,14 @@ from gateway.dispatch.layout import (
     slot_json,
     slots_of,
 )
-from gateway.dispatch.poolspec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
-from gateway.dispatch.poolweights import WeightKeeper
-from gateway.dispatch.restarts import Restarts
+from gateway.pool.restarts import Restarts
+from gateway.pool.spec import PoolSpec, StaticLauncherSpec, build_launcher, load_pool_spec
 
 if TYPE_CHECKING:
     from gateway.dispatch.backends import BackendRegistry, HealthChecker
     from gateway.dispatch.dispatcher import Dispatcher
-    from gateway.dispatch.jobs import JobBook
     from gateway.metrics import EventLog, GatewayMetrics
+    from gateway.pool.jobs import JobBook
 
 log = logging.getLogger(__name__)
 GpuSelection = int | Sequence[int | str]
@@ -110,7 +110,7 @@ class PoolManager:
 
     @property
     def weights(self) -> Weights:
-        """What every engine must serve (:class:`~gateway.dispatch.poolweights.WeightKeeper`)."""
+        """What every engine must serve (:class:`~gateway.pool.keeper.WeightKeeper`)."""
         return self.keeper.current
 
     @property

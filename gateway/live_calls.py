@@ -7,7 +7,7 @@ its last token arrived, and whether the gateway had its engine abort it for a we
 update (only such an abort is continued or restarted; one for another reason, an engine
 shutting down, goes to the client).
 
-A weight update treats the calls of one engine as follows (``gateway.proxy.weights``):
+A weight update treats the calls of one engine as follows (``gateway.weights.update``):
 
 * a call whose client has seen nothing (not streamed) is always aborted, so its answer
   carries the engine's exact token count, and finished after resume: token-in when it

@@ -1,6 +1,6 @@
 """The weight-update job: check -> pause -> update -> set version -> resume, as an admin
 job (``POST /admin/weight-update``), on the pause and resume of
-:mod:`gateway.proxy.weights`. Its check is also the job's dry run
+:mod:`gateway.weights.update`. Its check is also the job's dry run
 (``?dry_run=true``), which the sharded front asks of every shard first."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import asyncio
 import time
 from typing import Any, Literal
 
-from gateway.dispatch import engines
 from gateway.dispatch.backends import Backend
-from gateway.dispatch.checkpoint import Weights, check_checkpoint
 from gateway.dispatch.gate import EngineMode
-from gateway.dispatch.jobs import Job, JobStatus
-from gateway.proxy.aborts import enforce_staleness
-from gateway.proxy.weights import (
+from gateway.pool import engines
+from gateway.pool.checkpoint import Weights, check_checkpoint
+from gateway.pool.jobs import Job, JobStatus
+from gateway.runtime import Runtime
+from gateway.weights.aborts import enforce_staleness
+from gateway.weights.update import (
     EngineAnswer,
     current_weights,
     each_engine,
@@ -25,7 +26,6 @@ from gateway.proxy.weights import (
     update_engines,
     weights_held,
 )
-from gateway.runtime import Runtime
 
 UpdateMethod = Literal["reload", "external"]
 
