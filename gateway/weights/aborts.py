@@ -47,6 +47,9 @@ async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
     if state.finished_at is not None:
         raise Conflict(f"trajectory {trajectory_id!r} attempt {state.attempt} is already "
                        "finished", param="trajectory_id")
+    # its calls still queued fail now, before the store's write: a slot freed while the
+    # write is awaited must not start one of them on an engine the abort would then miss
+    rt.dispatcher.scheduler.trajectory_ended(trajectory_id)
     now = time.time()
     async with rt.sessionmaker() as session, session.begin():
         await queries.finish_trajectory(
@@ -99,7 +102,10 @@ def stale(rt: Runtime) -> list[TrajectoryState]:
 async def enforce_staleness(rt: Runtime) -> list[str]:
     """Abort every trajectory past the bound (after a weight version change)."""
     done = []
-    for state in stale(rt):
+    past = stale(rt)
+    for state in past:  # every queued call of them fails before any abort frees a slot
+        rt.dispatcher.scheduler.trajectory_ended(state.id)
+    for state in past:
         reason = (f"staleness: it started on weights {state.first_version}, "
                   f"the engines now serve {rt.weight_version}, bound {rt.max_staleness}")
         try:

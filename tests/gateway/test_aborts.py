@@ -8,7 +8,9 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
+from gateway.store import queries
 from tests.gateway.conftest import GatewayFactory
 from tests.gateway.slow_engines import ADMIN, HARNESS, KEY, MODEL, N, engine_stats, generating
 
@@ -111,11 +113,25 @@ async def test_staleness_bound_aborts_only_what_a_version_change_takes_past_it(
                     ).status_code == 422
 
 
+@pytest.mark.parametrize("store_write_s", [0.0, 0.3])
 async def test_staleness_counts_from_a_trajectorys_start_even_while_it_waits(
-        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str) -> None:
+        slow_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
+        store_write_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """A trajectory whose first call is still queued when the weights move past the bound
     is aborted too: it started on the old weights (issue 44: judged by its first token, it
-    escaped, and was then served as if it had started on the new ones)."""
+    escaped, and was then served as if it had started on the new ones).
+
+    With a slow store write (0.3 s): aborting "busy" frees the engine's slot, and a queued
+    call of "waiting" must not take it while the aborts' writes are awaited (it did, 1 run
+    in 3 on a loaded host, and ran to its end on an engine the abort then missed)."""
+    if store_write_s:
+        finish = queries.finish_trajectory
+
+        async def slow_finish(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(store_write_s)
+            return await finish(*args, **kwargs)
+
+        monkeypatch.setattr(queries, "finish_trajectory", slow_finish)
     with gateway_at(sqlite_url, slow_engines[:1], admin_token="tok", api_keys=[KEY],
                     weight_version="0", dispatch={"cap_per_gpu": 1}) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
