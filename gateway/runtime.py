@@ -43,7 +43,8 @@ from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
 from gateway.trajectories.expiry import Expiry
 from gateway.trajectories.restore import Restorer
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 log = logging.getLogger(__name__)
 

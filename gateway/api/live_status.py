@@ -15,7 +15,7 @@ from gateway.dispatch.backends import Backend
 from gateway.metrics import histogram_quantile, sample_sum
 from gateway.policies.base import Phase
 from gateway.runtime import Runtime
-from gateway.trajectories.tracker import TrajectoryState
+from gateway.trajectories.state import TrajectoryState
 
 GANTT_ROWS = 12
 EVENTS_SHOWN = 50

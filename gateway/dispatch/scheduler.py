@@ -53,7 +53,8 @@ from gateway.policies.base import (
     Snapshot,
     TPSpeed,
 )
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 log = logging.getLogger(__name__)
 Placed = tuple[Backend, int]

@@ -16,7 +16,8 @@ from gateway.policies.base import (
     InstanceView,
     TrajectoryView,
 )
-from gateway.trajectories.tracker import GroupState, Tracker, TrajectoryState
+from gateway.trajectories.state import GroupState, TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 
 def instance_view(b: Backend, cap_per_gpu: int, kv_usage: float | None = None) -> InstanceView:

@@ -19,8 +19,8 @@ from gateway.proxy.doors import Translation
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
 from gateway.trajectories.branches import Continuation, words
+from gateway.trajectories.state import TrajectoryState, TurnFacts
 from gateway.trajectories.tools import after_last_assistant
-from gateway.trajectories.tracker import TrajectoryState, TurnFacts
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ import time
 from gateway.dispatch.dispatcher import Lease
 from gateway.proxy.calls import CallContext, record_call
 from gateway.runtime import Runtime
+from gateway.trajectories.state import TrajectoryState
 from gateway.trajectories.tools import ToolOutcome
-from gateway.trajectories.tracker import TrajectoryState
 
 
 def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> int:

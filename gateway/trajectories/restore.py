@@ -62,7 +62,8 @@ from gateway.store import queries
 from gateway.store.codec import unpack_ids
 from gateway.store.samples import build_samples
 from gateway.trajectories.branches import Branch, Tree
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from gateway.live_calls import engine_ids
 from gateway.pool import engines
 from gateway.runtime import Runtime
 from gateway.store import queries
-from gateway.trajectories.tracker import TrajectoryState
+from gateway.trajectories.state import TrajectoryState
 
 
 async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,

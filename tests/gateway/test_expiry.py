@@ -10,7 +10,8 @@ import time
 
 from gateway.config import TrajectorySettings
 from gateway.trajectories.expiry import Expiry
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 
 def _call(tracker: Tracker, tid: str, start: float, end: float | None) -> TrajectoryState:

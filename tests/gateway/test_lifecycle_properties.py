@@ -37,7 +37,8 @@ from gateway.dispatch.speeds import speeds_for
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
 from gateway.policies.registry import get_policy
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 MODEL = "qwen3-14b"
 IDS = [f"p{p}-{s}" for p in range(3) for s in range(2)]  # reused across "steps"

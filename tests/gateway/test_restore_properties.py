@@ -72,7 +72,8 @@ from gateway.store.samples import Sample, build_samples
 from gateway.store.spool import Spool
 from gateway.store.writer import TraceWriter
 from gateway.trajectories.restore import Restorer
-from gateway.trajectories.tracker import Tracker, TrajectoryState
+from gateway.trajectories.state import TrajectoryState
+from gateway.trajectories.tracker import Tracker
 from tests.conftest import PG_ADMIN_DSN
 from tests.store.relay import TcpRelay
 

@@ -13,8 +13,9 @@ import pytest
 
 from gateway.dispatch.views import group_view, trajectory_view
 from gateway.policies.base import GroupView, TrajectoryView
+from gateway.trajectories.state import GroupState, TrajectoryState
 from gateway.trajectories.tools import ToolOutcome
-from gateway.trajectories.tracker import GroupState, Tracker, TrajectoryState
+from gateway.trajectories.tracker import Tracker
 
 
 def _fresh(st: TrajectoryState) -> TrajectoryView:

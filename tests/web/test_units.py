@@ -10,7 +10,8 @@ from gateway.metrics import EventLog, History, Point, histogram_quantile
 from gateway.pool.jobs import Job, JobPhase
 from gateway.pool.monitor import EngineSample, derive, parse_vllm_metrics
 from gateway.pool.relayouts import RelayoutLog
-from gateway.trajectories.tracker import MAX_SEGMENTS, Tracker
+from gateway.trajectories.state import MAX_SEGMENTS
+from gateway.trajectories.tracker import Tracker
 
 VLLM_TEXT = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
