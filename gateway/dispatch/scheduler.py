@@ -29,7 +29,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Set
 from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
@@ -304,11 +304,16 @@ class Scheduler:
     def trajectory_ended(self, trajectory_id: str) -> int:
         """Its attempt was finished: calls of it still queued fail with 409 (they belong to
         the finished attempt; the next call on the id opens a new one). Returns how many."""
+        return self.trajectories_ended({trajectory_id})
+
+    def trajectories_ended(self, trajectory_ids: Set[str]) -> int:
+        """:meth:`trajectory_ended` for several at once, in one pass over the queue."""
         failed = 0
         for w in list(self._waiting.values()):
-            if w.call.trajectory_id == trajectory_id and not w.future.done():
+            tid = w.call.trajectory_id
+            if tid in trajectory_ids and not w.future.done():
                 w.future.set_exception(TrajectoryFinished(
-                    f"trajectory {trajectory_id!r} was finished while this call waited in "
+                    f"trajectory {tid!r} was finished while this call waited in "
                     "the queue; a new call on the id opens its next attempt"))
                 failed += 1
         return failed

@@ -56,7 +56,7 @@ async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
             session, trajectory_id=trajectory_id, group_id=state.group_id, reward=None,
             metadata={"aborted": reason}, now=now, attempt=state.attempt)
     rt.tracker.finish(trajectory_id, None, now, aborted=reason)
-    rt.dispatcher.scheduler.trajectory_finished(state)
+    rt.dispatcher.scheduler.trajectory_finished(state)  # and any queued during the write
     calls = rt.live_calls.of(trajectory_id)
     errors = []
     for backend_id, ids in calls.items():
@@ -103,8 +103,10 @@ async def enforce_staleness(rt: Runtime) -> list[str]:
     """Abort every trajectory past the bound (after a weight version change)."""
     done = []
     past = stale(rt)
-    for state in past:  # every queued call of them fails before any abort frees a slot
-        rt.dispatcher.scheduler.trajectory_ended(state.id)
+    # every queued call of them fails, in one pass over the queue, before any abort frees
+    # a slot; each abort fails again those that arrived while the aborts before it awaited
+    if past:
+        rt.dispatcher.scheduler.trajectories_ended({state.id for state in past})
     for state in past:
         reason = (f"staleness: it started on weights {state.first_version}, "
                   f"the engines now serve {rt.weight_version}, bound {rt.max_staleness}")
