@@ -12,7 +12,6 @@ import orjson
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
-from gateway.proxy.admission import AdmissionSlot
 from gateway.proxy.bodies import stored_chars
 from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
@@ -40,8 +39,6 @@ class CallContext:
     dispatched_at: float | None = None
     first_byte: float | None = None
     retries: int = 0
-    ended: bool = False  # :func:`gateway.proxy.lifecycle.end` ran
-    slot: AdmissionSlot | None = None  # its admission slot, released when it ends
     door: Translation | None = None  # a front door answering in its own wire format
     #: (first completion token, weight version) for each continuation after an abort.
     segments: list[tuple[int, str]] = field(default_factory=list)
@@ -116,7 +113,7 @@ def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: 
 def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
                 backend_ok: bool | None) -> None:
     """A dispatched call ended: release its backend, place it in its trajectory, tell the
-    policy, hand the record to the writer. Only :func:`gateway.proxy.lifecycle.end` calls
+    policy, hand the record to the writer. Only :meth:`gateway.proxy.lifecycle.Call.end` calls
     it, once per call."""
     assert ctx.lease is not None
     rt.live_calls.remove(ctx.id)

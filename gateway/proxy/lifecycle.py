@@ -5,17 +5,24 @@ and cached policy view (the tracker), the policy (the scheduler), the table of l
 (aborts and weight boundaries), the backend lease and the admission slot. The relay and
 the connector report events here and touch none of those directly.
 
-:func:`end` is the only way out and is idempotent, so every exit path may call it: a call
-that reached a backend is recorded (:func:`gateway.proxy.calls.record_call`), one that did
-not is abandoned (it takes no ``seq``), and either way its admission slot is released; a
-call that failed leaves its one line in the log (:mod:`gateway.failure_log`).
+A :class:`Call` owns an admitted call (its context and admission slot) and is the only way
+out: :meth:`Call.end` runs once, whatever calls it later; used as a context manager it ends
+the call on any exit its body did not end it on (an exception, or the client leaving),
+unless the body handed the call to a streamed response, which then owns it (as an httpx
+response owns its stream). A call that reached a backend is recorded
+(:func:`gateway.proxy.calls.record_call`), one that did not is abandoned (it takes no
+``seq``), and either way its admission slot is released; a call that failed leaves its one
+line in the log (:mod:`gateway.failure_log`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import TracebackType
 
 from gateway.dispatch.dispatcher import Lease
+from gateway.proxy.admission import AdmissionSlot
 from gateway.proxy.calls import CallContext, record_call
 from gateway.runtime import Runtime
 from gateway.trajectories.state import TrajectoryState
@@ -25,8 +32,8 @@ from gateway.trajectories.tools import ToolOutcome
 def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> int:
     """A call of ``state`` arrived carrying ``outcomes`` (its new tool results): counted
     as queued, and the policy learns the outcomes before the call is queued. Returns the
-    call's provisional ``seq``. The caller must :func:`end` it (or :func:`abandon` it if
-    no context was made)."""
+    call's provisional ``seq``. The call ends through its :class:`Call` (or
+    :func:`abandon` if no context was made for it)."""
     if state.first_version is None:  # the staleness bound counts from the start: a
         state.first_version = rt.weight_version  # trajectory still queued is judged too
     seq = rt.tracker.call_arrived(state, outcomes, time.time())
@@ -61,23 +68,61 @@ def abandon(rt: Runtime, state: TrajectoryState) -> None:
     rt.tracker.call_abandoned(state)
 
 
-def end(rt: Runtime, ctx: CallContext, *, error: BaseException | None = None,
-        backend_ok: bool | None = None) -> None:
-    """The call is over, however it ended. Once: later calls do nothing.
+#: why a call that ended with no outcome of its own ended: its client went away
+CLIENT_LEFT = "client disconnected"
 
-    ``backend_ok``: whether the outcome says the backend works (default: unless the call
-    failed); an engine refusing the client's request is a failed call, not a failed
-    backend."""
-    if ctx.ended:
-        return
-    ctx.ended = True
-    if error is not None:
-        rt.failure_log.failed(ctx.state.id, ctx.endpoint, error)
-    try:
-        if ctx.lease is None:  # never reached a backend: refused, or the client left
-            rt.tracker.call_abandoned(ctx.state)
-        else:
-            record_call(rt, ctx, error=error, backend_ok=backend_ok)
-    finally:
-        if ctx.slot is not None:
-            ctx.slot.release()
+
+class Call:
+    """An admitted call, from its admission slot to its record; it ends exactly once.
+
+    ``with call:`` ends it on leaving the block unless it ended there or was handed to a
+    streamed response (:meth:`hand_off`): with the exception that left the block, or as
+    cancelled by the client when the block was left without an outcome (the relay returns
+    a 499 when the client went away first)."""
+
+    __slots__ = ("_ended", "_handed_off", "_slot", "ctx", "rt")
+
+    def __init__(self, rt: Runtime, ctx: CallContext, slot: AdmissionSlot) -> None:
+        self.rt, self.ctx, self._slot = rt, ctx, slot
+        self._ended = self._handed_off = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def hand_off(self) -> Call:
+        """A streamed response owns the call from here and ends it when it closes: the
+        ``with`` block that admitted it returns before the stream is sent."""
+        self._handed_off = True
+        return self
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is not None:
+            self.end(error=exc)
+        elif not self._handed_off:
+            self.end(error=asyncio.CancelledError(CLIENT_LEFT))
+
+    def end(self, *, error: BaseException | None = None,
+            backend_ok: bool | None = None) -> None:
+        """The call is over, however it ended. Once: later calls do nothing.
+
+        ``backend_ok``: whether the outcome says the backend works (default: unless the
+        call failed); an engine refusing the client's request is a failed call, not a
+        failed backend."""
+        if self._ended:
+            return
+        self._ended = True
+        rt, ctx = self.rt, self.ctx
+        if error is not None:
+            rt.failure_log.failed(ctx.state.id, ctx.endpoint, error)
+        try:
+            if ctx.lease is None:  # never reached a backend: refused, or the client left
+                rt.tracker.call_abandoned(ctx.state)
+            else:
+                record_call(rt, ctx, error=error, backend_ok=backend_ok)
+        finally:
+            self._slot.release()

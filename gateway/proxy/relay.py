@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,7 +50,7 @@ from gateway.proxy.continuation import (
 from gateway.proxy.doors import DoorStream, Translation
 from gateway.proxy.doors.memory import ResponseMemory
 from gateway.proxy.doors.open import open_door
-from gateway.proxy.lifecycle import abandon, arrive, end
+from gateway.proxy.lifecycle import CLIENT_LEFT, Call, abandon, arrive
 from gateway.proxy.sse import error_event
 from gateway.proxy.tokens import PromptPlanner
 from gateway.proxy.upstream import UpstreamResponse
@@ -89,10 +89,7 @@ async def _watch_disconnect(receive: Receive, handler: asyncio.Task[Any]) -> Non
     """Cancel ``handler`` when the client disconnects (the body is already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    handler.cancel(_CLIENT_LEFT)
-
-
-_CLIENT_LEFT = "client disconnected"
+    handler.cancel(CLIENT_LEFT)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
@@ -129,16 +126,17 @@ class RelayStream(StreamingResponse):
 
     It sends its chunks itself rather than through Starlette's ``StreamingResponse``
     machinery (a task group of two tasks per call): the one disconnect watcher per call
-    cancels the sending task when the client goes away. ``relay`` closes the upstream,
-    records the call and releases its slot exactly once, including when the client left
-    before the first chunk.
+    cancels the sending task when the client goes away. It owns its call (handed off to it)
+    and ``relay`` closes the upstream and ends the call, including when the client left
+    before the first chunk (the generator, never started, ran none of its own clean-up).
     """
 
-    def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], None],
-                 headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], call: Call,
+                 upstream: UpstreamResponse, headers: dict[str, str]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._gen = content
-        self._on_close = on_close
+        self._call = call.hand_off()
+        self._upstream = upstream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _unless_disconnected_do(receive, self.relay(send))
@@ -154,7 +152,8 @@ class RelayStream(StreamingResponse):
         finally:
             with contextlib.suppress(RuntimeError):  # already running elsewhere: it closes
                 await self._gen.aclose()
-            self._on_close()
+            self._upstream.close()
+            self._call.end(error=asyncio.CancelledError(CLIENT_LEFT))  # unless it ended
 
 
 class Proxy:
@@ -173,12 +172,9 @@ class Proxy:
     ) -> Response:
         """A call through the FastAPI routes (the front doors): the response to send."""
         with refusals_logged(self.rt.failure_log, endpoint.name, path_traj, request.headers):
-            ctx = await self._admit(request, endpoint, path_traj, path_group)
-        try:
-            return await _unless_disconnected(request, self._run(ctx, endpoint))
-        except BaseException as exc:
-            end(self.rt, ctx, error=exc)
-            raise
+            call = await self._admit(request, endpoint, path_traj, path_group)
+        with call:
+            return await _unless_disconnected(request, self._run(call, endpoint))
 
     async def serve(self, request: Request, send: Send, endpoint: Endpoint, *,
                     path_traj: str | None, path_group: str | None) -> None:
@@ -186,26 +182,24 @@ class Proxy:
         upstream call and the relay of its answer run under one disconnect watcher. A
         :class:`GatewayError` raised before the answer starts is the caller's to send."""
         with refusals_logged(self.rt.failure_log, endpoint.name, path_traj, request.headers):
-            ctx = await self._admit(request, endpoint, path_traj, path_group)
-        try:
+            call = await self._admit(request, endpoint, path_traj, path_group)
+        with call:
             await _unless_disconnected_do(request.receive,
-                                          self._answer(ctx, endpoint, request, send))
-        finally:  # a no-op once the call has ended; else the client left: it did not
-            end(self.rt, ctx, error=asyncio.CancelledError(_CLIENT_LEFT))
+                                          self._answer(call, endpoint, request, send))
 
-    async def _answer(self, ctx: CallContext, endpoint: Endpoint,
+    async def _answer(self, call: Call, endpoint: Endpoint,
                       request: Request, send: Send) -> None:
-        response = await self._run(ctx, endpoint)
+        response = await self._run(call, endpoint)
         if isinstance(response, RelayStream):
             await response.relay(send)
             return
         await response(request.scope, request.receive, send)
 
     async def _admit(self, request: Request, endpoint: Endpoint, path_traj: str | None,
-                     path_group: str | None) -> CallContext:
-        """An admission slot, then the call's context; the slot is the context's to
-        release when the call ends (:func:`gateway.proxy.lifecycle.end`). Refused while
-        the gateway could not record the call (:attr:`TraceWriter.refusal`)."""
+                     path_group: str | None) -> Call:
+        """An admission slot, then the call's context: the call, which owns both and
+        releases the slot when it ends. Refused while the gateway could not record the
+        call (:attr:`TraceWriter.refusal`)."""
         if (why := self.rt.writer.refusal) is not None:
             raise RecordingUnavailable(
                 why, retry_after_s=self.rt.settings.traces.retry_backoff_max_s)
@@ -215,8 +209,7 @@ class Proxy:
         except BaseException:
             slot.release()
             raise
-        ctx.slot = slot
-        return ctx
+        return Call(self.rt, ctx, slot)
 
     async def _prepare(self, request: Request, endpoint: Endpoint, path_traj: str | None,
                        path_group: str | None) -> CallContext:
@@ -281,25 +274,21 @@ class Proxy:
         body["model"] = resolve_model(aliases, asked, served)
         return asked if body["model"] != asked else None
 
-    async def _run(self, ctx: CallContext, endpoint: Endpoint) -> Response:
-        try:
-            upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream,
-                                     self.planner if endpoint.chat else None)
-        except BaseException as exc:
-            end(self.rt, ctx, error=exc)
-            raise
+    async def _run(self, call: Call, endpoint: Endpoint) -> Response:
+        """The call's response; a failure to reach any backend leaves to ``call``'s
+        scope, which ends the call with it."""
+        ctx = call.ctx
+        upstream = await connect(self.rt, self.breaker, ctx, endpoint.upstream,
+                                 self.planner if endpoint.chat else None)
         if upstream.status != 200:
-            return await self._relay_error(ctx, upstream)
+            return await self._relay_error(call, upstream)
         if ctx.stream:
-            def on_close() -> None:  # also when the client left before the first chunk
-                upstream.close()
-                end(self.rt, ctx, error=asyncio.CancelledError(_CLIENT_LEFT))
-
-            return RelayStream(self._stream(ctx, upstream), on_close,
+            return RelayStream(self._stream(call, upstream), call, upstream,
                                headers={**ctx.headers, "cache-control": "no-cache"})
-        return await self._relay_whole(ctx, upstream)
+        return await self._relay_whole(call, upstream)
 
-    async def _relay_error(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
+    async def _relay_error(self, call: Call, upstream: UpstreamResponse) -> Response:
+        ctx = call.ctx
         try:
             data = await upstream.read()
         finally:
@@ -309,7 +298,7 @@ class Proxy:
         error = UpstreamError(f"upstream answered {upstream.status}: "
                               f"{said or data[:300].decode(errors='replace')}")
         error.status_code = status  # what the client is answered
-        end(self.rt, ctx, error=error, backend_ok=not backend_at_fault(upstream.status))
+        call.end(error=error, backend_ok=not backend_at_fault(upstream.status))
         if ctx.door is not None:  # the engine's message, in the door's error shape
             error.message = said or error.message
             data = ctx.door.error_body(error)
@@ -325,7 +314,8 @@ class Proxy:
         """The backend failed mid-response (died, hung): count it against the backend."""
         self.breaker.failure(backend, exc.message)
 
-    async def _relay_whole(self, ctx: CallContext, upstream: UpstreamResponse) -> Response:
+    async def _relay_whole(self, call: Call, upstream: UpstreamResponse) -> Response:
+        ctx = call.ctx
         try:
             data = await upstream.read()
             ctx.first_byte = time.monotonic()
@@ -339,18 +329,19 @@ class Proxy:
                 data = ctx.door.whole(payload)
         except BaseException as exc:
             upstream.close()
-            end(self.rt, ctx, error=exc)
+            call.end(error=exc)
             if isinstance(exc, UpstreamError) and ctx.lease is not None:
                 self._broke(ctx.lease.backend, exc)
             if isinstance(exc, orjson.JSONDecodeError):
                 raise UpstreamError("upstream answered with invalid JSON") from None
             raise
         upstream.close()
-        end(self.rt, ctx)
+        call.end()
         return Response(data, media_type="application/json", headers=ctx.headers)
 
-    async def _stream(self, ctx: CallContext, upstream: UpstreamResponse
+    async def _stream(self, call: Call, upstream: UpstreamResponse
                       ) -> AsyncGenerator[bytes, None]:
+        ctx = call.ctx
         decoder = HoldingDecoder(self.rt, ctx)
         door = DoorStream(ctx.door) if ctx.door is not None else None
         error: BaseException | None = None
@@ -390,5 +381,5 @@ class Proxy:
             raise
         finally:
             upstream.close()
-            end(self.rt, ctx, error=error)
+            call.end(error=error)
 
