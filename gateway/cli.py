@@ -235,13 +235,16 @@ def sim_backend(
     max_model_len: Annotated[int | None, typer.Option(
         min=1, help="context in tokens, prompt and output (default: the model's own, "
         "40960 for Qwen3; 131072 as Qwen3 serves with YaRN)")] = None,
+    enable_lora: Annotated[bool, typer.Option(
+        help="serve LoRA adapters loaded at run time (vLLM --enable-lora with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")] = False,
 ) -> None:
     """Run simulated vLLM servers (one process, consecutive ports)."""
     from backends.sim.runner import run_sim_backends
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
                      count=count, seed=seed, scheduling_policy=scheduling_policy,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, enable_lora=enable_lora)
 
 
 @app.command("front")

@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backends.sim.chat import ToolCall, choose_tool_call, plan_completion, render_chat
+from backends.sim.lora import router as lora_router
 from backends.sim.pause import router as pause_router
 from backends.sim.protocol import (
     APIError,
@@ -145,7 +146,7 @@ async def chat_completions(request: Request) -> Response:
                                         body.max_completion_tokens or body.max_tokens)
     choices = []
     for i in range(body.n):
-        rng, seed = sim.rng_for(body.seed, i)
+        rng, seed = sim.rng_for(body.seed, i, sim.adapter_of(body.model))
         choice, scripted = _tool_choice(sim, body)
         call = scripted or choose_tool_call(body.tools or [], choice, rng, sim.tok,
                                             sim.config.tool_call_prob)
@@ -157,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
                                tool_call=call, stop=body.stop_list)
         choices.append(Choice.plan(sim.tok, i, comp, seed))
     rid = sim.new_id("chatcmpl", body.request_id)
-    shape = ResponseShape(sim.tok, rid, sim.config.served_name, prompt_ids,
+    shape = ResponseShape(sim.tok, rid, body.model, prompt_ids,
                           chat=True, logprobs=body.logprobs,
                           top_logprobs=body.top_logprobs or 0,
                           return_token_ids=body.return_token_ids)
@@ -228,13 +229,13 @@ async def completions(request: Request) -> Response:
     max_tokens = sim.resolve_max_tokens(len(prompt_ids), body.max_tokens)
     choices = []
     for i in range(body.n):
-        rng, seed = sim.rng_for(body.seed, i)
+        rng, seed = sim.rng_for(body.seed, i, sim.adapter_of(body.model))
         comp = plan_completion(sim.tok, rng, natural_len=sim.draw_length(rng),
                                max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                                stop=body.stop_list)
         choices.append(Choice.plan(sim.tok, i, comp, seed))
     rid = sim.new_id("cmpl", body.request_id)
-    shape = ResponseShape(sim.tok, rid, sim.config.served_name, prompt_ids,
+    shape = ResponseShape(sim.tok, rid, body.model, prompt_ids,
                           chat=False, logprobs=body.logprobs is not None,
                           top_logprobs=body.logprobs or 0,
                           return_token_ids=body.return_token_ids)
@@ -249,7 +250,10 @@ async def models(request: Request) -> Response:
     card = {"id": sim.config.served_name, "object": "model", "created": 0,
             "owned_by": "rollout-gateway-sim", "root": sim.config.served_name,
             "max_model_len": sim.config.context_len}
-    return json_response({"object": "list", "data": [card]})
+    adapters = [{"id": a.name, "object": "model", "created": 0,
+                 "owned_by": "rollout-gateway-sim", "root": a.path,
+                 "parent": sim.config.served_name} for a in sim.adapters.values()]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 @router.get("/health")
@@ -288,6 +292,8 @@ def create_sim_app(config: SimServerConfig | None = None) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.include_router(router)
     app.include_router(pause_router)
+    if cfg.enable_lora:
+        app.include_router(lora_router)
 
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)

@@ -24,6 +24,15 @@ from backends.sim.tokenizer import SimTokenizer, get_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
+class LoadedAdapter:
+    """A LoRA adapter the server holds (``backends.sim.lora``)."""
+
+    name: str
+    path: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class SimServerConfig:
     """One simulated server. ``model``/``gpu``/``tp`` pick the latency profile; the
     server answers to ``served_model_name`` (default: ``model``).
@@ -68,6 +77,10 @@ class SimServerConfig:
     #: made at ``speed``) instead of one of its own, so the embedding process can slow
     #: every server together (the demo, when the host falls behind)
     clock: str | None = None
+    #: vLLM's ``--enable-lora`` with runtime updating on: the LoRA routes
+    #: (``backends.sim.lora``) exist and requests may name a loaded adapter
+    enable_lora: bool = False
+    max_lora_rank: int = 16  # vLLM's default
 
     def make_clock(self) -> WallClock:
         return shared_clock(self.clock, self.speed) if self.clock else WallClock(self.speed)
@@ -110,6 +123,8 @@ class SimState:
         self.num_pauses = 0
         self.num_pause_aborts = 0
         self.num_reloads = 0
+        self.adapters: dict[str, LoadedAdapter] = {}  # by name (``backends.sim.lora``)
+        self.num_adapter_loads = 0
         self._seen_by_id: dict[str, dict[str, Any]] = {}
 
     @property
@@ -122,9 +137,14 @@ class SimState:
         self.engine.weight_version = version
 
     def check_model(self, model: str) -> None:
-        if model != self.config.served_name:
+        """The base model or a loaded adapter; else vLLM's 404."""
+        if model != self.config.served_name and model not in self.adapters:
             raise APIError(404, f"The model `{model}` does not exist.",
                            type_="NotFoundError", param="model", code="404")
+
+    def adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a request on ``model`` runs on (None: the base model)."""
+        return model if model in self.adapters else None
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """vLLM's rule: default to the rest of the context; reject what cannot fit."""
@@ -136,10 +156,14 @@ class SimState:
                            f"messages, {requested or 0} in the completion).")
         return requested if requested is not None else room
 
-    def rng_for(self, seed: int | None, choice: int) -> tuple[random.Random, int]:
-        """A per-choice RNG: from the request's ``seed`` if given, else the server's."""
-        base = hash((seed, choice)) if seed is not None else hash(
-            (self.config.seed, next(self._counter)))
+    def rng_for(self, seed: int | None, choice: int,
+                adapter: str | None = None) -> tuple[random.Random, int]:
+        """A per-choice RNG: from the request's ``seed`` if given, else the server's; a
+        request on a LoRA ``adapter`` draws other tokens than the base model."""
+        if seed is not None:
+            base = hash((seed, choice)) if adapter is None else hash((seed, choice, adapter))
+        else:
+            base = hash((self.config.seed, next(self._counter)))
         return random.Random(base), base
 
     def draw_length(self, rng: random.Random) -> int:
@@ -155,9 +179,9 @@ class SimState:
         self.num_requests += 1
         if len(self.seen) == self.seen.maxlen:
             self._seen_by_id.pop(self.seen[0]["id"], None)
-        entry = {"id": rid, "priority": body.priority, "prompt_tokens": prompt_len,
-                 "max_tokens": max_tokens, "n": body.n, "stream": body.stream,
-                 "ignore_eos": body.ignore_eos, "weight_spans": []}
+        entry = {"id": rid, "model": body.model, "priority": body.priority,
+                 "prompt_tokens": prompt_len, "max_tokens": max_tokens, "n": body.n,
+                 "stream": body.stream, "ignore_eos": body.ignore_eos, "weight_spans": []}
         self.seen.append(entry)
         self._seen_by_id[rid] = entry
 
@@ -197,5 +221,6 @@ class SimState:
             "paused": self.engine.paused, "pauses": self.num_pauses,
             "pause_aborts": self.num_pause_aborts, "reloads": self.num_reloads,
             "weight_version": self.weight_version, "weights_path": self.weights_path,
+            "adapters": sorted(self.adapters), "adapter_loads": self.num_adapter_loads,
             "requests_seen": list(self.seen),
         }
