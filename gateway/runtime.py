@@ -17,6 +17,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.adapters import Adapters
 from gateway.config import Settings
 from gateway.dispatch.backends import Backend, BackendRegistry, HealthChecker, parse_backend_spec
 from gateway.dispatch.dispatcher import Dispatcher
@@ -66,6 +67,8 @@ class Runtime:
     ready: bool = True
     #: calls with an upstream request open, by engine: what a weight update waits on
     live_calls: LiveCalls = field(default_factory=LiveCalls)
+    #: the LoRA adapters each base model's calls run on (``gateway.weights.lora``)
+    adapters: Adapters = field(default_factory=Adapters)
     #: the staleness bound in weight versions (``PUT /admin/staleness``; None: no bound)
     max_staleness: int | None = None
     #: weight-update jobs waiting for the trainer's push to end, by job id

@@ -7,11 +7,13 @@ always drains first: no new calls, in-flight calls finish, then the backend goes
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from gateway.adapters import Adapter
 from gateway.api.deps import get_rt, require_admin
 from gateway.dispatch.backends import parse_backend_spec
 from gateway.errors import BadRequest, Conflict, NotFound
@@ -24,6 +26,7 @@ from gateway.pool.spec import LayoutEntry
 from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
 from gateway.schema.weights import WeightVersionChange
+from gateway.weights import lora
 from gateway.weights.aborts import enforce_staleness
 from gateway.weights.job import checkpoint_problems, no_engine, start_weight_update_job
 from gateway.weights.update import pause_engines, relabel, resume_engines, update_engines
@@ -103,10 +106,20 @@ class Resume(BaseModel):
 class WeightUpdate(BaseModel):
     version: str = Field(min_length=1, max_length=128)
     mode: Literal["wait", "keep", "abort-and-continue"] = "abort-and-continue"
-    method: Literal["reload", "external"] = Field(
+    method: Literal["reload", "external", "lora"] = Field(
         "external", description="reload: engines reload weights (weights_path); external: "
-        "the trainer pushes them and calls POST /admin/weight-update/{job}/done")
+        "the trainer pushes them and calls POST /admin/weight-update/{job}/done; lora: "
+        "engines load the LoRA adapter at lora_path beside the ones they run, and calls "
+        "on base_model run on it from now on, no engine paused (docs/weight-updates.md)")
     weights_path: str | None = Field(None, max_length=1024)
+    lora_path: str | None = Field(None, max_length=1024, description="method lora: the "
+                                  "adapter's directory (adapter_config.json, weights)")
+    base_model: str | None = Field(None, max_length=256, description="method lora: the "
+                                   "served model the adapter applies to (default: the one "
+                                   "model served)")
+    keep: int | None = Field(None, ge=1, le=64, description="method lora: adapters of the "
+                             "base kept loaded, this one included (default: the staleness "
+                             "bound + 1, or 2 without a bound)")
     timeout_s: float = Field(300.0, gt=0, le=3600)
 
 
@@ -327,6 +340,8 @@ async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = 
         raise BadRequest("method 'reload' needs 'weights_path'", param="weights_path")
     if any(j.kind == "weight-update" and not j.done for j in rt.jobs.recent(50)):
         raise Conflict("a weight update is already running")
+    if body.method == "lora":
+        return await _lora_update(body, response, dry_run, rt)
     if dry_run:
         targets = update_engines(rt)
         if (why := no_engine(rt, body.method, targets)) is not None:
@@ -340,6 +355,32 @@ async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = 
         weights_path=body.weights_path, timeout_s=body.timeout_s)
     rt.trainer_pushes[job.id] = done
     return _job_ref(job)
+
+
+async def _lora_update(body: WeightUpdate, response: Response, dry_run: bool,
+                       rt: Runtime) -> JobRef | dict[str, Any]:
+    """``method: "lora"`` (:mod:`gateway.weights.lora`): its check answers 400/409 before
+    any job starts, dry run or not."""
+    if not body.lora_path:
+        raise BadRequest("method 'lora' needs 'lora_path'", param="lora_path")
+    problems, rank = await asyncio.to_thread(lora.check_adapter, body.lora_path)
+    if problems:
+        raise BadRequest("; ".join(problems), param="lora_path")
+    base = body.base_model or lora.default_base(rt)
+    if base is None:
+        raise BadRequest("several models are served: name the adapter's in 'base_model'",
+                         param="base_model")
+    targets = update_engines(rt)
+    if (why := lora.refusal(rt, base, body.version, targets)) is not None:
+        raise Conflict(why)
+    adapter = Adapter(base, body.version, body.lora_path, rank)
+    keep = lora.keep_for(rt, body.keep)
+    if dry_run:
+        response.status_code = 200
+        return {"dry_run": True, "engines": [b.id for b in targets],
+                "adapter": adapter.to_dict(), "keep": keep}
+    return _job_ref(lora.start_lora_update_job(rt, adapter, keep=keep,
+                                               timeout_s=body.timeout_s))
 
 
 @router.post("/weight-update/{job_id}/done")

@@ -56,6 +56,7 @@ def status_body(rt: Runtime, *, with_urls: bool) -> dict[str, Any]:
         "policy": rt.dispatcher.policy_name,
         "policies": list(LIVE_NAMES),  # what PUT /admin/policy accepts (the page offers them)
         "weight_version": rt.weight_version,
+        "adapters": rt.adapters.to_dict(),  # LoRA adapters by base model (weight-updates.md)
         "paused": rt.dispatcher.gate.paused,
         "backends": [backend_row(rt, b, with_url=with_urls) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},

@@ -205,6 +205,17 @@ class Endpoints:
         return Request("POST", "/admin/weight-update", _job_id, json=body)
 
     @staticmethod
+    def adapter_update(version: str, *, lora_path: str, base_model: str | None,
+                       keep: int | None, timeout_s: float) -> Request[str]:
+        body: dict[str, Any] = {"version": version, "method": "lora", "lora_path": lora_path,
+                                "timeout_s": timeout_s}
+        if base_model is not None:
+            body["base_model"] = base_model
+        if keep is not None:
+            body["keep"] = keep
+        return Request("POST", "/admin/weight-update", _job_id, json=body)
+
+    @staticmethod
     def weight_update_done(job_id: str) -> Request[dict[str, Any]]:
         return Request("POST", f"/admin/weight-update/{quote(job_id, safe='')}/done", _dict)
 

@@ -243,6 +243,15 @@ class AsyncRolloutClient:
                 await self._send(Endpoints.weight_update_done(job_id))
         return await self.wait_job(job_id, timeout_s=timeout_s)
 
+    async def update_adapter(self, version: str, lora_path: str, *,
+                             base_model: str | None = None, keep: int | None = None,
+                             timeout_s: float = 600.0) -> JobInfo:
+        """See :meth:`gateway.client.RolloutClient.update_adapter`."""
+        job_id = await self._send(Endpoints.adapter_update(
+            version, lora_path=lora_path, base_model=base_model, keep=keep,
+            timeout_s=timeout_s))
+        return await self.wait_job(job_id, timeout_s=timeout_s)
+
     async def set_weight_version(self, version: str) -> str | None:
         return await self._send(Endpoints.set_weight_version(version))
 

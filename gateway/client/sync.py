@@ -253,6 +253,21 @@ class RolloutClient:
                 self._send(Endpoints.weight_update_done(job_id))
         return self.wait_job(job_id, timeout_s=timeout_s)
 
+    def update_adapter(self, version: str, lora_path: str, *, base_model: str | None = None,
+                       keep: int | None = None, timeout_s: float = 600.0) -> JobInfo:
+        """A LoRA weight update, no engine paused: every engine loads the adapter at
+        ``lora_path`` (a directory the engines can read: ``adapter_config.json`` and the
+        adapter's weights, as peft's ``save_pretrained`` writes them), and calls on
+        ``base_model`` (default: the one model served) run on it from now on, stamped with
+        ``version``; calls running finish on the adapter they started on. ``keep``: adapters
+        kept loaded, this one included (default: the staleness bound + 1). Returns the
+        finished job; raises :class:`JobFailed` if an engine refused it (it was unloaded
+        again from the others: nothing changed)."""
+        job_id = self._send(Endpoints.adapter_update(version, lora_path=lora_path,
+                                                     base_model=base_model, keep=keep,
+                                                     timeout_s=timeout_s))
+        return self.wait_job(job_id, timeout_s=timeout_s)
+
     def set_weight_version(self, version: str) -> str | None:
         """Stamp calls dispatched from now on with ``version``; returns the previous one."""
         return self._send(Endpoints.set_weight_version(version))

@@ -167,7 +167,9 @@ class GarbledReply(ValueError):
 
 def model_ids(reply: object) -> set[str]:
     """The model ids of a ``/v1/models`` reply, ``{"data": [{"id": ...}, ...]}`` (an
-    object without ``data`` lists none); :class:`GarbledReply` for any other shape."""
+    object without ``data`` lists none); :class:`GarbledReply` for any other shape. A LoRA
+    adapter's card (vLLM names its base model in ``parent``) is not a model: calls reach
+    an adapter through its base model (``gateway.adapters``)."""
     if not isinstance(reply, dict):
         raise GarbledReply(f"/v1/models answered a JSON {type(reply).__name__}, not an "
                            "object with a 'data' list; marked unhealthy")
@@ -175,7 +177,8 @@ def model_ids(reply: object) -> set[str]:
     if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
         raise GarbledReply("/v1/models answered 'data' that is not a list of objects; "
                            "marked unhealthy")
-    return {m["id"] for m in data if isinstance(m.get("id"), str)}
+    return {m["id"] for m in data if isinstance(m.get("id"), str)
+            and m.get("parent") in (None, m["id"])}
 
 
 class HealthChecker:

@@ -12,7 +12,11 @@ simulated server has the same paths and answers (``backends/sim/pause.py``):
 * ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}``;
 * ``POST /reset_prefix_cache?reset_running_requests=true``: ``{"success": bool}``; with
   the flag, requests frozen by ``keep`` are preempted and recomputed, so no KV computed
-  with the old weights survives an update.
+  with the old weights survives an update;
+* ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
+  ``POST /v1/unload_lora_adapter {"lora_name"}`` (vLLM started with ``--enable-lora`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): a request whose ``model`` is the name runs
+  on the adapter; an unload forgets the name, requests running on it finish.
 
 Each function answers ``None`` on success or a one-line reason; nothing raises.
 """
@@ -108,4 +112,25 @@ async def reset_cache(session: aiohttp.ClientSession, url: str, timeout_s: float
                                   timeout_s)
     if error is None and isinstance(answer, dict) and answer.get("success") is False:
         return "/reset_prefix_cache answered success: false (KV blocks still held)"
+    return error
+
+
+async def load_adapter(session: aiohttp.ClientSession, url: str, name: str, path: str,
+                       timeout_s: float) -> str | None:
+    """Load the LoRA adapter at ``path`` as ``name``."""
+    error, _ = await control(session, url, "POST", "/v1/load_lora_adapter", timeout_s,
+                             {"lora_name": name, "lora_path": path})
+    if error is not None and '"detail":"Not Found"' in error:  # no such route
+        return ("/v1/load_lora_adapter is not served: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    return error
+
+
+async def unload_adapter(session: aiohttp.ClientSession, url: str, name: str,
+                         timeout_s: float) -> str | None:
+    """Unload the LoRA adapter ``name`` (an engine that does not hold it: done)."""
+    error, _ = await control(session, url, "POST", "/v1/unload_lora_adapter", timeout_s,
+                             {"lora_name": name})
+    if error is not None and "cannot be found" in error:
+        return None
     return error

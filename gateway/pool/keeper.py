@@ -5,8 +5,9 @@ engine passes before it joins the pool.
 the lock a weight update holds from its pause to its resume. An engine the pool started
 (on the current checkpoint path) is admitted only outside an update: it reloads the
 current path if an update changed it meanwhile, is told the version and must say it back
-(``/weight_info``). While the current weights were pushed by the trainer, no path holds
-them: the engine waits, out of rotation, for an update to bring them.
+(``/weight_info``), and loads every LoRA adapter the pool's engines hold. While the current
+weights were pushed by the trainer, no path holds them: the engine waits, out of rotation,
+for an update to bring them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 
 from backends.base import LaunchError
+from gateway.adapters import Adapters
 from gateway.pool import engines
 from gateway.pool.checkpoint import Weights
 from gateway.pool.instance import PoolInstance
@@ -36,6 +38,8 @@ class _Host(Protocol):
     def session(self) -> aiohttp.ClientSession: ...
     @property
     def events(self) -> EventLog: ...
+    @property
+    def adapters(self) -> Adapters: ...
 
 
 class WeightKeeper:
@@ -45,6 +49,16 @@ class WeightKeeper:
         self.host = host
         self.current = self.initial = initial
         self.lock = asyncio.Lock()
+
+    async def _load_adapters(self, inst: PoolInstance) -> None:
+        """Every LoRA adapter loaded on the pool's engines, loaded on ``inst`` too (the
+        calls it will be sent run on them; LaunchError if it cannot)."""
+        assert inst.launched is not None
+        for adapter in self.host.adapters:
+            error = await engines.load_adapter(self.host.session, inst.launched.url,
+                                               adapter.name, adapter.path, ADMIT_TIMEOUT_S)
+            if error is not None:
+                raise LaunchError(f"could not load LoRA adapter {adapter.name!r}: {error}")
 
     async def admit(self, inst: PoolInstance, *, static: bool) -> bool:
         """Bring a started engine to the current weights and check that it says so
@@ -71,6 +85,7 @@ class WeightKeeper:
                                                   LABEL_TIMEOUT_S)
         inst.backend.weight_version = reported
         if error is None:
+            await self._load_adapters(inst)
             return True
         if reported is None and (static or current == self.initial):
             # no weight routes (someone else's server, or vLLM without dev mode) and the

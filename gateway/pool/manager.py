@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 
 from backends.base import InstanceSpec, Launcher, ServerState
+from gateway.adapters import Adapters
 from gateway.dispatch.backends import Backend
 from gateway.pool.checkpoint import Weights
 from gateway.pool.drain import drain
@@ -89,6 +90,8 @@ class PoolHost(Protocol):
     def events(self) -> EventLog: ...
     @property
     def metrics(self) -> GatewayMetrics: ...
+    @property
+    def adapters(self) -> Adapters: ...  # the LoRA adapters engines load before admission
     #: the version calls are stamped with where an engine reports none
     weight_version: str
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from gateway.adapters import Adapter
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
@@ -52,6 +53,9 @@ class CallContext:
     #: prompt tokens the engine runs from the record (token in), when it does
     kept_len: int | None = None
     requested_model: str | None = None  # the client's model name, when an alias mapped it
+    #: the served model the call is for (after aliases): a LoRA policy's base model even
+    #: while the engines are asked for its adapter (``body["model"]``)
+    model: str = ""
     constrained: str | None = None  # gateway/proxy/constraints.py
     size: int = 0  # the request's bytes as received
 
@@ -59,12 +63,19 @@ class CallContext:
         st = self.state
         return CallView(st.id, self.seq, st.context_tokens)
 
-    def bind(self, lease: Lease, weight_version: str) -> None:
+    def bind(self, lease: Lease, weight_version: str, adapter: Adapter | None = None
+             ) -> None:
         """Dispatched to ``lease``: stamped with the weight label its engine reported
-        (``weight_version``, the gateway's, when the engine reports none); the engine
-        names the request after the call, so it can be aborted alone."""
+        (``weight_version``, the gateway's, when the engine reports none), or run on
+        ``adapter`` (its base model's current LoRA adapter) and stamped with its version;
+        the engine names the request after the call, so it can be aborted alone."""
         self.lease = lease
-        self.weight_version = lease.backend.weight_version or weight_version
+        if adapter is not None:
+            self.body["model"] = adapter.name
+            self.weight_version = adapter.version
+        else:
+            self.body["model"] = self.model or self.body["model"]
+            self.weight_version = lease.backend.weight_version or weight_version
         self.dispatched_at = time.monotonic()
         self.body["request_id"] = self.id
         if lease.priority is not None:
@@ -135,7 +146,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,
         attempt=ctx.state.attempt,
-        endpoint=ctx.endpoint, model=str(ctx.body.get("model")),
+        endpoint=ctx.endpoint, model=ctx.model or str(ctx.body.get("model")),
         weight_version=_fit(ctx.weight_version, "weight_version"), started_at=ctx.started_wall,
         backend_id=_fit(ctx.lease.backend.id, "backend_id"),
         backend_url=_fit(ctx.lease.backend.url, "backend_url"),

@@ -42,8 +42,10 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> 
 
 
 def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
-    """The scheduler gave ``ctx`` to ``lease``'s backend."""
-    ctx.bind(lease, rt.weight_version)
+    """The scheduler gave ``ctx`` to ``lease``'s backend; a call on a LoRA policy's base
+    model runs on its current adapter (:mod:`gateway.adapters`)."""
+    ctx.bind(lease, rt.weight_version,
+             rt.adapters.current(ctx.model) if rt.adapters and ctx.model else None)
     rt.live_calls.add(ctx.id, lease.backend.id, ctx.body,
                        ctx.mark_version if ctx.stream else None, ctx.state.id)
     rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)

@@ -251,6 +251,7 @@ class Proxy:
                 capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
                 headers={"x-trajectory-id": ident.trajectory_id}, door=door,
                 requested_model=requested, size=len(raw), constrained=constraint_of(body),
+                model=body["model"],
             )
             if endpoint.chat:
                 ctx.digests = digest_messages(body["messages"], _render_context(body))

@@ -219,3 +219,44 @@ def test_a_checkpoint_needs_its_config_its_weights_and_every_shard(tmp_path: Pat
     assert "missing shards ['model-00002-of-00002.safetensors']" in problem
     (path / "model.safetensors.index.json").write_text("{")
     assert "unreadable index" in check_checkpoint(str(path))[0]
+
+
+async def test_engines_the_pool_starts_load_its_lora_adapters_before_they_serve(
+        pool_gateway: PoolGateway, tmp_path: Path) -> None:
+    """A LoRA update (``method: "lora"``) is kept like full weights: an engine added by a
+    resize or restarted after a crash loads every adapter the others hold before it is
+    admitted, so a call sent to it runs on the current adapter, not a 404."""
+    from backends.tinylora import write_adapter
+
+    spec = sim_spec(gpus=3, layout=[{"tp": 1, "count": 2}])
+    spec["launcher"]["options"]["enable_lora"] = True
+    with pool_gateway(spec) as gw:
+        async with client(gw) as c:
+            await ready_pool(c)
+            for v in ("1", "2"):
+                r = await c.post("/admin/weight-update", json={
+                    "version": v, "method": "lora",
+                    "lora_path": str(write_adapter(tmp_path / f"a{v}", seed=int(v)))})
+                assert r.status_code == 202, r.text
+                assert (await wait_job(c, r.json()["job"], 30))["status"] == "succeeded"
+            r = await c.post("/admin/backends", json={"tp": 1}, headers=ADMIN)
+            assert (await wait_job(c, r.json()["job"], 30))["status"] == "succeeded"
+            victim = next(iter(gw.rt.pool.instances.values()))  # type: ignore[union-attr]
+            launcher = gw.rt.pool.launcher  # type: ignore[union-attr]
+            assert isinstance(launcher, SimLauncher) and victim.launched is not None
+            gw.loop.run(launcher.crash(victim.launched))
+
+            async def restarted() -> bool:
+                inst = (await engines(c))[victim.spec.id]
+                return inst["restarts"] == 1 and inst["state"] == "ready"
+
+            await until(restarted)
+            found = await engines(c)
+            assert len(found) == 3
+            for inst in found.values():  # the added one and the restarted one too
+                assert inst["stats"]["adapters"] == [f"{MODEL}@lora-1", f"{MODEL}@lora-2"]
+            for i in range(6):  # every engine serves calls on adapter 2
+                answer = await c.post("/v1/chat/completions", json=HI,
+                                      headers={"x-trajectory-id": f"after-{i}"})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["model"] == f"{MODEL}@lora-2"

@@ -40,11 +40,11 @@ def haproxy_or_fail() -> str:
 
 @pytest.fixture(scope="module")
 def sim_servers() -> Iterator[list[str]]:
-    """Six simulated vLLM servers (50x time), one process."""
+    """Six simulated vLLM servers (50x time, LoRA adapters loadable), one process."""
     port = free_port_block(6)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "sim-backend", "--port", str(port), "--count", "6",
-         "--speed", "50"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--speed", "50", "--enable-lora"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     urls = [f"http://127.0.0.1:{port + k}" for k in range(6)]
     try:
         wait_http([f"{u}/health" for u in urls], 60)

@@ -285,3 +285,33 @@ def test_a_backend_moves_between_shards_and_calls_follow(sim_servers: list[str],
         asyncio.run(run_batch(url, ids))
         for tid, s in samples(url, ids).items():
             assert s["mismatches"] == [] and sum(s["loss_mask"]) > 0, tid
+
+
+def test_a_lora_update_through_the_front_reaches_every_shard(
+        sim_servers: list[str], tmp_path: Path) -> None:
+    """``method: "lora"`` through the front: every shard checks it first (a bad adapter is
+    refused by all, loaded by none), then loads it on its own engines; each shard's calls
+    run on it and are stamped with its version."""
+    from backends.tinylora import write_adapter
+
+    adapter = str(write_adapter(tmp_path / "adapter", seed=4))
+    with gateway(sim_servers, 2, tmp_path) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/admin/weight-update", json={
+            "version": "21", "method": "lora", "lora_path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and r.json()["applied"] is False, r.text
+        with RolloutClient(url) as gw:
+            job = gw.update_adapter("21", adapter, timeout_s=60)
+        assert job.status == "succeeded" and len(job.raw["shards"]) == 2, job.raw
+        status = http.get("/status").json()
+        assert [s["weight_version"] for s in status["shards"]] == ["21", "21"]
+        models = set()
+        for i in range(8):  # trajectories spread over both shards
+            tid = f"lora-front-{i}"
+            answer = http.post("/v1/chat/completions", headers={"x-trajectory-id": tid},
+                               json={"model": "qwen3-14b", "max_tokens": 4, "messages": [
+                                   {"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text
+            models.add(answer.json()["model"])
+        assert models == {"qwen3-14b@lora-21"}
+        assert {_owner(url, 2, f"lora-front-{i}") for i in range(8)} == {0, 1}

@@ -51,15 +51,23 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path) -> LocalVLLMLauncher:
+#: vLLM flags and environment for LoRA adapters loaded at run time (rank-8 test adapters)
+LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path, *,
+                 extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> LocalVLLMLauncher:
     """A launcher for the tiny model on the CPU build (flags from the CPU note)."""
     return LocalVLLMLauncher(
         python=vllm_python,
         model_path=str(model_dir),
         served_model_name=SERVED_NAME,
         device="cpu",
-        extra_args=("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"),
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause, /resume, weight-version routes
+        extra_args=("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+                    *extra_args),
+        env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},  # /pause, /resume, weight routes
         start_timeout_s=180,
         log_dir=log_dir,
     )
@@ -67,14 +75,17 @@ def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path) -> LocalVLLML
 
 @contextlib.asynccontextmanager
 async def own_engine_gateway(vllm_python: str, model_dir: Path, work: Path,
-                             name: str) -> AsyncIterator[str]:
+                             name: str, *, lora: bool = False) -> AsyncIterator[str]:
     """A gateway (its URL; admin token ``tok``) over one TP1 engine of its own, for a test
-    that changes the engine's weights; both stopped on exit."""
+    that changes the engine's weights (``lora``: with LoRA adapters loaded at run time);
+    both stopped on exit."""
     from gateway.app import create_app
     from tests.gateway.conftest import make_settings
     from tests.servers import free_port, serve_app, stop_app
 
-    launcher = cpu_launcher(vllm_python, model_dir, work / "logs")
+    launcher = cpu_launcher(vllm_python, model_dir, work / "logs",
+                            extra_args=LORA_ARGS if lora else (),
+                            env=LORA_ENV if lora else None)
     launcher.start_timeout_s = 300  # on a loaded machine: 30 s idle, 145 s seen
     engine = await launcher.start(InstanceSpec(id=name, model=SERVED_NAME, gpus=(0,)))
     settings = make_settings(f"sqlite+aiosqlite:///{work / 'gw.db'}", [engine.url],

@@ -25,11 +25,12 @@ save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
 """
 
 
-async def recompute(engine: str, ids: list[int]) -> list[float]:
-    """The logprob of each of ``ids[1:]`` under the engine's current weights."""
+async def recompute(engine: str, ids: list[int], model: str = SERVED_NAME) -> list[float]:
+    """The logprob of each of ``ids[1:]`` under the engine's current weights (``model``:
+    a LoRA adapter's name, under that adapter)."""
     async with httpx.AsyncClient(timeout=300) as http:
         r = await http.post(f"{engine}/v1/completions", json={
-            "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
+            "model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
         assert r.status_code == 200, r.text
         entries = r.json()["choices"][0]["prompt_logprobs"][1:]
     return [float(e[str(t)]["logprob"]) for e, t in zip(entries, ids[1:], strict=True)]

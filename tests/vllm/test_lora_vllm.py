@@ -1,0 +1,117 @@
+"""LoRA adapters as weight updates on real vLLM (CPU build, tiny model, random adapters).
+
+One engine started with ``--enable-lora`` (rank 8, two slots) behind a gateway. Adapters
+1, 2 and 3 are loaded one after another by ``POST /admin/weight-update`` with
+``method: "lora"``; a call made on each is stamped with its version, and every generated
+token's logprob, recomputed under the adapter the call is stamped with, matches the one
+the engine reported, while under the other adapters it does not. ``keep: 2`` unloads
+adapter 1 when 3 arrives; a rank-16 adapter the engine refuses is rolled back and
+changes nothing; a full reload of the base checkpoint is timed beside an adapter update
+(printed; ``-s`` shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backends.tinylora import write_adapter
+from tests.vllm.conftest import own_engine_gateway
+from tests.vllm.truth import SERVED_NAME, recompute
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+ADMIN = {"authorization": "Bearer tok"}
+#: a token's recomputed logprob within this of the reported one: the same weights made it
+SAME = 0.02
+
+
+async def _job(admin: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    r = await admin.post("/admin/weight-update", json=body)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = (await admin.get(f"/admin/jobs/{r.json()['job']}")).json()
+        if job["status"] not in ("pending", "running"):
+            return job
+        await asyncio.sleep(0.1)
+    raise AssertionError("the update did not end in 300 s")
+
+
+async def _call(http: httpx.AsyncClient, tid: str) -> dict[str, Any]:
+    r = await http.post("/v1/chat/completions", headers={"x-trajectory-id": tid}, json={
+        "model": SERVED_NAME, "max_tokens": 24, "ignore_eos": True, "temperature": 1.0,
+        "messages": [{"role": "user", "content": f"say something about {tid}"}]})
+    assert r.status_code == 200, r.text
+    (call,) = (await http.get(f"/trajectories/{tid}")).json()["calls"]
+    sample = (await http.get(f"/trajectories/{tid}/sample")).json()
+    return {"answer": r.json(), "call": call, "sample": sample}
+
+
+async def _served(engine: str) -> set[str]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return {m["id"] for m in (await http.get(f"{engine}/v1/models")).json()["data"]}
+
+
+async def test_adapters_are_weight_updates_without_a_pause(
+        vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    paths = {v: str(write_adapter(tmp_path / f"adapter-{v}", seed=v)) for v in (1, 2, 3)}
+    too_big = str(write_adapter(tmp_path / "adapter-r16", seed=9, rank=16))
+    async with (own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "lora",
+                                   lora=True) as url,
+                httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=120) as http,
+                httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=120) as admin):
+        engine = (await admin.get("/admin/backends")).json()["data"][0]["url"]
+        bad = await admin.post("/admin/weight-update", json={
+            "version": "1", "method": "lora", "lora_path": str(tmp_path / "nothing")})
+        assert bad.status_code == 400 and "does not exist" in bad.text, bad.text
+
+        calls = {"base": await _call(http, "on-base")}
+        seconds = {}
+        for v in (1, 2, 3):
+            job = await _job(admin, {"version": str(v), "method": "lora",
+                                     "lora_path": paths[v], "keep": 2})
+            assert job["status"] == "succeeded", job
+            seconds[v] = job["duration_s"]
+            calls[str(v)] = await _call(http, f"on-{v}")
+            assert calls[str(v)]["call"]["weight_version"] == str(v)
+            assert calls[str(v)]["answer"]["model"] == f"{SERVED_NAME}@lora-{v}"
+        # keep 2: adapter 1 left the engine when 3 came; 2 and 3 are served
+        assert await _served(engine) == {SERVED_NAME, f"{SERVED_NAME}@lora-2",
+                                         f"{SERVED_NAME}@lora-3"}
+
+        # the truth: each call's tokens recomputed under its stamped adapter
+        for stamped in ("2", "3"):
+            sample = calls[stamped]["sample"]
+            ids, reported = sample["token_ids"], sample["logprobs"]
+            n = len(calls[stamped]["call"]["completion_ids"])
+            under = {v: await recompute(engine, ids, f"{SERVED_NAME}@lora-{v}")
+                     for v in ("2", "3")}
+            under["base"] = await recompute(engine, ids)
+            start = len(ids) - n
+            for i in range(start, len(ids)):
+                assert abs(under[stamped][i - 1] - reported[i]) < SAME, (stamped, i)
+            for other in {"2", "3", "base"} - {stamped}:
+                far = sum(abs(under[other][i - 1] - reported[i]) >= SAME
+                          for i in range(start, len(ids)))
+                assert far >= n // 2, (stamped, other, far, n)  # another adapter's tokens
+
+        # an adapter the engine refuses (rank 16 > --max-lora-rank 8): rolled back
+        job = await _job(admin, {"version": "4", "method": "lora", "lora_path": too_big})
+        assert job["status"] == "failed", job
+        assert any("greater than max_lora_rank" in e for e in job["errors"]), job["errors"]
+        assert (await _call(http, "after-refusal"))["call"]["weight_version"] == "3"
+        assert f"{SERVED_NAME}@lora-4" not in await _served(engine)
+
+        # a full reload of the base checkpoint, timed beside the adapter updates
+        job = await _job(admin, {"version": "base-2", "method": "reload",
+                                 "weights_path": str(tiny_model_dir)})
+        assert job["status"] == "succeeded", job
+        reload_s = job["duration_s"]
+        print(f"\nLoRA adapter update (job, 1 engine): "
+              f"{', '.join(f'{s * 1000:.0f} ms' for s in seconds.values())}; "
+              f"full reload of the base checkpoint: {reload_s * 1000:.0f} ms")
