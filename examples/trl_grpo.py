@@ -21,7 +21,10 @@ pool of two engines (examples/pool-vllm-cpu.yaml; see docs/integrations.md, "TRL
 
 ``--model-path`` is the policy TRL trains: the served model's architecture and tokenizer
 (its weights are pushed to every engine before the first step). Checkpoints go under
-``--work-dir``, which every engine must be able to read.
+``--work-dir``, which every engine must be able to read. ``--lora R`` trains a rank-R LoRA
+adapter on the attention's q and v projections instead (peft): each push is the adapter
+alone, which the engines load beside the served model with no pause (they must run with
+``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
 The agent's task: add two numbers with the ``add`` tool, then answer with the number.
 The reward (a toy): the share of digits in the answer, plus 1 if it is the right sum.
 The last line printed is a JSON summary (per step: rewards, versions, staleness, timings).
@@ -228,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                     "in what reaches the trainer, for the check that it fails to learn: "
                     "mask-shift moves the loss mask one token late (the first token of every "
                     "model turn cut from the loss, the token after it trained)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="train a rank-R LoRA "
+                    "adapter (q_proj, v_proj) and push adapters, not the model (0: full "
+                    "weights)")
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     out: dict[str, Any] = {"run": run, "model": model_name, "defect": args.defect,
+                           "lora": args.lora,
                            "checksums": [], "probes": []}
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=args.steps, learning_rate=args.lr,
@@ -261,8 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, seed=args.seed,
         dataloader_num_workers=0)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model, reward_funcs=gw.reward_func, args=config, processing_class=tokenizer,
+        peft_config=peft_config,
         train_dataset=Dataset.from_list(rows),
         rollout_func=with_defect(gw.rollout_func, args.defect),
         callbacks=[gw.callback(), AfterPush(gw, model_name, out)])

@@ -102,6 +102,14 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
+def is_lora(model: Any) -> bool:
+    """A peft model training LoRA adapters (what ``save_pretrained`` then writes is the
+    adapter, not the model)."""
+    config = getattr(model, "peft_config", None)
+    return isinstance(config, dict) and any(
+        str(getattr(c, "peft_type", "")).upper().endswith("LORA") for c in config.values())
+
+
 def _phase_seconds(job_raw: dict[str, Any]) -> dict[str, float]:
     """Each phase of a finished job (``pause``, ``update``, ``resume``) and its seconds."""
     return {str(p.get("name")): float(p["duration_s"]) for p in job_raw.get("phases") or ()
@@ -311,14 +319,22 @@ class GatewayGRPO:
 
     def push(self, model: Any) -> Push:
         """Save ``model`` and have every engine reload it as the next integer version
-        (``1`` when the gateway's version is not an integer)."""
+        (``1`` when the gateway's version is not an integer). A peft model (TRL's
+        ``peft_config``) saves its LoRA adapter alone, and the engines load it beside the
+        ones they serve, no engine paused (``RolloutClient.update_adapter``; the engines
+        run with ``--enable-lora``): no checkpoint of the whole model per step."""
         version = str(int(self.version) + 1) if self.version.isdigit() else "1"
         path = (self.weights_dir / f"v{version}").resolve()
         t0 = time.monotonic()
         model.save_pretrained(path)
         t1 = time.monotonic()
-        job = self.client.update_weights(version, weights_path=str(path), mode=self.mode,
-                                         timeout_s=self.push_timeout_s)
+        if is_lora(model):  # an engine may read an adapter again: keep_checkpoints >= keep
+            job = self.client.update_adapter(version, str(path),
+                                             keep=min(self.keep_checkpoints, 64),
+                                             timeout_s=self.push_timeout_s)
+        else:
+            job = self.client.update_weights(version, weights_path=str(path),
+                                             mode=self.mode, timeout_s=self.push_timeout_s)
         push = Push(version, str(path), t1 - t0, time.monotonic() - t1,
                     _phase_seconds(job.raw))
         self.version = version

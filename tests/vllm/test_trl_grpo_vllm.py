@@ -16,6 +16,11 @@ Checked from its JSON summary:
   version, the forced tool calls apart (masked logprobs), raises no alarm, and reached
   the gateway's status;
 * TRL logged the reward and the gateway's staleness for every step.
+
+With ``lora`` the example trains a rank-8 LoRA adapter (peft) and every push is the
+adapter alone, loaded by the engine beside the base model (``method: "lora"``, no pause):
+the same checks hold, so the trainer's recomputed logprobs under its adapter equal what
+the engine served on the adapter the gateway stamped.
 """
 
 from __future__ import annotations
@@ -40,14 +45,14 @@ GROUPS = 3
 GROUP_SIZE = 3
 
 
-async def _example(gateway: str, model_dir: Path, work: Path) -> dict[str, Any]:
+async def _example(gateway: str, model_dir: Path, work: Path, lora: int) -> dict[str, Any]:
     out, log = work / "summary.json", work / "example.log"
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(REPO_ROOT / "examples/trl_grpo.py"), "--gateway", gateway,
             "--model-path", str(model_dir), "--work-dir", str(work / "run"),
             "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(GROUP_SIZE),
-            "--json", str(out), cwd=REPO_ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+            "--json", str(out), "--lora", str(lora), cwd=REPO_ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=err,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
                  "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok"})
         try:
@@ -64,15 +69,21 @@ async def _example(gateway: str, model_dir: Path, work: Path) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("lora", [0, 8], ids=["full-weights", "lora"])
 async def test_trl_grpo_trains_through_the_gateway(
-        vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+        vllm_python: str, tiny_model_dir: Path, tmp_path: Path, lora: int) -> None:
     t0 = time.monotonic()
-    async with own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "trl") as url:
+    async with own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "trl",
+                                  lora=bool(lora)) as url:
         started = time.monotonic() - t0
-        summary = await _example(url, tiny_model_dir, tmp_path)
+        summary = await _example(url, tiny_model_dir, tmp_path, lora)
         async with httpx.AsyncClient() as http:
+            jobs = (await http.get(f"{url}/admin/jobs",
+                                   headers={"authorization": "Bearer tok"})).json()["data"]
             board = (await http.get(f"{url}/status")).json()["training_mismatch"]
 
+    methods = {j["request"].get("method") for j in jobs if j["kind"] == "weight-update"}
+    assert methods == {"lora" if lora else "reload"}, methods
     steps, probes, sums = summary["steps"], summary["probes"], summary["checksums"]
     assert len(steps) == STEPS and len(probes) == len(sums) == STEPS + 1
     first = int(summary["initial_push"]["version"])
