@@ -287,6 +287,9 @@ async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> d
     mode are told the version and resumed, then held calls and continuations go on."""
     body = body or Resume()
     gate = rt.dispatcher.gate
+    if body.weight_version not in (None, rt.weight_version) and (
+            why := lora.base_weights_locked(rt)) is not None:
+        raise Conflict(why)  # nothing resumed: resume without a version, or push an adapter
     if gate.engine_mode is not None or body.weight_version is not None:
         out = await resume_engines(rt, body.weight_version, body.timeout_s)
         return {"paused": False, **out}
@@ -342,6 +345,8 @@ async def weight_update(body: WeightUpdate, response: Response, dry_run: bool = 
         raise Conflict("a weight update is already running")
     if body.method == "lora":
         return await _lora_update(body, response, dry_run, rt)
+    if (why := lora.base_weights_locked(rt)) is not None:
+        raise Conflict(why)
     if dry_run:
         targets = update_engines(rt)
         if (why := no_engine(rt, body.method, targets)) is not None:
@@ -401,4 +406,6 @@ async def set_weight_version(body: WeightVersion,
                              rt: Runtime = Depends(get_rt)) -> WeightVersionChange:
     """Stamped on every call dispatched from now on (calls already running keep theirs);
     the engines are told, so that their own labels say it too."""
+    if body.version != rt.weight_version and (why := lora.base_weights_locked(rt)):
+        raise Conflict(why)
     return WeightVersionChange.model_validate(await relabel(rt, body.version))

@@ -89,6 +89,19 @@ def check_adapter(path: str) -> tuple[list[str], int | None]:
     return problems, rank
 
 
+def base_weights_locked(rt: Runtime) -> str | None:
+    """Why the base weights may not change now (a 409), if they may not: calls on an
+    adapter are stamped with the adapter's version, which would not say that the weights
+    under it changed, so a full update, a reload or a new version label is refused while
+    adapters are loaded."""
+    if not rt.adapters:
+        return None
+    names = ", ".join(a.name for a in rt.adapters)
+    return (f"LoRA adapters are loaded ({names}): calls on them are stamped with the "
+            "adapter's version, which would not tell tokens from new base weights apart; "
+            "push the change as an adapter (method 'lora')")
+
+
 def keep_for(rt: Runtime, asked: int | None) -> int:
     """How many adapters of a base stay loaded (the current one included)."""
     if asked is not None:

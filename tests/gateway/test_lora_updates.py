@@ -161,3 +161,15 @@ async def test_a_refused_adapter_is_rolled_back_and_a_bad_one_is_400(
             r = await admin.post("/admin/weight-update",
                                  json={"version": "9", "method": "lora", "lora_path": ok})
             assert r.status_code == 409 and "loaded already" in r.text
+            # the base weights may not change under loaded adapters: a call on adapter 9
+            # would be stamped 9 whatever weights were under it
+            for method, path, body in (
+                    ("POST", "/admin/weight-update", {"version": "10"}),
+                    ("POST", "/admin/weight-update", {"version": "10", "method": "reload",
+                                                      "weights_path": ok}),
+                    ("PUT", "/admin/weight-version", {"version": "10"}),
+                    ("POST", "/admin/resume", {"weight_version": "10"})):
+                r = await admin.request(method, path, json=body)
+                assert r.status_code == 409 and "LoRA adapters are loaded" in r.text, r.text
+            assert (await admin.get("/status")).json()["weight_version"] == "9"
+            assert (await admin.post("/admin/resume", json={})).status_code == 200

@@ -7,7 +7,7 @@ token's logprob, recomputed under the adapter the call is stamped with, matches 
 the engine reported, while under the other adapters it does not. ``keep: 2`` unloads
 adapter 1 when 3 arrives; a rank-16 adapter the engine refuses is rolled back and
 changes nothing; a full reload of the base checkpoint is timed beside an adapter update
-(printed; ``-s`` shows it).
+(printed; ``-s`` shows it), and once adapters are loaded the base weights may not change.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ async def test_adapters_are_weight_updates_without_a_pause(
             "version": "1", "method": "lora", "lora_path": str(tmp_path / "nothing")})
         assert bad.status_code == 400 and "does not exist" in bad.text, bad.text
 
+        # a full reload of the base checkpoint, timed beside the adapter updates below
+        job = await _job(admin, {"version": "0", "method": "reload",
+                                 "weights_path": str(tiny_model_dir)})
+        assert job["status"] == "succeeded", job
+        reload_s = job["duration_s"]
+
         calls = {"base": await _call(http, "on-base")}
         seconds = {}
         for v in (1, 2, 3):
@@ -107,11 +113,10 @@ async def test_adapters_are_weight_updates_without_a_pause(
         assert (await _call(http, "after-refusal"))["call"]["weight_version"] == "3"
         assert f"{SERVED_NAME}@lora-4" not in await _served(engine)
 
-        # a full reload of the base checkpoint, timed beside the adapter updates
-        job = await _job(admin, {"version": "base-2", "method": "reload",
-                                 "weights_path": str(tiny_model_dir)})
-        assert job["status"] == "succeeded", job
-        reload_s = job["duration_s"]
+        # the base weights may not change under loaded adapters
+        r = await admin.post("/admin/weight-update", json={
+            "version": "base-2", "method": "reload", "weights_path": str(tiny_model_dir)})
+        assert r.status_code == 409 and "LoRA adapters are loaded" in r.text, r.text
         print(f"\nLoRA adapter update (job, 1 engine): "
               f"{', '.join(f'{s * 1000:.0f} ms' for s in seconds.values())}; "
               f"full reload of the base checkpoint: {reload_s * 1000:.0f} ms")
