@@ -77,6 +77,24 @@ class InventorySpec(_Strict):
         return [(n.name, g) for n in self.nodes for g in n.ids()]
 
 
+class LoraOptions(_Strict):
+    """Engines that serve LoRA adapters loaded at run time (docs/weight-updates.md, "LoRA
+    adapters"): vLLM's ``--enable-lora`` with runtime loading on."""
+
+    max_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank the "
+                          "engines load (vLLM --max-lora-rank)")
+    slots: int = Field(2, ge=1, le=64, description="adapters one batch may mix (vLLM "
+                       "--max-loras); give at least the adapters a LoRA update keeps")
+
+    def vllm_args(self) -> list[str]:
+        return ["--enable-lora", "--max-loras", str(self.slots),
+                "--max-lora-rank", str(self.max_rank)]
+
+
+#: what vLLM needs in its environment to load and unload adapters over HTTP
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 class SimOptions(_Strict):
     """Simulated vLLM servers; ``profile``/``gpu`` pick the latency constants."""
 
@@ -89,6 +107,19 @@ class SimOptions(_Strict):
         None, ge=1, description="each engine's context in tokens (default: the profile "
         "model's own, 40960 for Qwen3; 131072 as Qwen3 serves with YaRN)")
     options: dict[str, Any] = Field({}, description="other SimServerConfig fields")
+    lora: LoraOptions | None = None
+
+    def server_options(self) -> dict[str, Any]:
+        """``options`` with what ``lora`` asks of the simulated servers."""
+        if self.lora is None:
+            return dict(self.options)
+        return {**self.options, "enable_lora": True, "max_lora_rank": self.lora.max_rank}
+
+    def launcher_kwargs(self) -> dict[str, Any]:
+        """:class:`backends.sim_launcher.SimLauncher`'s keywords (a Ray actor's too)."""
+        out = self.model_dump(exclude={"lora"})
+        out["options"] = self.server_options()
+        return out
 
 
 class VLLMOptions(_Strict):
@@ -109,6 +140,20 @@ class VLLMOptions(_Strict):
     state_dir: Path | None = Field(
         None, description="where each engine's record is kept, so that a restarted gateway "
         "stops the engines a dead one left (default ~/.local/state/rollout-gateway/engines)")
+    lora: LoraOptions | None = None
+
+    def engine_args(self) -> tuple[list[str], dict[str, str]]:
+        """``extra_args`` and ``env`` with what ``lora`` asks of vLLM."""
+        if self.lora is None:
+            return list(self.extra_args), dict(self.env)
+        return [*self.extra_args, *self.lora.vllm_args()], {**self.env, **LORA_ENV}
+
+    def launcher_kwargs(self) -> dict[str, Any]:
+        """:class:`backends.vllm_local.LocalVLLMLauncher`'s keywords, as JSON (a Ray
+        actor's)."""
+        out = self.model_dump(mode="json", exclude={"lora"})
+        out["extra_args"], out["env"] = self.engine_args()
+        return out
 
     @field_validator("extra_args")
     @classmethod
@@ -271,15 +316,15 @@ def build_launcher(spec: PoolSpec) -> Launcher:
         from backends.sim_launcher import SimLauncher
 
         return SimLauncher(profile=ls.profile, gpu=ls.gpu, speed=ls.speed, seed=ls.seed,
-                           options=ls.options, startup_s=ls.startup_s,
+                           options=ls.server_options(), startup_s=ls.startup_s,
                            max_model_len=ls.max_model_len)
     if isinstance(ls, VLLMLauncherSpec):
         return vllm_launcher(ls)
     if isinstance(ls, RayLauncherSpec):
         from backends.ray_launcher import RayLauncher
 
-        return RayLauncher(address=ls.address, server=ls.server, sim=ls.sim.model_dump(),
-                           vllm=ls.vllm.model_dump(mode="json"),
+        return RayLauncher(address=ls.address, server=ls.server,
+                           sim=ls.sim.launcher_kwargs(), vllm=ls.vllm.launcher_kwargs(),
                            cpus_per_instance=ls.cpus_per_instance,
                            start_timeout_s=ls.start_timeout_s)
     from backends.static import StaticLauncher
@@ -310,8 +355,9 @@ def stream_interval(spec: PoolSpec) -> int:
 def vllm_launcher(opts: VLLMOptions) -> Launcher:
     from backends.vllm_local import LocalVLLMLauncher
 
+    extra_args, env = opts.engine_args()
     return LocalVLLMLauncher(
         python=opts.python, model_path=opts.model_path, device=opts.device,
-        extra_args=opts.extra_args, env=opts.env, tool_call_parser=opts.tool_call_parser,
+        extra_args=extra_args, env=env, tool_call_parser=opts.tool_call_parser,
         stream_interval=opts.stream_interval, start_timeout_s=opts.start_timeout_s,
         log_dir=opts.log_dir, state_dir=opts.state_dir)

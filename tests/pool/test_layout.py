@@ -134,3 +134,33 @@ def test_a_probe_layout_runs_every_degree_each_node_holds() -> None:
     assert [r.tp for r in two.requests()] == [4, 2, 2, 1, 1, 1, 1]
     placed = place(two.requests(), two.inventory.slots(), "m")
     assert sum(len(p.gpus) for p in placed) == 12
+
+
+def test_a_lora_pool_starts_its_engines_with_lora_on() -> None:
+    """``launcher.lora`` turns into vLLM's flags and environment (a Ray actor gets the
+    same) and into the simulated servers' options."""
+    from backends.base import InstanceSpec
+    from backends.sim_launcher import SimLauncher
+    from backends.vllm_local import LocalVLLMLauncher
+    from gateway.pool.spec import build_launcher
+
+    vllm = parse_pool_spec(_spec(launcher={
+        "kind": "vllm", "extra_args": ["--dtype", "bfloat16"], "env": {"A": "1"},
+        "lora": {"max_rank": 32, "slots": 3}}))
+    launcher = build_launcher(vllm)
+    assert isinstance(launcher, LocalVLLMLauncher)
+    argv = launcher.command(InstanceSpec(id="i0", model="m", gpus=(0,)), 8000)
+    assert argv[-7:] == ["--dtype", "bfloat16", "--enable-lora", "--max-loras", "3",
+                         "--max-lora-rank", "32"]
+    assert launcher.env == {"A": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    ray = parse_pool_spec(_spec(launcher={"kind": "ray", "vllm": {"lora": {}}}))
+    kwargs = ray.launcher.vllm.launcher_kwargs()  # type: ignore[union-attr]
+    assert "lora" not in kwargs and kwargs["extra_args"][-1] == "16"
+    LocalVLLMLauncher(**kwargs)  # what the Ray actor builds from them
+    sim = build_launcher(parse_pool_spec(_spec(launcher={"kind": "sim",
+                                                         "lora": {"max_rank": 8}})))
+    assert isinstance(sim, SimLauncher)
+    assert (sim.template.enable_lora, sim.template.max_lora_rank) == (True, 8)
+    assert build_launcher(parse_pool_spec(_spec())).template.enable_lora is False  # type: ignore[attr-defined]
+    with pytest.raises(PoolSpecError, match="slots"):
+        parse_pool_spec(_spec(launcher={"kind": "sim", "lora": {"slots": 0}}))

@@ -229,7 +229,7 @@ async def test_engines_the_pool_starts_load_its_lora_adapters_before_they_serve(
     from backends.tinylora import write_adapter
 
     spec = sim_spec(gpus=3, layout=[{"tp": 1, "count": 2}])
-    spec["launcher"]["options"]["enable_lora"] = True
+    spec["launcher"]["lora"] = {"max_rank": 16}
     with pool_gateway(spec) as gw:
         async with client(gw) as c:
             await ready_pool(c)
