@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", type=int, default=0, metavar="R", help="train a rank-R LoRA "
                     "adapter (q_proj, v_proj) and push adapters, not the model (0: full "
                     "weights)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="the modules the "
+                    "adapter trains, comma-separated, or all-linear (peft's target_modules)")
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
@@ -273,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
-                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+                                 target_modules=(args.lora_targets
+                                                 if args.lora_targets == "all-linear"
+                                                 else args.lora_targets.split(",")),
+                                 task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model, reward_funcs=gw.reward_func, args=config, processing_class=tokenizer,
         peft_config=peft_config,
