@@ -24,32 +24,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.sim.protocol import APIError
-from backends.sim.state import LoadedAdapter, SimState
+from backends.sim.protocol import APIError, json_object
+from backends.sim.state import LoadedAdapter, sim_of
 
 router = APIRouter()
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
-
-
-def _sim(request: Request) -> SimState:
-    state: SimState = request.state.sim
-    return state
-
-
-async def _fields(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
 
 
 def read_adapter(name: str, path: str, max_rank: int) -> LoadedAdapter:
@@ -79,8 +63,8 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoadedAdapter:
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> Response:
-    sim = _sim(request)
-    body = await _fields(request)
+    sim = sim_of(request)
+    body = await json_object(request)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not name or not path or not isinstance(name, str) or not isinstance(path, str):
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
@@ -99,8 +83,8 @@ async def load_lora_adapter(request: Request) -> Response:
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> Response:
-    sim = _sim(request)
-    name = (await _fields(request)).get("lora_name")
+    sim = sim_of(request)
+    name = (await json_object(request)).get("lora_name")
     if not name or not isinstance(name, str):
         raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
                        type_="InvalidUserInput")

@@ -29,39 +29,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.sim.protocol import APIError, json_response
-from backends.sim.state import SimState
+from backends.sim.protocol import APIError, json_object, json_response
+from backends.sim.state import sim_of
 
 router = APIRouter()
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-def _sim(request: Request) -> SimState:
-    state: SimState = request.state.sim
-    return state
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
 
 
 @router.post("/pause")
 async def pause(request: Request, mode: str = "abort") -> Response:
     if mode not in PAUSE_MODES:
         raise APIError(400, f"mode must be one of {', '.join(PAUSE_MODES)}", param="mode")
-    sim = _sim(request)
+    sim = sim_of(request)
     engine = sim.engine
     if mode == "wait":
         await engine.drained()
@@ -77,49 +61,49 @@ async def pause(request: Request, mode: str = "abort") -> Response:
 
 @router.post("/abort_requests")
 async def abort_requests(request: Request) -> Response:
-    ids = (await _json(request)).get("request_ids")
+    ids = (await json_object(request)).get("request_ids")
     if ids is not None and (not isinstance(ids, list)
                             or not all(isinstance(i, str) for i in ids)):
         raise APIError(400, "'request_ids' must be a list of strings", param="request_ids")
-    engine = _sim(request).engine
+    engine = sim_of(request).engine
     n = engine.abort_ids(set(ids)) if ids else engine.abort_in_flight()
     return json_response({"status": "aborted", "aborted": n})
 
 
 @router.post("/resume")
 async def resume(request: Request) -> Response:
-    _sim(request).engine.resume()
+    sim_of(request).engine.resume()
     return json_response({"status": "resumed"})
 
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> Response:
-    return json_response({"is_paused": _sim(request).engine.paused})
+    return json_response({"is_paused": sim_of(request).engine.paused})
 
 
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request) -> Response:
-    version = (await _json(request)).get("new_version")
+    version = (await json_object(request)).get("new_version")
     if not isinstance(version, str):
         raise APIError(400, "'new_version' must be a string", param="new_version")
-    _sim(request).weight_version = version
+    sim_of(request).weight_version = version
     return json_response({"success": True, "new_version": version})
 
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> Response:
-    return json_response({"weight_version": _sim(request).weight_version})
+    return json_response({"weight_version": sim_of(request).weight_version})
 
 
 @router.post("/collective_rpc")
 async def collective_rpc(request: Request) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     if body.get("method") != "reload_weights":
         raise APIError(400, "the simulated server only supports method 'reload_weights'",
                        param="method")
     kwargs = body.get("kwargs") or {}
     path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
-    sim = _sim(request)
+    sim = sim_of(request)
     if isinstance(path, str):
         if not await asyncio.to_thread(os.path.isdir, path):
             raise APIError(500, f"reload_weights failed: no checkpoint at {path!r}")
@@ -132,5 +116,5 @@ async def collective_rpc(request: Request) -> Response:
 async def reset_prefix_cache(request: Request) -> Response:
     """Accepted; the simulated prefix cache is left as it is (its tokens do not depend on
     weights)."""
-    _sim(request)
+    sim_of(request)
     return json_response({"success": True})

@@ -99,6 +99,17 @@ class APIError(Exception):
         return json_response(body, status=self.status)
 
 
+async def json_object(request: Request) -> dict[str, Any]:
+    """A control route's body: a JSON object, or APIError(400)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 

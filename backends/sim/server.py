@@ -35,15 +35,10 @@ from backends.sim.protocol import (
     parse_body,
 )
 from backends.sim.responses import Choice, ResponseShape, merged_deltas
-from backends.sim.state import SimServerConfig, SimState
+from backends.sim.state import SimServerConfig, SimState, sim_of
 from backends.sim.tokenizer import IM_END
 
 router = APIRouter()
-
-
-def _sim(request: Request) -> SimState:
-    state: SimState = request.state.sim
-    return state
 
 
 class _EngineStream(StreamingResponse):
@@ -133,7 +128,7 @@ def _tool_choice(sim: SimState, body: ChatBody) -> tuple[Any, ToolCall | None]:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    sim = _sim(request)
+    sim = sim_of(request)
     body = await parse_body(request, ChatBody)
     sim.check_model(body.model)
     prompt_ids = _given_prompt(sim, body.kv_transfer_params)
@@ -184,7 +179,7 @@ def _given_prompt(sim: SimState, params: dict[str, Any] | None) -> list[int] | N
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     """vLLM's tokenizer route: the ids the engine would run for a chat or a prompt."""
-    sim = _sim(request)
+    sim = sim_of(request)
     body = await parse_body(request, TokenizeBody)
     if body.model is not None:
         sim.check_model(body.model)
@@ -216,7 +211,7 @@ def _completion_prompts(sim: SimState, prompt: Any) -> list[list[int]]:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    sim = _sim(request)
+    sim = sim_of(request)
     body = await parse_body(request, CompletionBody)
     sim.check_model(body.model)
     prompts = _completion_prompts(sim, body.prompt)
@@ -246,7 +241,7 @@ async def completions(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    sim = _sim(request)
+    sim = sim_of(request)
     card = {"id": sim.config.served_name, "object": "model", "created": 0,
             "owned_by": "rollout-gateway-sim", "root": sim.config.served_name,
             "max_model_len": sim.config.context_len}
@@ -263,13 +258,13 @@ async def health() -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    data = generate_latest(_sim(request).metrics.registry)
+    data = generate_latest(sim_of(request).metrics.registry)
     return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/sim/stats")
 async def sim_stats(request: Request) -> Response:
-    return json_response(_sim(request).stats())
+    return json_response(sim_of(request).stats())
 
 
 def create_sim_app(config: SimServerConfig | None = None) -> FastAPI:

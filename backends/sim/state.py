@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+
 from backends.sim.chat import ToolCall
 from backends.sim.clock import WallClock, shared_clock
 from backends.sim.driver import SimEngine
@@ -98,6 +100,12 @@ class SimServerConfig:
         if self.latency is not None:
             return self.latency
         return load_profile(self.model, self.gpu, self.tp, tp_penalty=self.tp_penalty)
+
+
+def sim_of(request: Request) -> SimState:
+    """The server's state, from a route's request (the app's lifespan put it there)."""
+    state: SimState = request.state.sim
+    return state
 
 
 class SimState:
