@@ -301,13 +301,10 @@ class Scheduler:
         if not w.future.done():
             w.future.set_exception(error)
 
-    def trajectory_ended(self, trajectory_id: str) -> int:
-        """Its attempt was finished: calls of it still queued fail with 409 (they belong to
-        the finished attempt; the next call on the id opens a new one). Returns how many."""
-        return self.trajectories_ended({trajectory_id})
-
     def trajectories_ended(self, trajectory_ids: Set[str]) -> int:
-        """:meth:`trajectory_ended` for several at once, in one pass over the queue."""
+        """Their attempts were finished: calls of them still queued fail with 409 (they
+        belong to the finished attempt; the next call on the id opens a new one), in one
+        pass over the queue. Returns how many."""
         failed = 0
         for w in list(self._waiting.values()):
             tid = w.call.trajectory_id
@@ -375,7 +372,7 @@ class Scheduler:
         self._learn(state, "a call")  # the call itself goes on whatever the policy does
 
     def trajectory_finished(self, state: TrajectoryState) -> None:
-        self.trajectory_ended(state.id)
+        self.trajectories_ended({state.id})
         self._learn(state, "the end")  # the finish itself has landed
         self.kick()
 

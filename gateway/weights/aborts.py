@@ -49,7 +49,7 @@ async def abort_trajectory(rt: Runtime, trajectory_id: str, reason: str,
                        "finished", param="trajectory_id")
     # its calls still queued fail now, before the store's write: a slot freed while the
     # write is awaited must not start one of them on an engine the abort would then miss
-    rt.dispatcher.scheduler.trajectory_ended(trajectory_id)
+    rt.dispatcher.scheduler.trajectories_ended({trajectory_id})
     now = time.time()
     async with rt.sessionmaker() as session, session.begin():
         await queries.finish_trajectory(
