@@ -7,13 +7,11 @@ always drains first: no new calls, in-flight calls finish, then the backend goes
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from gateway.adapters import Adapter
 from gateway.api.deps import get_rt, require_admin
 from gateway.dispatch.backends import parse_backend_spec
 from gateway.errors import BadRequest, Conflict, NotFound
@@ -366,20 +364,8 @@ async def _lora_update(body: WeightUpdate, response: Response, dry_run: bool,
                        rt: Runtime) -> JobRef | dict[str, Any]:
     """``method: "lora"`` (:mod:`gateway.weights.lora`): its check answers 400/409 before
     any job starts, dry run or not."""
-    if not body.lora_path:
-        raise BadRequest("method 'lora' needs 'lora_path'", param="lora_path")
-    problems, rank = await asyncio.to_thread(lora.check_adapter, body.lora_path)
-    if problems:
-        raise BadRequest("; ".join(problems), param="lora_path")
-    base = body.base_model or lora.default_base(rt)
-    if base is None:
-        raise BadRequest("several models are served: name the adapter's in 'base_model'",
-                         param="base_model")
-    targets = update_engines(rt)
-    if (why := lora.refusal(rt, base, body.version, targets)) is not None:
-        raise Conflict(why)
-    adapter = Adapter(base, body.version, body.lora_path, rank)
-    keep = lora.keep_for(rt, body.keep)
+    adapter, keep, targets = await lora.checked_update(
+        rt, body.version, body.lora_path, base_model=body.base_model, keep=body.keep)
     if dry_run:
         response.status_code = 200
         return {"dry_run": True, "engines": [b.id for b in targets],

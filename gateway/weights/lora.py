@@ -32,6 +32,7 @@ from pathlib import Path
 
 from gateway.adapters import Adapter
 from gateway.dispatch.backends import Backend
+from gateway.errors import BadRequest, Conflict
 from gateway.pool import engines
 from gateway.pool.jobs import Job, JobStatus
 from gateway.runtime import Runtime
@@ -128,10 +129,31 @@ def default_base(rt: Runtime) -> str | None:
     return next(iter(served)) if len(served) == 1 else None
 
 
+async def checked_update(rt: Runtime, version: str, path: str | None, *,
+                         base_model: str | None, keep: int | None
+                         ) -> tuple[Adapter, int, list[Backend]]:
+    """The ``check`` phase, before any job: the adapter, how many of its base's adapters
+    stay loaded and the engines to load it on; BadRequest (the adapter, the base) or
+    Conflict (the pool's state) when it must not start."""
+    if not path:
+        raise BadRequest("method 'lora' needs 'lora_path'", param="lora_path")
+    problems, rank = await asyncio.to_thread(check_adapter, path)
+    if problems:
+        raise BadRequest("; ".join(problems), param="lora_path")
+    base = base_model or default_base(rt)
+    if base is None:
+        raise BadRequest("several models are served: name the adapter's in 'base_model'",
+                         param="base_model")
+    targets = update_engines(rt)
+    if (why := refusal(rt, base, version, targets)) is not None:
+        raise Conflict(why)
+    return Adapter(base, version, path, rank), keep_for(rt, keep), targets
+
+
 def start_lora_update_job(rt: Runtime, adapter: Adapter, *, keep: int,
                           timeout_s: float) -> Job:
     """Load -> switch -> unload, in the background, as a job (module docstring). The
-    caller has checked the adapter (:func:`check_adapter`, :func:`refusal`)."""
+    caller has checked the update (:func:`checked_update`)."""
     job = rt.jobs.create("weight-update", {"version": adapter.version, "method": "lora",
                                            "lora_path": adapter.path, "base": adapter.base,
                                            "adapter": adapter.name, "keep": keep})
@@ -153,11 +175,10 @@ async def _update(rt: Runtime, job: Job, adapter: Adapter, keep: int,
                   timeout_s: float) -> None:
     targets = update_engines(rt)
     with job.phase("check", adapter=adapter.to_dict(), engines=[b.id for b in targets]):
-        problems, _ = await asyncio.to_thread(check_adapter, adapter.path)
+        # the files were checked before the job (checked_update); what runs may have
+        # changed since: no engine left, or the same version loaded by now
         if (why := refusal(rt, adapter.base, adapter.version, targets)) is not None:
-            problems.append(why)
-        if problems:
-            job.errors += [*problems, "nothing was loaded"]
+            job.errors += [why, "nothing was loaded"]
             return
 
     async def load(b: Backend) -> EngineAnswer:
