@@ -17,6 +17,7 @@ from gateway.api import (
     groups,
     openai,
     policy,
+    staleness,
     status,
     training,
     trajectories,
@@ -86,6 +87,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["*"], allow_headers=["*"],
         )
     for module in (openai, count_tokens, gemini, trajectories, groups, training, admin,
-                   policy, status, web):
+                   staleness, policy, status, web):
         app.include_router(module.router)
     return app

@@ -207,6 +207,9 @@ def export(
         "under loss mask 1), main (the task's conversation, trained whole), longest, or "
         "tree (a row per trajectory: its branches as one prefix tree, each token once)")
     ] = "all",
+    model: Annotated[str | None, typer.Option(
+        help="one policy's samples: the model name its calls asked for (a trajectory may "
+        "call several); only its generated tokens are trained")] = None,
 ) -> None:
     """Export finished trajectories as training samples (a row per branch)."""
     from gateway.store.export import export_samples
@@ -217,7 +220,7 @@ def export(
         raise typer.BadParameter("--branches must be all, main, longest or tree")
     url = database_url or Settings().database_url
     count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id,
-                                       branches=branches))
+                                       branches=branches, model=model))
     typer.echo(f"wrote the samples of {count} trajectories to {out}")
 
 

@@ -257,6 +257,12 @@ class Settings(BaseSettings):
         "served model is never redirected by a glob). From the environment as "
         "`claude-*=qwen3-14b,gpt-5*=qwen3-14b` or a JSON object; see "
         "gateway/proxy/aliases.py")
+    lora_models: Annotated[dict[str, str], NoDecode] = Field(
+        {}, description="LoRA families served from the start, model name -> base model "
+        "(`solver=qwen3-8b,verifier=qwen3-8b` or a JSON object): calls for a family run on "
+        "its base's weights until its first adapter (POST /admin/weight-update, method "
+        "lora, with `model`), each family with its own weight version; see "
+        "gateway/adapters.py")
 
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
@@ -275,10 +281,10 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("model_aliases", mode="before")
+    @field_validator("model_aliases", "lora_models", mode="before")
     @classmethod
     def _parse_aliases(cls, value: object) -> object:
-        """``pattern=model`` pairs separated by commas, or a JSON object."""
+        """``name=model`` pairs separated by commas, or a JSON object."""
         if not isinstance(value, str):
             return value
         if value.strip().startswith("{"):
@@ -287,7 +293,7 @@ class Settings(BaseSettings):
         for pair in filter(None, (p.strip() for p in value.split(","))):
             pattern, sep, target = (part.strip() for part in pair.partition("="))
             if not sep or not pattern or not target:
-                raise ValueError(f"model alias {pair!r} is not of the form pattern=model")
+                raise ValueError(f"{pair!r} is not of the form name=model")
             out[pattern] = target
         return out
 

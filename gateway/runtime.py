@@ -67,10 +67,12 @@ class Runtime:
     ready: bool = True
     #: calls with an upstream request open, by engine: what a weight update waits on
     live_calls: LiveCalls = field(default_factory=LiveCalls)
-    #: the LoRA adapters each base model's calls run on (``gateway.weights.lora``)
+    #: the LoRA families and adapters calls run on, by model name (``gateway.weights.lora``)
     adapters: Adapters = field(default_factory=Adapters)
     #: the staleness bound in weight versions (``PUT /admin/staleness``; None: no bound)
     max_staleness: int | None = None
+    #: a model's own bound, where one was set (``PUT /admin/staleness`` with ``model``)
+    model_staleness: dict[str, int] = field(default_factory=dict)
     #: weight-update jobs waiting for the trainer's push to end, by job id
     trainer_pushes: dict[str, asyncio.Event] = field(default_factory=dict)
     failure_log: FailureLog = field(default_factory=FailureLog)  # one line per failed call
@@ -81,6 +83,28 @@ class Runtime:
     pool: PoolManager | None = None  # the managed pool (``settings.pool``), if any
     #: the trainers' training-inference mismatch reports (``POST /training/mismatch``)
     mismatch: MismatchBoard = field(default_factory=lambda: MismatchBoard(MismatchLimits()))
+
+    def version_of(self, model: str) -> str:
+        """The weight version a call for ``model`` (a served model or a LoRA family) is
+        served on now: its family's current adapter's; a family before its first adapter
+        runs on its base's weights, of the version they had when adapters were first
+        loaded on them (a base's weights are fixed from then on)."""
+        if (adapter := self.adapters.current(model)) is not None:
+            return adapter.version
+        if (base := self.adapters.base_of(model)) is not None:
+            return self.adapters.base_versions.get(base, self.weight_version)
+        return self.weight_version
+
+    def model_names(self, by_model: dict[str, list[TrajectoryState]]) -> list[str]:
+        """Every model calls may ask for or have asked for: served ones, LoRA families,
+        and those of live trajectories (``by_model``: :meth:`Tracker.by_model`)."""
+        return sorted(self.registry.known_models() | self.adapters.families.keys()
+                      | by_model.keys())
+
+    def bound_for(self, model: str) -> int | None:
+        """The staleness bound ``model``'s tokens are held to (its own, else the
+        gateway's)."""
+        return self.model_staleness.get(model, self.max_staleness)
 
     def registry_mark_down(self, backend: Backend) -> None:
         """A call could not reach ``backend``: take it out of rotation until it recovers."""
@@ -106,9 +130,30 @@ class Runtime:
         for phase in ("queued", "generating", "tool", "finished"):
             phases.add_metric([phase], counts.get(phase, 0))
         yield phases
+        yield from self._model_metrics()
         yield _single("rollout_gateway_trace_queue_depth", "Trace records waiting to be "
                       "written", self.writer.queue_depth)
         yield from trace_metrics(self.writer)
+
+
+    def _model_metrics(self) -> Iterator[Metric]:
+        """Per model calls ask for (a served model, a LoRA family): its live trajectories
+        by phase and, where it is an integer, its weight version."""
+        load = gauge("rollout_gateway_model_trajectories", "Live trajectories by the model "
+                     "of their latest call, and phase", ["model", "phase"])
+        version = gauge("rollout_gateway_model_weight_version", "The weight version calls "
+                        "for each model are served on (integer versions only)", ["model"])
+        by_model = self.tracker.by_model()
+        for name in self.model_names(by_model):
+            counts: dict[str, int] = {}
+            for st in by_model.get(name, []):
+                counts[st.phase.value] = counts.get(st.phase.value, 0) + 1
+            for phase in ("queued", "generating", "tool"):
+                load.add_metric([name, phase], counts.get(phase, 0))
+            if (v := self.version_of(name)).isdigit():
+                version.add_metric([name], float(v))
+        yield load
+        yield version
 
 
 def _single(name: str, doc: str, value: float) -> Metric:
@@ -161,7 +206,8 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
         rt.metrics.migrations.inc()
         rt.events.emit("migration", f"{state.id}: {state.backend_id} -> {target.id}",
                        trajectory=state.id, source=state.backend_id, target=target.id)
-        task = asyncio.create_task(prewarm(rt.session, target, state.model,
+        served = rt.adapters.base_of(state.model) or state.model  # a restored family's
+        task = asyncio.create_task(prewarm(rt.session, target, served,
                                            state.sequence.tolist()))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -241,6 +287,8 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
             restorer=Restorer(tracker, sessionmaker, settings=settings.restore,
                               written=lambda tid, t: writer.stored(tid, timeout_s=t)),
         )
+        for model, base in settings.lora_models.items():
+            rt.adapters.declare(model, base)
         rt.metrics.add_collector(rt.collect)
         rt.mismatch = MismatchBoard(mismatch_limits(settings), rt.events)
         rt.metrics.add_collector(rt.mismatch.collect)

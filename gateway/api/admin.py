@@ -25,7 +25,6 @@ from gateway.runtime import Runtime
 from gateway.schema.jobs import JobList, JobRef, JobView, PoolChangeRef
 from gateway.schema.weights import WeightVersionChange
 from gateway.weights import lora
-from gateway.weights.aborts import enforce_staleness
 from gateway.weights.job import checkpoint_problems, no_engine, start_weight_update_job
 from gateway.weights.update import pause_engines, relabel, resume_engines, update_engines
 
@@ -115,9 +114,15 @@ class WeightUpdate(BaseModel):
     base_model: str | None = Field(None, max_length=256, description="method lora: the "
                                    "served model the adapter applies to (default: the one "
                                    "model served)")
+    model: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^@\s]+$",
+                              description="method lora: the model name calls for this "
+                              "adapter's family ask for: a LoRA family of base_model "
+                              "(created by its first adapter, or declared by "
+                              "ROLLOUT_GATEWAY_LORA_MODELS), with its own weight version; "
+                              "default: base_model's own family")
     keep: int | None = Field(None, ge=1, le=64, description="method lora: adapters of the "
-                             "base kept loaded, this one included (default: the staleness "
-                             "bound + 1, or 2 without a bound)")
+                             "family kept loaded, this one included (default: its "
+                             "staleness bound + 1, or 2 without a bound)")
     timeout_s: float = Field(300.0, gt=0, le=3600)
 
 
@@ -298,29 +303,6 @@ async def resume(body: Resume | None = None, rt: Runtime = Depends(get_rt)) -> d
     return {"paused": False, "paused_s": round(held, 3), "weight_version": rt.weight_version}
 
 
-class Staleness(BaseModel):
-    max_staleness: int | None = Field(
-        None, ge=0, description="abort a live trajectory once it started (its first call "
-        "arrived) more weight versions behind than this (null: no bound); integer versions "
-        "only")
-
-
-@router.get("/staleness")
-async def get_staleness(rt: Runtime = Depends(get_rt)) -> Staleness:
-    """The staleness bound (docs/step-modes.md)."""
-    return Staleness(max_staleness=rt.max_staleness)
-
-
-@router.put("/staleness")
-async def set_staleness(body: Staleness, rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
-    """Set (or lift, with null) the staleness bound; trajectories already past it are
-    aborted now, the others when a weight version change takes them past it."""
-    rt.max_staleness = body.max_staleness
-    rt.events.emit("staleness", f"staleness bound {body.max_staleness}",
-                   max_staleness=body.max_staleness)
-    return {"max_staleness": body.max_staleness, "aborted": await enforce_staleness(rt)}
-
-
 @router.post("/flush")
 async def flush(rt: Runtime = Depends(get_rt)) -> dict[str, Any]:
     """Write what the trace writer holds to the store now (a sharded gateway's front
@@ -365,7 +347,8 @@ async def _lora_update(body: WeightUpdate, response: Response, dry_run: bool,
     """``method: "lora"`` (:mod:`gateway.weights.lora`): its check answers 400/409 before
     any job starts, dry run or not."""
     adapter, keep, targets = await lora.checked_update(
-        rt, body.version, body.lora_path, base_model=body.base_model, keep=body.keep)
+        rt, body.version, body.lora_path, base_model=body.base_model, keep=body.keep,
+        model=body.model)
     if dry_run:
         response.status_code = 200
         return {"dry_run": True, "engines": [b.id for b in targets],

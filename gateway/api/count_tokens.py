@@ -30,7 +30,7 @@ async def prompt_tokens(rt: Runtime, proxy: Proxy, body: dict[str, Any],
     """How many tokens the engine would render ``messages`` (with ``tools``) into for
     ``body``'s model (aliases resolved), asked of one of its engines' ``/tokenize``."""
     proxy.resolve_alias(body)
-    model = body["model"]
+    model = rt.adapters.base_of(body["model"]) or body["model"]  # a LoRA family's base
     rt.dispatcher.check_model(model)
     backends = rt.dispatcher.registry.routable(model)
     if not backends:

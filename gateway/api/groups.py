@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
 from gateway.api.deps import get_rt, require_trainer
+from gateway.api.sampling import CURRENT, MAX_STALENESS, MODEL, versus
 from gateway.errors import Conflict
 from gateway.runtime import Runtime
 from gateway.schema.samples import GroupSamples, GroupTrees, Sample, SampleTree
@@ -47,7 +48,8 @@ async def _finished(rt: Runtime, group_id: str) -> list[str]:
 
 
 async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
-                         current_version: str) -> tuple[list[str], list[Sample]]:
+                         current_version: str, model: str | None
+                         ) -> tuple[list[str], list[Sample]]:
     """The trajectory ids by creation time, and the samples of their latest attempts in
     that order, each one's branches together (the writer was drained just before)."""
     out: list[tuple[Any, str, list[Sample]]] = []
@@ -57,8 +59,10 @@ async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
             if traj is None:
                 continue
             calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
+            if model is not None and not any(c.model == model for c in calls):
+                continue  # no call for this policy: no sample of it
             built = build_samples(traj, calls, branches=branches,
-                                  current_version=current_version)
+                                  current_version=current_version, model=model)
             out.append((traj.created_at, tid, built))
     out.sort(key=lambda row: (row[0], row[1]))
     return [tid for _, tid, _ in out], [s for _, _, built in out for s in built]
@@ -68,10 +72,6 @@ _COUNT = Query(None, ge=1, le=MAX_COUNT, description="wait until this many of th
                "trajectories are finished (default: answer at once with those finished)")
 _TIMEOUT = Query(30.0, ge=0, le=MAX_WAIT_S, description="how long to wait; then 408 with "
                  "how many were finished")
-_MAX_STALENESS = Query(None, ge=0, description="answer 409 if a generated token is more "
-                       "versions behind than this")
-_CURRENT = Query(None, max_length=128, description="staleness is measured against this "
-                 "(default: the gateway's weight version)")
 
 
 async def _wait(rt: Runtime, group_id: str, count: int | None,
@@ -106,15 +106,17 @@ async def group_samples(
     branches: Literal["all", "main", "longest"] = Query(
         "all", description="all branches, the main one, or the one with the most "
         "generated tokens (docs/token-capture.md)"),
-    max_staleness: int | None = _MAX_STALENESS,
-    current_version: str | None = _CURRENT,
+    max_staleness: int | None = MAX_STALENESS,
+    current_version: str | None = CURRENT,
+    model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> GroupSamples | JSONResponse:  # the 408 is sent as is
     ids = await _wait(rt, group_id, count, timeout_s)
     if isinstance(ids, JSONResponse):
         return ids
     ordered, built = await _group_samples(
-        rt, ids, branches=branches, current_version=current_version or rt.weight_version)
+        rt, ids, branches=branches, current_version=versus(rt, current_version, model),
+        model=model)
     _check_staleness(group_id, max((s.max_staleness or 0 for s in built), default=0),
                      max_staleness)
     return GroupSamples(group_id=group_id, finished=len(ordered), trajectory_ids=ordered,
@@ -128,8 +130,9 @@ async def group_trees(
     group_id: str,
     count: int | None = _COUNT,
     timeout_s: float = _TIMEOUT,
-    max_staleness: int | None = _MAX_STALENESS,
-    current_version: str | None = _CURRENT,
+    max_staleness: int | None = MAX_STALENESS,
+    current_version: str | None = CURRENT,
+    model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> GroupTrees | JSONResponse:
     ids = await _wait(rt, group_id, count, timeout_s)
@@ -142,8 +145,11 @@ async def group_trees(
             if traj is None:
                 continue
             calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
+            if model is not None and not any(c.model == model for c in calls):
+                continue  # no call for this policy
             rows.append((traj.created_at, build_tree(
-                traj, calls, current_version=current_version or rt.weight_version)))
+                traj, calls, current_version=versus(rt, current_version, model),
+                model=model)))
     rows.sort(key=lambda row: (row[0], row[1].trajectory_id))
     trees = [t for _, t in rows]
     _check_staleness(group_id, max((t.max_staleness or 0 for t in trees), default=0),

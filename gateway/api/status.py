@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.deps import get_rt, is_admin
-from gateway.api.live_status import backend_row, live_view, phase_counts
+from gateway.api.live_status import backend_row, live_view, models_view, phase_counts
 from gateway.policies.registry import LIVE_NAMES
 from gateway.readiness import readiness
 from gateway.runtime import Runtime
@@ -56,7 +56,8 @@ def status_body(rt: Runtime, *, with_urls: bool) -> dict[str, Any]:
         "policy": rt.dispatcher.policy_name,
         "policies": list(LIVE_NAMES),  # what PUT /admin/policy accepts (the page offers them)
         "weight_version": rt.weight_version,
-        "adapters": rt.adapters.to_dict(),  # LoRA adapters by base model (weight-updates.md)
+        "adapters": rt.adapters.to_dict(),  # LoRA adapters by family (weight-updates.md)
+        "models": models_view(rt),  # each policy's version and load
         "paused": rt.dispatcher.gate.paused,
         "backends": [backend_row(rt, b, with_url=with_urls) for b in rt.registry],
         "trajectories": {"total": len(states), "by_phase": phase_counts(states)},

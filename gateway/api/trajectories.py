@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.deps import get_access, get_rt, is_admin, require_trainer
+from gateway.api.sampling import CURRENT, MAX_STALENESS, MODEL, versus
 from gateway.errors import Conflict, Forbidden, NotFound
 from gateway.runtime import Runtime
 from gateway.schema.samples import Sample, SampleList, SampleTree
@@ -248,10 +249,6 @@ async def mint_key(request: Request, trajectory_id: str,
 
 
 _ATTEMPT = Query(None, ge=0, le=2**31 - 1)
-_MAX_STALENESS = Query(None, ge=0, description="answer 409 if a generated token is more "
-                       "versions behind than this")
-_CURRENT = Query(None, max_length=128, description="staleness is measured against this "
-                 "(default: the gateway's weight version)")
 
 
 async def _attempt(rt: Runtime, trajectory_id: str, attempt: int | None
@@ -273,10 +270,14 @@ def _check_staleness(trajectory_id: str, stale: int, bound: int | None) -> None:
 
 
 async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branches: str,
-                   current_version: str | None, max_staleness: int | None) -> list[Sample]:
+                   current_version: str | None, max_staleness: int | None,
+                   model: str | None) -> list[Sample]:
     traj, calls, record = await _attempt(rt, trajectory_id, attempt)
+    if model is not None and not any(c.model == model for c in calls):
+        raise NotFound(f"trajectory {trajectory_id!r} has no call for model {model!r} "
+                       f"(models: {sorted({c.model for c in calls})})", param="model")
     built = build_samples(traj, calls, attempt=attempt, record=record, branches=branches,
-                          current_version=current_version or rt.weight_version)
+                          current_version=versus(rt, current_version, model), model=model)
     _check_staleness(trajectory_id, max((s.max_staleness or 0 for s in built), default=0),
                      max_staleness)
     return built
@@ -289,11 +290,13 @@ async def sample(
     attempt: int | None = _ATTEMPT,
     branch: int | None = Query(None, ge=0, le=2**31 - 1, description="default: the main "
                                "branch (the task's conversation, trained whole)"),
-    max_staleness: int | None = _MAX_STALENESS,
-    current_version: str | None = _CURRENT,
+    max_staleness: int | None = MAX_STALENESS,
+    current_version: str | None = CURRENT,
+    model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> Sample:
-    built = await _samples(rt, trajectory_id, attempt, "all", current_version, max_staleness)
+    built = await _samples(rt, trajectory_id, attempt, "all", current_version, max_staleness,
+                           model)
     found = next((s for s in built if (s.main if branch is None else s.branch == branch)),
                  None)
     if found is None:
@@ -310,12 +313,13 @@ async def samples(
     branches: Literal["all", "main", "longest"] = Query(
         "all", description="all branches, the main one, or the one with the most "
         "generated tokens"),
-    max_staleness: int | None = _MAX_STALENESS,
-    current_version: str | None = _CURRENT,
+    max_staleness: int | None = MAX_STALENESS,
+    current_version: str | None = CURRENT,
+    model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> SampleList:
     built = await _samples(rt, trajectory_id, attempt, branches, current_version,
-                           max_staleness)
+                           max_staleness, model)
     return SampleList(data=built)
 
 
@@ -325,12 +329,13 @@ async def samples(
 async def tree(
     trajectory_id: str,
     attempt: int | None = _ATTEMPT,
-    max_staleness: int | None = _MAX_STALENESS,
-    current_version: str | None = _CURRENT,
+    max_staleness: int | None = MAX_STALENESS,
+    current_version: str | None = CURRENT,
+    model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> SampleTree:
     traj, calls, record = await _attempt(rt, trajectory_id, attempt)
     built = build_tree(traj, calls, attempt=attempt, record=record,
-                       current_version=current_version or rt.weight_version)
+                       current_version=versus(rt, current_version, model), model=model)
     _check_staleness(trajectory_id, built.max_staleness or 0, max_staleness)
     return built

@@ -100,6 +100,11 @@ def _dict(body: Any) -> dict[str, Any]:
     return body
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The parameters that are set (None: left to the gateway's default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def _job_id(body: Any) -> str:
     """The id of the job a request started (``202``)."""
     return JobRef.model_validate(body).job
@@ -138,39 +143,37 @@ class Endpoints:
                        finished_from_json, json=body)
 
     @staticmethod
-    def sample(trajectory_id: str, branch: int | None = None) -> Request[Sample]:
+    def sample(trajectory_id: str, branch: int | None = None, model: str | None = None
+               ) -> Request[Sample]:
         return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/sample",
-                       sample_from_json,
-                       params={"branch": branch} if branch is not None else None)
+                       sample_from_json, params=_given(branch=branch, model=model) or None)
 
     @staticmethod
-    def branch_samples(trajectory_id: str, branches: Branches) -> Request[list[Sample]]:
+    def branch_samples(trajectory_id: str, branches: Branches, model: str | None = None
+                       ) -> Request[list[Sample]]:
         return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/samples",
-                       samples_from_json, params={"branches": branches})
+                       samples_from_json, params=_given(branches=branches, model=model))
 
     @staticmethod
     def group_samples(group_id: str, count: int | None, *, wait_s: float,
-                      branches: Branches) -> Request[list[Sample]]:
+                      branches: Branches, model: str | None = None) -> Request[list[Sample]]:
         """One long poll of ``GET /groups/{id}/samples`` (answers 408 after ``wait_s``)."""
-        params: dict[str, Any] = {"timeout_s": round(wait_s, 3), "branches": branches}
-        if count is not None:
-            params["count"] = count
+        params = _given(timeout_s=round(wait_s, 3), branches=branches, count=count,
+                        model=model)
         return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/samples",
                        group_samples_from_json, params=params,
                        timeout=wait_s + DEFAULT_TIMEOUT_S)
 
     @staticmethod
-    def tree(trajectory_id: str) -> Request[SampleTree]:
+    def tree(trajectory_id: str, model: str | None = None) -> Request[SampleTree]:
         return Request("GET", f"/trajectories/{_path_id(trajectory_id)}/tree",
-                       tree_from_json)
+                       tree_from_json, params=_given(model=model) or None)
 
     @staticmethod
-    def group_trees(group_id: str, count: int | None, *, wait_s: float
-                    ) -> Request[list[SampleTree]]:
+    def group_trees(group_id: str, count: int | None, *, wait_s: float,
+                    model: str | None = None) -> Request[list[SampleTree]]:
         """One long poll of ``GET /groups/{id}/trees`` (answers 408 after ``wait_s``)."""
-        params: dict[str, Any] = {"timeout_s": round(wait_s, 3)}
-        if count is not None:
-            params["count"] = count
+        params = _given(timeout_s=round(wait_s, 3), count=count, model=model)
         return Request("GET", f"/groups/{_path_id(group_id, 'group_id')}/trees",
                        group_trees_from_json, params=params,
                        timeout=wait_s + DEFAULT_TIMEOUT_S)
@@ -206,13 +209,10 @@ class Endpoints:
 
     @staticmethod
     def adapter_update(version: str, *, lora_path: str, base_model: str | None,
-                       keep: int | None, timeout_s: float) -> Request[str]:
-        body: dict[str, Any] = {"version": version, "method": "lora", "lora_path": lora_path,
-                                "timeout_s": timeout_s}
-        if base_model is not None:
-            body["base_model"] = base_model
-        if keep is not None:
-            body["keep"] = keep
+                       keep: int | None, timeout_s: float, model: str | None = None
+                       ) -> Request[str]:
+        body = _given(version=version, method="lora", lora_path=lora_path,
+                      timeout_s=timeout_s, base_model=base_model, keep=keep, model=model)
         return Request("POST", "/admin/weight-update", _job_id, json=body)
 
     @staticmethod
@@ -250,8 +250,10 @@ class Endpoints:
                        lambda b: int(_dict(b)["next_attempt"]))
 
     @staticmethod
-    def set_max_staleness(bound: int | None) -> Request[dict[str, Any]]:
-        return Request("PUT", "/admin/staleness", _dict, json={"max_staleness": bound})
+    def set_max_staleness(bound: int | None, model: str | None = None
+                          ) -> Request[dict[str, Any]]:
+        return Request("PUT", "/admin/staleness", _dict,
+                       json={"max_staleness": bound, **_given(model=model)})
 
     @staticmethod
     def policy() -> Request[dict[str, Any]]:

@@ -155,45 +155,49 @@ class AsyncRolloutClient:
     async def mint_key(self, trajectory_id: str, group_id: str | None = None) -> str:
         return await self._send(Endpoints.mint_key(trajectory_id, group_id))
 
-    async def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
-        return await self._send(Endpoints.sample(trajectory_id, branch))
+    async def sample(self, trajectory_id: str, branch: int | None = None, *,
+                     model: str | None = None) -> Sample:
+        return await self._send(Endpoints.sample(trajectory_id, branch, model))
 
-    async def branch_samples(self, trajectory_id: str, branches: Branches = "all"
-                             ) -> list[Sample]:
-        return await self._send(Endpoints.branch_samples(trajectory_id, branches))
+    async def branch_samples(self, trajectory_id: str, branches: Branches = "all", *,
+                             model: str | None = None) -> list[Sample]:
+        return await self._send(Endpoints.branch_samples(trajectory_id, branches, model))
 
-    async def samples(self, ids: Iterable[str], *, branches: Branches = "all") -> SampleBatch:
+    async def samples(self, ids: Iterable[str], *, branches: Branches = "all",
+                      model: str | None = None) -> SampleBatch:
         """Samples in the order of ``ids`` (each one's branches together), fetched
         ``concurrency`` trajectories at a time."""
         gate = asyncio.Semaphore(self._concurrency)
 
         async def one(tid: str) -> list[Sample]:
             async with gate:
-                return await self.branch_samples(tid, branches)
+                return await self.branch_samples(tid, branches, model=model)
 
         found = await asyncio.gather(*(one(i) for i in ids))
         return SampleBatch([s for branch_list in found for s in branch_list])
 
     async def fetch_group(self, group_id: str, count: int | None = None, *,
-                          timeout_s: float = 600.0, branches: Branches = "all"
-                          ) -> SampleBatch:
+                          timeout_s: float = 600.0, branches: Branches = "all",
+                          model: str | None = None) -> SampleBatch:
         """See :meth:`gateway.client.RolloutClient.fetch_group` (one long poll at a time)."""
         return SampleBatch(await self._poll_group(
             lambda wait: Endpoints.group_samples(group_id, count, branches=branches,
-                                                 wait_s=wait), group_id, count, timeout_s))
+                                                 wait_s=wait, model=model),
+            group_id, count, timeout_s))
 
-    async def tree(self, trajectory_id: str) -> SampleTree:
+    async def tree(self, trajectory_id: str, *, model: str | None = None) -> SampleTree:
         """A trajectory's branches as one prefix tree: each token once, every generated
         token under loss mask 1 once (docs/token-capture.md); score it in one forward
         pass with :func:`gateway.client.trees.tree_logprobs`."""
-        return await self._send(Endpoints.tree(trajectory_id))
+        return await self._send(Endpoints.tree(trajectory_id, model))
 
     async def fetch_group_trees(self, group_id: str, count: int | None = None, *,
-                          timeout_s: float = 600.0) -> list[SampleTree]:
+                                timeout_s: float = 600.0, model: str | None = None
+                                ) -> list[SampleTree]:
         """:meth:`fetch_group`, each trajectory as one prefix tree
         (``GET /groups/{id}/trees``)."""
         return await self._poll_group(
-            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait),
+            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait, model=model),
             group_id, count, timeout_s)
 
     async def _poll_group(self, request: Callable[[float], Request[T]], group_id: str,
@@ -245,11 +249,12 @@ class AsyncRolloutClient:
 
     async def update_adapter(self, version: str, lora_path: str, *,
                              base_model: str | None = None, keep: int | None = None,
-                             timeout_s: float = 600.0) -> JobInfo:
+                             timeout_s: float = 600.0, model: str | None = None
+                             ) -> JobInfo:
         """See :meth:`gateway.client.RolloutClient.update_adapter`."""
         job_id = await self._send(Endpoints.adapter_update(
             version, lora_path=lora_path, base_model=base_model, keep=keep,
-            timeout_s=timeout_s))
+            timeout_s=timeout_s, model=model))
         return await self.wait_job(job_id, timeout_s=timeout_s)
 
     async def set_weight_version(self, version: str) -> str | None:
@@ -286,8 +291,9 @@ class AsyncRolloutClient:
     async def restart(self, trajectory_id: str) -> int:
         return await self._send(Endpoints.restart(trajectory_id))
 
-    async def set_max_staleness(self, bound: int | None) -> dict[str, Any]:
-        return await self._send(Endpoints.set_max_staleness(bound))
+    async def set_max_staleness(self, bound: int | None, *, model: str | None = None
+                                ) -> dict[str, Any]:
+        return await self._send(Endpoints.set_max_staleness(bound, model))
 
     async def policy(self) -> dict[str, Any]:
         return await self._send(Endpoints.policy())

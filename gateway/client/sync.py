@@ -164,42 +164,51 @@ class RolloutClient:
         naming another trajectory or group is refused."""
         return self._send(Endpoints.mint_key(trajectory_id, group_id))
 
-    def sample(self, trajectory_id: str, branch: int | None = None) -> Sample:
+    def sample(self, trajectory_id: str, branch: int | None = None, *,
+               model: str | None = None) -> Sample:
         """One branch of a trajectory as a training sample (token ids, loss mask,
-        logprobs, ...); by default its main branch (the one of its last call)."""
-        return self._send(Endpoints.sample(trajectory_id, branch))
+        logprobs, ...); by default its main branch (the one of its last call). ``model``
+        (here and in the other sample methods): one policy's samples, when a trajectory
+        calls several (docs/weight-updates.md, "Several policies")."""
+        return self._send(Endpoints.sample(trajectory_id, branch, model))
 
-    def branch_samples(self, trajectory_id: str, branches: Branches = "all") -> list[Sample]:
+    def branch_samples(self, trajectory_id: str, branches: Branches = "all", *,
+                       model: str | None = None) -> list[Sample]:
         """A trajectory's branches as samples (docs/token-capture.md: trees)."""
-        return self._send(Endpoints.branch_samples(trajectory_id, branches))
+        return self._send(Endpoints.branch_samples(trajectory_id, branches, model))
 
-    def samples(self, ids: Iterable[str], *, branches: Branches = "all") -> SampleBatch:
+    def samples(self, ids: Iterable[str], *, branches: Branches = "all",
+                model: str | None = None) -> SampleBatch:
         """The samples of ``ids``, in order; every branch of each by default, so every
         generated token is in the batch under loss mask 1 exactly once."""
-        return SampleBatch([s for i in ids for s in self.branch_samples(i, branches)])
+        return SampleBatch([s for i in ids
+                            for s in self.branch_samples(i, branches, model=model)])
 
     def fetch_group(self, group_id: str, count: int | None = None, *,
-                    timeout_s: float = 600.0, branches: Branches = "all") -> SampleBatch:
+                    timeout_s: float = 600.0, branches: Branches = "all",
+                    model: str | None = None) -> SampleBatch:
         """Samples of a group's finished trajectories (each one's branches together, by
         creation time); with ``count``, wait until that many are finished. The gateway
         waits and answers the whole group at once (``GET /groups/{id}/samples``).
         Raises :class:`WaitTimeout` (``finished``: the ids) when ``timeout_s`` passes."""
         return SampleBatch(self._poll_group(
             lambda wait: Endpoints.group_samples(group_id, count, branches=branches,
-                                                 wait_s=wait), group_id, count, timeout_s))
+                                                 wait_s=wait, model=model),
+            group_id, count, timeout_s))
 
-    def tree(self, trajectory_id: str) -> SampleTree:
+    def tree(self, trajectory_id: str, *, model: str | None = None) -> SampleTree:
         """A trajectory's branches as one prefix tree: each token once, every generated
         token under loss mask 1 once (docs/token-capture.md); score it in one forward
         pass with :func:`gateway.client.trees.tree_logprobs`."""
-        return self._send(Endpoints.tree(trajectory_id))
+        return self._send(Endpoints.tree(trajectory_id, model))
 
     def fetch_group_trees(self, group_id: str, count: int | None = None, *,
-                          timeout_s: float = 600.0) -> list[SampleTree]:
+                          timeout_s: float = 600.0, model: str | None = None
+                          ) -> list[SampleTree]:
         """:meth:`fetch_group`, each trajectory as one prefix tree
         (``GET /groups/{id}/trees``)."""
         return self._poll_group(
-            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait),
+            lambda wait: Endpoints.group_trees(group_id, count, wait_s=wait, model=model),
             group_id, count, timeout_s)
 
     def _poll_group(self, request: Callable[[float], Request[T]], group_id: str,
@@ -254,18 +263,21 @@ class RolloutClient:
         return self.wait_job(job_id, timeout_s=timeout_s)
 
     def update_adapter(self, version: str, lora_path: str, *, base_model: str | None = None,
-                       keep: int | None = None, timeout_s: float = 600.0) -> JobInfo:
+                       keep: int | None = None, timeout_s: float = 600.0,
+                       model: str | None = None) -> JobInfo:
         """A LoRA weight update, no engine paused: every engine loads the adapter at
         ``lora_path`` (a directory the engines can read: ``adapter_config.json`` and the
         adapter's weights, as peft's ``save_pretrained`` writes them), and calls on
         ``base_model`` (default: the one model served) run on it from now on, stamped with
         ``version``; calls running finish on the adapter they started on. ``keep``: adapters
-        kept loaded, this one included (default: the staleness bound + 1). Returns the
+        kept loaded, this one included (default: the staleness bound + 1). ``model``: the
+        adapter family (a policy calls ask for by that name, served on ``base_model``'s
+        engines with its own weight version; default: the base model's own). Returns the
         finished job; raises :class:`JobFailed` if an engine refused it (it was unloaded
         again from the others: nothing changed)."""
         job_id = self._send(Endpoints.adapter_update(version, lora_path=lora_path,
                                                      base_model=base_model, keep=keep,
-                                                     timeout_s=timeout_s))
+                                                     timeout_s=timeout_s, model=model))
         return self.wait_job(job_id, timeout_s=timeout_s)
 
     def set_weight_version(self, version: str) -> str | None:
@@ -313,10 +325,12 @@ class RolloutClient:
         """Lift an abort; returns the attempt the id's next call opens."""
         return self._send(Endpoints.restart(trajectory_id))
 
-    def set_max_staleness(self, bound: int | None) -> dict[str, Any]:
+    def set_max_staleness(self, bound: int | None, *, model: str | None = None
+                          ) -> dict[str, Any]:
         """Abort live trajectories that started (first call) more than ``bound`` weight
-        versions behind (checked at each version change; None lifts it)."""
-        return self._send(Endpoints.set_max_staleness(bound))
+        versions behind (checked at each version change; None lifts it); with ``model``,
+        that model's bound alone (its versions counted apart)."""
+        return self._send(Endpoints.set_max_staleness(bound, model))
 
     def policy(self) -> dict[str, Any]:
         """``GET /admin/policy``: the active scheduling policy and the ones available."""

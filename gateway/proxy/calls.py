@@ -53,9 +53,12 @@ class CallContext:
     #: prompt tokens the engine runs from the record (token in), when it does
     kept_len: int | None = None
     requested_model: str | None = None  # the client's model name, when an alias mapped it
-    #: the served model the call is for (after aliases): a LoRA policy's base model even
-    #: while the engines are asked for its adapter (``body["model"]``)
+    #: the model the call is for, after aliases: a served model or a LoRA family of one
+    #: (:mod:`gateway.adapters`); its record names it, its weight version is this one's
     model: str = ""
+    #: the served model its engines run (a LoRA family's base; else ``model``), even
+    #: while they are asked for an adapter (``body["model"]``)
+    served: str = ""
     constrained: str | None = None  # gateway/proxy/constraints.py
     size: int = 0  # the request's bytes as received
 
@@ -66,15 +69,15 @@ class CallContext:
     def bind(self, lease: Lease, weight_version: str, adapter: Adapter | None = None
              ) -> None:
         """Dispatched to ``lease``: stamped with the weight label its engine reported
-        (``weight_version``, the gateway's, when the engine reports none), or run on
-        ``adapter`` (its base model's current LoRA adapter) and stamped with its version;
+        (``weight_version``, its model's, when the engine reports none), or run on
+        ``adapter`` (its model's current LoRA adapter) and stamped with its version;
         the engine names the request after the call, so it can be aborted alone."""
         self.lease = lease
         if adapter is not None:
             self.body["model"] = adapter.name
             self.weight_version = adapter.version
         else:
-            self.body["model"] = self.model or self.body["model"]
+            self.body["model"] = self.served or self.body["model"]
             self.weight_version = lease.backend.weight_version or weight_version
         self.dispatched_at = time.monotonic()
         self.body["request_id"] = self.id

@@ -40,7 +40,7 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
     excused: set[str] = set()  # backends whose dropped connection was not held against them
     for attempt in range(1, limits.max_attempts + 1):
         try:
-            lease = await rt.dispatcher.acquire(ctx.view(), ctx.model or ctx.body["model"],
+            lease = await rt.dispatcher.acquire(ctx.view(), ctx.served or ctx.body["model"],
                                                 tried)
         except NoBackendAvailable:
             if last is not None:  # every backend failed: say how the last one did

@@ -29,23 +29,24 @@ from gateway.trajectories.state import TrajectoryState
 from gateway.trajectories.tools import ToolOutcome
 
 
-def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome]) -> int:
-    """A call of ``state`` arrived carrying ``outcomes`` (its new tool results): counted
-    as queued, and the policy learns the outcomes before the call is queued. Returns the
-    call's provisional ``seq``. The call ends through its :class:`Call` (or
-    :func:`abandon` if no context was made for it)."""
-    if state.first_version is None:  # the staleness bound counts from the start: a
-        state.first_version = rt.weight_version  # trajectory still queued is judged too
+def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome],
+           model: str) -> int:
+    """A call of ``state`` for ``model`` arrived carrying ``outcomes`` (its new tool
+    results): counted as queued, and the policy learns the outcomes before the call is
+    queued. Returns the call's provisional ``seq``. The call ends through its
+    :class:`Call` (or :func:`abandon` if no context was made for it)."""
+    if model not in state.first_versions:  # the staleness bound counts from the start:
+        state.first_versions[model] = rt.version_of(model)  # queued ones are judged too
+    state.last_model = model
     seq = rt.tracker.call_arrived(state, outcomes, time.time())
     rt.dispatcher.scheduler.call_arrived(state)
     return seq
 
 
 def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
-    """The scheduler gave ``ctx`` to ``lease``'s backend; a call on a LoRA policy's base
-    model runs on its current adapter (:mod:`gateway.adapters`)."""
-    ctx.bind(lease, rt.weight_version,
-             rt.adapters.current(ctx.model) if rt.adapters and ctx.model else None)
+    """The scheduler gave ``ctx`` to ``lease``'s backend; a call for a model with LoRA
+    adapters runs on its current one (:mod:`gateway.adapters`)."""
+    ctx.bind(lease, rt.version_of(ctx.model), rt.adapters.current(ctx.model))
     rt.live_calls.add(ctx.id, lease.backend.id, ctx.body,
                        ctx.mark_version if ctx.stream else None, ctx.state.id)
     rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)

@@ -232,17 +232,20 @@ class Proxy:
             body=client_body, api_keys_enabled=self.rt.settings.auth_enabled,
         )
         requested = self.resolve_alias(body)
-        self.rt.dispatcher.check_model(body["model"])
+        model = body["model"]
+        # a LoRA family is asked of its base's engines (bound to its adapter at dispatch)
+        body["model"] = served = self.rt.adapters.base_of(model) or model
+        self.rt.dispatcher.check_model(served)
         if not ident.generated and self.rt.tracker.get(ident.trajectory_id) is None:
             await self.rt.restorer.restore(ident.trajectory_id)  # after a restart
         state = self.rt.tracker.touch(ident.trajectory_id, ident.group_id, time.time())
         if state.prompt_id is None:
             self.rt.tracker.describe(state, prompt_id=prompt_identity(body),
-                                     model=body["model"], auto=ident.generated)
+                                     model=served, auto=ident.generated)
         outcomes = parse_outcomes(body["messages"]) if endpoint.chat else []
         if door is not None:
             outcomes = door.adjust_outcomes(outcomes)
-        seq = arrive(self.rt, state, outcomes)
+        seq = arrive(self.rt, state, outcomes, model)
         try:
             ctx = CallContext(
                 id=uuid.uuid4().hex, endpoint=endpoint.name, state=state, body=body,
@@ -251,7 +254,7 @@ class Proxy:
                 capture=Capture(chat=endpoint.chat, asked=inject(body, chat=endpoint.chat)),
                 headers={"x-trajectory-id": ident.trajectory_id}, door=door,
                 requested_model=requested, size=len(raw), constrained=constraint_of(body),
-                model=body["model"],
+                model=model, served=served,
             )
             if endpoint.chat:
                 ctx.digests = digest_messages(body["messages"], _render_context(body))
@@ -269,7 +272,7 @@ class Proxy:
         if not aliases or not isinstance(asked, str):
             return None
         dispatcher = self.rt.dispatcher
-        served = dispatcher.registry.known_models()
+        served = dispatcher.registry.known_models() | self.rt.adapters.families.keys()
         if dispatcher.capacity is not None:
             served |= dispatcher.capacity.served_models()
         body["model"] = resolve_model(aliases, asked, served)

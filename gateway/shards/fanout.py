@@ -34,9 +34,22 @@ async def _before(front: Front, path: str, headers: dict[str, str]) -> list[Any]
     return []
 
 
+def _staleness_undo(before: dict[str, Any], body: bytes) -> dict[str, Any]:
+    """The ``PUT /admin/staleness`` body that puts back what ``body`` (one that a shard
+    applied) changed: the gateway's bound, or one model's (null: it had none of its own)."""
+    try:
+        sent = orjson.loads(body or b"{}")
+    except orjson.JSONDecodeError:
+        sent = {}
+    model = sent.get("model") if isinstance(sent, dict) else None
+    if isinstance(model, str):
+        return {"model": model, "max_staleness": (before.get("models") or {}).get(model)}
+    return {"max_staleness": before.get("max_staleness")}
+
+
 async def _put_back(front: Front, path: str, headers: dict[str, str], done: list[int],
-                    before: list[Any]) -> list[int]:
-    """Undo a write on the shards in ``done``; the shards it was undone on."""
+                    before: list[Any], body: bytes = b"") -> list[int]:
+    """Undo a write (of ``body``) on the shards in ``done``; the shards it was undone on."""
     undo: list[tuple[int, str, str, bytes | None]] = []
     for i in done:
         if path == "/admin/pause":
@@ -46,7 +59,7 @@ async def _put_back(front: Front, path: str, headers: dict[str, str], done: list
         elif path == "/admin/policy" and before and before[i]:
             undo.append((i, "PUT", path, orjson.dumps({"policy": before[i]["policy"]})))
         elif path == "/admin/staleness" and before and before[i] is not None:
-            undo.append((i, "PUT", path, orjson.dumps(before[i])))
+            undo.append((i, "PUT", path, orjson.dumps(_staleness_undo(before[i], body))))
     hdrs = {**headers, "content-type": "application/json"}
     answers = await asyncio.gather(*(front.one(i, m, p, headers=hdrs, body=b)
                                      for i, m, p, b in undo))
@@ -266,5 +279,5 @@ async def _fan_out_write(front: Front, method: str, path: str, headers: dict[str
     if all(a.ok for a in answers):
         return _all_or_report(answers, path)
     done = [a.shard for a in answers if a.ok]
-    rolled = await _put_back(front, path, headers, done, before) if done else []
+    rolled = await _put_back(front, path, headers, done, before, body) if done else []
     return _all_or_report(answers, f"{method} {path}", rolled)

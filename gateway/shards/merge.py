@@ -59,6 +59,18 @@ def _one(values: list[Any]) -> Any:
     return values[0] if len(distinct) == 1 else " | ".join(distinct)
 
 
+def _merge_models(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each model's line (``/status`` ``models``): its facts the shards' common ones, its
+    trajectories added up."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(n for part in parts for n in part):
+        rows = [part[name] for part in parts if name in part]
+        out[name] = {**{k: _one([r.get(k) for r in rows])
+                        for k in ("base", "version", "adapter", "max_staleness")},
+                     "trajectories": _sum_dicts([r.get("trajectories") or {} for r in rows])}
+    return out
+
+
 def merge_status(statuses: Sequence[dict[str, Any] | None],
                  urls: Sequence[str]) -> dict[str, Any]:
     """The merged ``/status``; ``None`` for a shard that did not answer."""
@@ -77,6 +89,8 @@ def merge_status(statuses: Sequence[dict[str, Any] | None],
         "policy": _one([s.get("policy") for s in parts]),
         "policies": first.get("policies", []),
         "weight_version": _one([s.get("weight_version") for s in parts]),
+        "models": _merge_models([s.get("models") or {} for s in parts]),
+        "adapters": first.get("adapters"),
         "paused": any(s.get("paused") for s in parts),
         "backends": backends,
         "trajectories": _sum_dicts([s.get("trajectories", {}) for s in parts]),

@@ -29,9 +29,11 @@ __all__ = ["SAMPLE_SCHEMA", "TREE_SCHEMA", "export_samples", "iter_samples", "it
            "sample_record", "samples_table", "tree_record"]
 
 async def iter_samples(
-    sessionmaker: async_sessionmaker[AsyncSession], ids: list[str], branches: str = "all"
+    sessionmaker: async_sessionmaker[AsyncSession], ids: list[str], branches: str = "all",
+    model: str | None = None,
 ) -> AsyncIterator[Sample]:
-    """The samples of ``ids`` (latest attempt), each trajectory's ``branches``."""
+    """The samples of ``ids`` (latest attempt), each trajectory's ``branches``; with
+    ``model``, that policy's (trajectories without a call for it give none)."""
     for trajectory_id in ids:
         async with sessionmaker() as session:
             traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
@@ -39,13 +41,16 @@ async def iter_samples(
                 continue
             calls = await queries.get_calls(session, trajectory_id=trajectory_id,
                                             attempt=traj.attempt)
-        for sample in build_samples(traj, calls, branches=branches):
+        if model is not None and not any(c.model == model for c in calls):
+            continue
+        for sample in build_samples(traj, calls, branches=branches, model=model):
             yield sample
 
 
-async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[str]
-                     ) -> AsyncIterator[SampleTree]:
-    """``ids`` (latest attempt) as prefix trees (:mod:`gateway.store.trees`)."""
+async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[str],
+                     model: str | None = None) -> AsyncIterator[SampleTree]:
+    """``ids`` (latest attempt) as prefix trees (:mod:`gateway.store.trees`); ``model``
+    as in :func:`iter_samples`."""
     for trajectory_id in ids:
         async with sessionmaker() as session:
             traj = await queries.get_trajectory(session, trajectory_id=trajectory_id)
@@ -53,16 +58,18 @@ async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[s
                 continue
             calls = await queries.get_calls(session, trajectory_id=trajectory_id,
                                             attempt=traj.attempt)
-        yield build_tree(traj, calls)
+        if model is None or any(c.model == model for c in calls):
+            yield build_tree(traj, calls, model=model)
 
 
 async def export_samples(
     url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True,
-    branches: str = "all",
+    branches: str = "all", model: str | None = None,
 ) -> int:
     """Write every finished trajectory (optionally of one group) to ``out``, a row per
     branch (``branches``: all, main or longest), or a row per trajectory as its prefix
-    tree (``tree``); the number of trajectories written."""
+    tree (``tree``); ``model``: one policy's samples (``build_branches``). The number of
+    trajectories written."""
     engine = make_engine(url)
     try:
         sm = make_sessionmaker(engine)
@@ -70,11 +77,13 @@ async def export_samples(
             ids = await queries.finished_trajectory_ids(session, group_id=group_id)
         rows: list[dict[str, Any]] = []
         trees = branches == "tree"
-        items = iter_trees(sm, ids) if trees else iter_samples(sm, ids, branches)
+        items = iter_trees(sm, ids, model) if trees else iter_samples(sm, ids, branches,
+                                                                       model)
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("exporting", total=len(ids))
             with out.open("wb") if fmt == "jsonl" else _null() as fh:
                 seen: str | None = None
+                written = 0
                 async for item in items:
                     row = tree_record(item) if isinstance(item, SampleTree) else \
                         sample_record(item)
@@ -83,12 +92,12 @@ async def export_samples(
                     else:
                         rows.append(row)
                     if item.trajectory_id != seen:
-                        seen = item.trajectory_id
+                        seen, written = item.trajectory_id, written + 1
                         bar.advance(task)
         if fmt == "parquet":
             pq.write_table(pa.Table.from_pylist(rows, schema=TREE_SCHEMA if trees
                                                 else SAMPLE_SCHEMA), out)
-        return len(ids)
+        return written
     finally:
         await engine.dispose()
 

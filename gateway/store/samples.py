@@ -120,13 +120,16 @@ def _fork_from(built: BranchBuild, parent: BranchBuild, position: int) -> None:
     built.origin = parent.origin[:position]
 
 
-def _add_call(built: BranchBuild, call: Call) -> None:
+def _add_call(built: BranchBuild, call: Call, trains: bool = True) -> None:
+    """Append ``call``; its completion is generated (trainable) unless ``trains`` is
+    False (another model's tokens, in a per-model sample: context)."""
     if call.prompt_offset < len(built.sample.token_ids):  # a legacy cut (``_truncate``)
         del built.generated[call.prompt_offset:], built.origin[call.prompt_offset:]
     _append_call(built.sample, call)
     span = built.sample.calls[-1]
     built.generated += bytes(span.completion_start - len(built.generated))  # its prompt
-    built.generated += b"\x01" * (span.completion_end - span.completion_start)
+    built.generated += (b"\x01" if trains else b"\x00") * (span.completion_end
+                                                          - span.completion_start)
     built.origin.extend([built.sample.branch] * (span.completion_end - len(built.origin)))
     built.last_seq = call.seq
 
@@ -188,11 +191,18 @@ def _own(branches: Sequence[BranchBuild], main: BranchBuild) -> None:
 
 
 def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
-                   attempt: int | None = None, record: TrajectoryAttempt | None = None
+                   attempt: int | None = None, record: TrajectoryAttempt | None = None,
+                   model: str | None = None
                    ) -> tuple[list[BranchBuild], BranchBuild | None]:
     """Every branch of one attempt (successful calls, in order; by default the latest
     attempt), built with its loss mask decided (:func:`_own`), by branch id; and the main
-    one (None without a successful call). ``record`` gives an older attempt's reward."""
+    one (None without a successful call). ``record`` gives an older attempt's reward.
+
+    ``model``: one policy's samples (a trajectory may call several: a solver and a
+    verifier). Only the branches with a call for ``model`` are built into samples, each
+    in full (a fork keeps the tokens it shares with another model's branch), and only
+    ``model``'s generated tokens are trained; the main one is ``model``'s conversation the
+    trajectory ended on."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
@@ -201,6 +211,7 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
         reward = record.reward if record is not None else None
         meta = record.meta if record is not None else None
     built: dict[int, BranchBuild] = {}
+    mine: set[int] = set()  # the branches with a call for ``model`` (any, without one)
     for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):
         if call.status != "ok" or (call.attempt or 0) != attempt:
             continue
@@ -216,11 +227,13 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
                 if call.mismatch_pos is not None:  # drift: the harness's re-rendering
                     this.sample.mismatches.append(Mismatch(call.seq, call.mismatch_pos,
                                                            len(parent.sample.token_ids)))
-        _add_call(this, call)
-    if not built:
+        _add_call(this, call, model is None or call.model == model)
+        if model is None or call.model == model:
+            mine.add(branch)
+    if not mine:
         return [BranchBuild(Sample(trajectory.id, trajectory.group_id, reward,
                                    metadata=meta, attempt=attempt))], None
-    ordered = [built[b] for b in sorted(built)]
+    ordered = [built[b] for b in sorted(built) if b in mine]
     main = _main(ordered)
     _own(ordered, main)
     for b in ordered:
@@ -231,7 +244,8 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
 
 def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
                   record: TrajectoryAttempt | None = None,
-                  current_version: str | None = None, branches: str = "all") -> list[Sample]:
+                  current_version: str | None = None, branches: str = "all",
+                  model: str | None = None) -> list[Sample]:
     """The training samples of one attempt of a trajectory, one per branch
     (:func:`build_branches`). ``branches``: ``all`` (by branch id; every generated token
     trained in exactly one), ``main`` (the task's conversation, :func:`_main`, trained
@@ -239,8 +253,10 @@ def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int
 
     ``weight_versions`` has one entry per token (``""`` for prompt tokens), split inside a
     call where it ran across a weight update; ``max_staleness`` (over the generated
-    tokens) is measured against ``current_version`` (default: the newest version there)."""
-    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record)
+    tokens) is measured against ``current_version`` (default: the newest version there).
+    ``model``: one policy's samples (:func:`build_branches`)."""
+    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record,
+                                   model=model)
     out = [b.sample for b in ordered]
     for s in out:
         s.max_staleness = staleness(

@@ -23,10 +23,12 @@ from gateway.store.samples import build_branches, staleness
 
 def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
                record: TrajectoryAttempt | None = None,
-               current_version: str | None = None) -> SampleTree:
+               current_version: str | None = None, model: str | None = None) -> SampleTree:
     """One attempt (by default the latest) of a trajectory as a :class:`SampleTree`;
-    ``max_staleness`` as :func:`gateway.store.samples.build_samples` measures it."""
-    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record)
+    ``max_staleness`` as :func:`gateway.store.samples.build_samples` measures it;
+    ``model``: one policy's branches and trained tokens (``build_branches``)."""
+    ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record,
+                                   model=model)
     first = ordered[0].sample
     tree = SampleTree(trajectory.id, trajectory.group_id, first.reward, attempt=first.attempt,
                       metadata=first.metadata)

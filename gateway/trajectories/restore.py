@@ -283,7 +283,8 @@ def _state_of(point: queries.RestorePoint) -> TrajectoryState:
     state.llm_time_s = sum(max(0.0, c.total_ms - c.queued_ms) for c in calls) / 1000
     if calls:
         state.backend_id, state.model = calls[-1].backend_id, calls[-1].model
-        state.first_version = min(calls, key=lambda c: c.seq).weight_version
+        for call in sorted(calls, key=lambda c: c.seq, reverse=True):
+            state.first_versions[call.model] = call.weight_version
     samples = build_samples(traj, calls, attempt=point.attempt)
     state.mismatches = sum(len(s.mismatches) for s in samples)
     # the branch of the last call adopted last: the live tree's current branch again

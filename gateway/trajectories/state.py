@@ -62,7 +62,10 @@ class TrajectoryState:
     view: TrajectoryView | None = None
     final_context: int = 0  # context length at finish (the sequence itself is released)
     aborted: str | None = None  # why the trainer aborted this attempt (calls are refused)
-    first_version: str | None = None  # weights being served when its first call arrived
+    #: per model it called (a served model or a LoRA family), the weight version served
+    #: for it when its first call for that model arrived: what staleness is judged from
+    first_versions: dict[str, str] = field(default_factory=dict)
+    last_model: str | None = None  # the model its latest call was for
 
     @property
     def phase(self) -> Phase:

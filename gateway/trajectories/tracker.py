@@ -67,6 +67,14 @@ class Tracker:
     def __iter__(self) -> Iterator[TrajectoryState]:
         return iter(list(self._states.values()))
 
+    def by_model(self) -> dict[str, list[TrajectoryState]]:
+        """Live trajectories by the model their latest call was for."""
+        out: dict[str, list[TrajectoryState]] = {}
+        for st in self.live.values():
+            if st.last_model is not None:
+                out.setdefault(st.last_model, []).append(st)
+        return out
+
     def get(self, trajectory_id: str) -> TrajectoryState | None:
         return self._states.get(trajectory_id)
 

@@ -85,18 +85,23 @@ def _version(text: str | None) -> int | None:
         return None
 
 
+def lag(rt: Runtime, state: TrajectoryState) -> tuple[str, str, int] | None:
+    """The first model ``state`` called that its bound no longer admits: (model, the
+    version it started on, the bound); None while every one is within its bound."""
+    for model, started in state.first_versions.items():
+        bound = rt.bound_for(model)
+        current, first = _version(rt.version_of(model)), _version(started)
+        if bound is not None and current is not None and first is not None \
+                and current - first > bound:
+            return model, started, bound
+    return None
+
+
 def stale(rt: Runtime) -> list[TrajectoryState]:
-    """Live trajectories the bound no longer lets a trainer step take."""
-    bound = rt.max_staleness
-    current = _version(rt.weight_version)
-    if bound is None or current is None:
-        return []
-    out = []
-    for state in list(rt.tracker.live.values()):
-        first = _version(state.first_version)
-        if first is not None and current - first > bound and state.aborted is None:
-            out.append(state)
-    return out
+    """Live trajectories the bound no longer lets a trainer step take: each is judged
+    per model it called, against that model's version and bound."""
+    return [state for state in list(rt.tracker.live.values())
+            if state.aborted is None and lag(rt, state) is not None]
 
 
 async def enforce_staleness(rt: Runtime) -> list[str]:
@@ -108,8 +113,9 @@ async def enforce_staleness(rt: Runtime) -> list[str]:
     if past:
         rt.dispatcher.scheduler.trajectories_ended({state.id for state in past})
     for state in past:
-        reason = (f"staleness: it started on weights {state.first_version}, "
-                  f"the engines now serve {rt.weight_version}, bound {rt.max_staleness}")
+        model, started, bound = lag(rt, state) or ("", "", 0)
+        reason = (f"staleness: it started on {model} weights {started}, the engines now "
+                  f"serve {rt.version_of(model)}, bound {bound}")
         try:
             await abort_trajectory(rt, state.id, reason)
         except Conflict:  # finished meanwhile: nothing to cut

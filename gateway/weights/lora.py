@@ -9,10 +9,12 @@
   (:func:`gateway.adapters.adapter_name`). If one refuses, the engines that took it
   unload it again (``rollback``) and the job fails: calls go on with the adapter and
   version they had.
-* ``switch``: it becomes its base model's current adapter; calls dispatched from here on
-  run on it and are stamped with its version (the gateway's weight version, which the
-  staleness bound counts in). Calls already running finish on the adapter they started
-  on, under its version: an engine serves each request on the adapter it names.
+* ``switch``: it becomes its family's current adapter (the base model's own, or a LoRA
+  family named by ``model``: :mod:`gateway.adapters`); calls for the family dispatched
+  from here on run on it and are stamped with its version (the family's weight version,
+  which its staleness bound counts in; the base's own family's is the gateway's). Calls
+  already running finish on the adapter they started on, under its version: an engine
+  serves each request on the adapter it names. Other families are not touched.
 * ``unload``: adapters past the ``keep`` most recent are unloaded (default: the staleness
   bound plus one, so every call the bound still admits keeps its adapter; without a bound,
   two). A failed unload leaves an adapter loaded and is reported, not failed: the update
@@ -103,23 +105,29 @@ def base_weights_locked(rt: Runtime) -> str | None:
             "push the change as an adapter (method 'lora')")
 
 
-def keep_for(rt: Runtime, asked: int | None) -> int:
-    """How many adapters of a base stay loaded (the current one included)."""
+def keep_for(rt: Runtime, asked: int | None, model: str) -> int:
+    """How many adapters of ``model``'s family stay loaded (the current one included)."""
     if asked is not None:
         return asked
-    return rt.max_staleness + 1 if rt.max_staleness is not None else DEFAULT_KEEP
+    bound = rt.bound_for(model)
+    return bound + 1 if bound is not None else DEFAULT_KEEP
 
 
-def refusal(rt: Runtime, base: str, version: str, targets: list[Backend]) -> str | None:
+def refusal(rt: Runtime, adapter: Adapter, targets: list[Backend]) -> str | None:
     """Why the update must not start (a 409), if it must not."""
+    base, family = adapter.base, adapter.family
     served = rt.dispatcher.registry.known_models()
     if base not in served:
         return (f"base model {base!r} is not served (served: {sorted(served)}); "
                 "name it in 'base_model'")
+    if family != base and family in served:
+        return f"model {family!r} is a served base model, not a LoRA family"
+    if (known := rt.adapters.base_of(family)) not in (None, base):
+        return f"model {family!r} is a LoRA family of {known!r}, not of {base!r}"
     if not targets:
         return "no engine to load the adapter on: start one first"
-    if any(a.version == version for a in rt.adapters.loaded(base)):
-        return f"adapter version {version!r} of {base!r} is loaded already"
+    if any(a.version == adapter.version for a in rt.adapters.loaded(family)):
+        return f"adapter version {adapter.version!r} of {family!r} is loaded already"
     return None
 
 
@@ -130,24 +138,26 @@ def default_base(rt: Runtime) -> str | None:
 
 
 async def checked_update(rt: Runtime, version: str, path: str | None, *,
-                         base_model: str | None, keep: int | None
+                         base_model: str | None, keep: int | None, model: str | None = None
                          ) -> tuple[Adapter, int, list[Backend]]:
-    """The ``check`` phase, before any job: the adapter, how many of its base's adapters
-    stay loaded and the engines to load it on; BadRequest (the adapter, the base) or
-    Conflict (the pool's state) when it must not start."""
+    """The ``check`` phase, before any job: the adapter (of ``model``'s family, default
+    the base's own), how many of its family's adapters stay loaded and the engines to
+    load it on; BadRequest (the adapter, the base) or Conflict (the pool's state) when
+    it must not start."""
     if not path:
         raise BadRequest("method 'lora' needs 'lora_path'", param="lora_path")
     problems, rank = await asyncio.to_thread(check_adapter, path)
     if problems:
         raise BadRequest("; ".join(problems), param="lora_path")
-    base = base_model or default_base(rt)
+    base = base_model or (rt.adapters.base_of(model) if model else None) or default_base(rt)
     if base is None:
         raise BadRequest("several models are served: name the adapter's in 'base_model'",
                          param="base_model")
+    adapter = Adapter(base, version, path, rank, "" if model in (None, base) else model)
     targets = update_engines(rt)
-    if (why := refusal(rt, base, version, targets)) is not None:
+    if (why := refusal(rt, adapter, targets)) is not None:
         raise Conflict(why)
-    return Adapter(base, version, path, rank), keep_for(rt, keep), targets
+    return adapter, keep_for(rt, keep, adapter.family), targets
 
 
 def start_lora_update_job(rt: Runtime, adapter: Adapter, *, keep: int,
@@ -156,7 +166,8 @@ def start_lora_update_job(rt: Runtime, adapter: Adapter, *, keep: int,
     caller has checked the update (:func:`checked_update`)."""
     job = rt.jobs.create("weight-update", {"version": adapter.version, "method": "lora",
                                            "lora_path": adapter.path, "base": adapter.base,
-                                           "adapter": adapter.name, "keep": keep})
+                                           "model": adapter.family, "adapter": adapter.name,
+                                           "keep": keep})
 
     async def run() -> None:
         job.begin()
@@ -164,7 +175,7 @@ def start_lora_update_job(rt: Runtime, adapter: Adapter, *, keep: int,
             async with weights_held(rt):  # no engine admitted while adapters change
                 await _update(rt, job, adapter, keep, timeout_s)
         finally:
-            job.plan["weight_version"] = rt.weight_version
+            job.plan["weight_version"] = rt.version_of(adapter.family)
             job.end(None if not job.errors else JobStatus.FAILED)
 
     rt.jobs.track(asyncio.create_task(run(), name=f"lora-update-{job.id}"))
@@ -177,7 +188,7 @@ async def _update(rt: Runtime, job: Job, adapter: Adapter, keep: int,
     with job.phase("check", adapter=adapter.to_dict(), engines=[b.id for b in targets]):
         # the files were checked before the job (checked_update); what runs may have
         # changed since: no engine left, or the same version loaded by now
-        if (why := refusal(rt, adapter.base, adapter.version, targets)) is not None:
+        if (why := refusal(rt, adapter, targets)) is not None:
             job.errors += [why, "nothing was loaded"]
             return
 
@@ -196,19 +207,25 @@ async def _update(rt: Runtime, job: Job, adapter: Adapter, keep: int,
         took = [b for b in targets if b.id not in {a.id for a in refused}]
         with job.phase("rollback") as ph:
             ph.detail["engines"] = await _unload(rt, took, [adapter], timeout_s)
-        current = rt.adapters.current(adapter.base)
-        job.errors.append(f"adapter {adapter.name!r} unloaded again; calls go on with "
-                          + (f"adapter {current.name!r}" if current else "the base model")
-                          + f", version {rt.weight_version!r}")
+        family = adapter.family
+        current = rt.adapters.current(family)
+        job.errors.append(f"adapter {adapter.name!r} unloaded again; calls for {family!r} "
+                          "go on with " + (f"adapter {current.name!r}" if current
+                                           else "the base model")
+                          + f", version {rt.version_of(family)!r}")
         return
     with job.phase("switch") as ph:
+        family, previous = adapter.family, rt.version_of(adapter.family)
+        if not any(a.base == adapter.base for a in rt.adapters):  # its base's weights are
+            rt.adapters.base_versions[adapter.base] = rt.weight_version  # fixed from now
         dropped = rt.adapters.activate(adapter, keep)
-        previous, rt.weight_version = rt.weight_version, adapter.version
-        ph.detail.update(previous=previous, version=adapter.version,
-                         loaded=[a.version for a in rt.adapters.loaded(adapter.base)])
-        rt.events.emit("weight_version", f"weight version {previous} -> {adapter.version} "
-                       f"(LoRA adapter {adapter.name})", previous=previous,
-                       version=adapter.version, adapter=adapter.name)
+        if family == adapter.base:
+            rt.weight_version = adapter.version
+        ph.detail.update(model=family, previous=previous, version=adapter.version,
+                         loaded=[a.version for a in rt.adapters.loaded(family)])
+        rt.events.emit("weight_version", f"weight version of {family} {previous} -> "
+                       f"{adapter.version} (LoRA adapter {adapter.name})", model=family,
+                       previous=previous, version=adapter.version, adapter=adapter.name)
         ph.detail["aborted"] = await enforce_staleness(rt)
     if dropped:
         with job.phase("unload", adapters=[a.name for a in dropped]) as ph:

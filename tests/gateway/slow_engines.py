@@ -36,6 +36,13 @@ async def engine_stats(urls: list[str]) -> list[dict[str, Any]]:
         return [(await http.get(f"{u}/sim/stats")).json() for u in urls]
 
 
+def served_model(stats: list[dict[str, Any]], call_id: str) -> str:
+    """The model an engine ran the call's request on (its own record: ``engine_stats``)."""
+    (model,) = [seen["model"] for s in stats for seen in s["requests_seen"]
+                if seen["id"] == f"chatcmpl-{call_id}"]
+    return str(model)
+
+
 async def generating(urls: list[str], at_least: int) -> None:
     """Wait until the engines run ``at_least`` requests (a loaded machine is slow)."""
     for _ in range(400):

@@ -23,7 +23,15 @@ from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
 from backends.tinylora import write_adapter
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.slow_engines import ADMIN, HARNESS, KEY, MODEL, engine_stats, generating
+from tests.gateway.slow_engines import (
+    ADMIN,
+    HARNESS,
+    KEY,
+    MODEL,
+    engine_stats,
+    generating,
+    served_model,
+)
 from tests.servers import LoopThread
 
 
@@ -60,13 +68,6 @@ async def _call(http: httpx.AsyncClient, tid: str, tokens: int = 8) -> dict[str,
 async def _stamp(admin: httpx.AsyncClient, tid: str) -> dict[str, Any]:
     (call,) = (await admin.get(f"/trajectories/{tid}")).json()["calls"]
     return dict(call)
-
-
-def _served_by(stats: list[dict[str, Any]], call_id: str) -> str:
-    """The model the engine ran the call's request on (its own record)."""
-    (model,) = [seen["model"] for s in stats for seen in s["requests_seen"]
-                if seen["id"] == f"chatcmpl-{call_id}"]
-    return str(model)
 
 
 async def test_an_adapter_update_pauses_nothing_and_stamps_each_call_with_its_adapter(
@@ -108,7 +109,7 @@ async def test_an_adapter_update_pauses_nothing_and_stamps_each_call_with_its_ad
                 call = await _stamp(admin, tid)
                 assert call["weight_version"] == version, (tid, call["weight_version"])
                 assert call["model"] == MODEL  # recorded as the policy's base model
-                assert _served_by(stats, call["id"]) == f"{MODEL}@lora-{version}"
+                assert served_model(stats, call["id"]) == f"{MODEL}@lora-{version}"
             sample = (await admin.get("/trajectories/long/sample")).json()
             assert set(sample["weight_versions"][-240:]) == {"1"}
             status = (await admin.get("/status")).json()

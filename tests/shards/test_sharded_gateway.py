@@ -315,3 +315,18 @@ def test_a_lora_update_through_the_front_reaches_every_shard(
             models.add(answer.json()["model"])
         assert models == {"qwen3-14b@lora-21"}
         assert {_owner(url, 2, f"lora-front-{i}") for i in range(8)} == {0, 1}
+
+        # a second policy, a LoRA family of the same base, with a bound of its own
+        with RolloutClient(url) as gw:
+            assert gw.update_adapter("3", adapter, model="verifier").status == "succeeded"
+            gw.set_max_staleness(0, model="verifier")
+        answers = {http.post("/v1/chat/completions", headers={"x-trajectory-id": f"v-{i}"},
+                             json={"model": "verifier", "max_tokens": 4, "messages": [
+                                 {"role": "user", "content": "check"}]}).json()["model"]
+                   for i in range(8)}
+        assert answers == {"verifier@lora-3"}
+        status = http.get("/status").json()
+        assert status["weight_version"] == "21"  # the base's own family: untouched
+        verifier = status["models"]["verifier"]
+        assert (verifier["version"], verifier["max_staleness"]) == ("3", 0)
+        assert sum(verifier["trajectories"].values()) == 8  # both shards' added up

@@ -149,6 +149,7 @@ async def test_export_as_trees_holds_each_token_once(db_url: str, tmp_path: Path
     try:
         side = _rec(tid, 1, 1, [7], [20, 21])  # a side call forked after one token
         side.branch, side.parent_branch, side.group_id = 1, 0, group
+        side.model = "verifier"  # another policy's call (docs/weight-updates.md)
         for rec in (_rec(tid, 0, 0, [1, 2, 3], [10, 11]), side,
                     _rec(tid, 2, 5, [4, 5], [12, 13])):
             rec.group_id = group
@@ -166,6 +167,19 @@ async def test_export_as_trees_holds_each_token_once(db_url: str, tmp_path: Path
         assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 1, 1]
         assert row["branches"] == [0, 1] and row["branch_leaves"] == [8, 11]
         assert row["main_branch"] == 0 and row["reward"] == 1.0
+        # one policy's: its branches only, whole, its tokens alone trained
+        assert await export_samples(db_url, out, fmt="parquet", progress=False,
+                                    group_id=group, branches="tree", model="verifier") == 1
+        [row] = pq.read_table(out).to_pylist()
+        assert (row["token_ids"], row["loss_mask"]) == ([1, 7, 20, 21], [0, 0, 1, 1])
+        assert row["branches"] == [1] and row["main_branch"] == 1
+        assert await export_samples(db_url, out, fmt="parquet", progress=False,
+                                    group_id=group, model="m") == 1
+        [row] = pq.read_table(out).to_pylist()
+        assert row["token_ids"] == [1, 2, 3, 10, 11, 4, 5, 12, 13]
+        assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1, 1]
+        assert await export_samples(db_url, out, fmt="parquet", progress=False,
+                                    group_id=group, model="critic") == 0
     finally:
         await writer.close()
         await engine.dispose()
