@@ -203,6 +203,27 @@
       (rl.applied ? ` (drain ${dur(rl.drain_s)}, start ${dur(rl.start_s)})` : "") : "";
     setText("pool-summary", `${s.pool.instances} instances · ${s.pool.gpus} GPUs` + relayouts);
     renderSpeeds(s.speeds);
+    renderModels(s.models);
+  }
+
+  // per model calls ask for (a served model, a LoRA family of one): its version and load
+  function renderModels(models) {
+    if (!models) return;
+    const rows = Object.entries(models).map(([name, m]) => {
+      const tr = el("tr", { "data-model": name });
+      const t = m.trajectories || {};
+      tr.append(
+        el("td", {}, name),
+        el("td", {}, m.base ?? "—"),
+        el("td", { class: "version" }, String(m.version)),
+        el("td", {}, m.adapter ?? "—"),
+        el("td", { class: "num" }, m.max_staleness == null ? "none" : String(m.max_staleness)),
+        el("td", { class: "num" }, num(t.queued ?? 0)),
+        el("td", { class: "num" }, num(t.generating ?? 0)),
+        el("td", { class: "num" }, num(t.tool ?? 0)));
+      return tr;
+    });
+    $("models").tBodies[0].replaceChildren(...rows);
   }
 
   // per TP: the decode step the policy plans with (profile x what the engines measured)

@@ -135,7 +135,11 @@ class GatewayGRPO:
     up token for token and that the engines serve the weights being trained; the step's
     training-inference mismatch (``StepRecord.mismatch``: KL, importance-ratio
     percentiles, per weight version) is posted to the gateway's status page and
-    Prometheus and logged as a warning when it passes a limit.
+    Prometheus and logged as a warning when it passes a limit. ``policy``: when the pool
+    serves several policies (LoRA families of one base: a solver and a verifier, their
+    agents calling both), the model name this trainer trains: the rows are that policy's
+    samples (its tokens trained, the others' context), its adapter is pushed under that
+    name, and its version is counted apart (docs/weight-updates.md, "Several policies").
     """
 
     def __init__(self, gateway: str, agent: Agent, *, weights_dir: str | Path,
@@ -143,7 +147,8 @@ class GatewayGRPO:
                  multi_branch: MultiBranch = "main", mode: str = "abort-and-continue",
                  concurrency: int = 64, fetch_timeout_s: float = 600.0,
                  push_timeout_s: float = 600.0, keep_checkpoints: int = 2,
-                 check_logprobs: bool = False, **client_options: Any) -> None:
+                 check_logprobs: bool = False, policy: str | None = None,
+                 **client_options: Any) -> None:
         self._client_args: dict[str, Any] = {"admin_token": admin_token, **client_options}
         self.client = RolloutClient(gateway, **self._client_args)
         self.agent = agent
@@ -156,7 +161,15 @@ class GatewayGRPO:
         self.push_timeout_s = push_timeout_s
         self.keep_checkpoints = keep_checkpoints
         self.check_logprobs = check_logprobs
-        self.version = str(self.client.status()["weight_version"])
+        self.policy = policy
+        status = self.client.status()
+        if policy is not None and policy not in status.get("models", {}):
+            self.client.close()
+            raise ValueError(f"the gateway serves no model {policy!r} (models: "
+                                     f"{sorted(status.get('models', {}))}); declare the "
+                                     "family (ROLLOUT_GATEWAY_LORA_MODELS)")
+        self.version = str(status["models"][policy]["version"] if policy is not None
+                           else status["weight_version"])
         self.steps: list[StepRecord] = []
         self.pushes: list[Push] = []
         self._handed_at: float | None = None
@@ -254,7 +267,8 @@ class GatewayGRPO:
     async def _fetch(self, groups: list[str], size: int) -> list[SampleBatch]:
         async with self._client() as gw:
             return list(await asyncio.gather(*(
-                gw.fetch_group(g, size, timeout_s=self.fetch_timeout_s) for g in groups)))
+                gw.fetch_group(g, size, timeout_s=self.fetch_timeout_s, model=self.policy)
+                for g in groups)))
 
     def _choose(self, groups: list[str], size: int, batches: list[SampleBatch]
                 ) -> tuple[list[Sample], int]:
@@ -323,6 +337,9 @@ class GatewayGRPO:
         ``peft_config``) saves its LoRA adapter alone, and the engines load it beside the
         ones they serve, no engine paused (``RolloutClient.update_adapter``; the engines
         run with ``--enable-lora``): no checkpoint of the whole model per step."""
+        if self.policy is not None and not is_lora(model):
+            raise ValueError(f"policy {self.policy!r} is a LoRA family: train a "
+                                     "peft LoRA model (TRL's peft_config)")
         version = str(int(self.version) + 1) if self.version.isdigit() else "1"
         path = (self.weights_dir / f"v{version}").resolve()
         t0 = time.monotonic()
@@ -331,7 +348,8 @@ class GatewayGRPO:
         if is_lora(model):  # an engine may read an adapter again: keep_checkpoints >= keep
             job = self.client.update_adapter(version, str(path),
                                              keep=min(self.keep_checkpoints, 64),
-                                             timeout_s=self.push_timeout_s)
+                                             timeout_s=self.push_timeout_s,
+                                             model=self.policy)
         else:
             job = self.client.update_weights(version, weights_path=str(path),
                                              mode=self.mode, timeout_s=self.push_timeout_s)

@@ -128,3 +128,69 @@ def test_a_forked_trajectory_gives_its_task_conversation_whole(
         closing.callback(longest.close)
         rows = longest.rollout_func(["x", "x"], _trainer(2))
         assert len(rows["completion_ids"]) == 2
+
+
+@pytest.fixture(scope="module")
+def lora_sim(loop_thread: Any) -> Any:
+    """Two simulated vLLM servers with LoRA adapters loadable at run time."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    cm = start_sim_servers([SimServerConfig(speed=50, seed=i, enable_lora=True)
+                            for i in range(2)])
+    yield loop_thread.run(cm.__aenter__())
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+async def _solve_then_verify(r: Rollout) -> float:
+    """A two-role agent: the solver answers (the base model's own policy), the verifier
+    (a LoRA family) judges the answer."""
+    async with AsyncOpenAI(base_url=r.base_url, api_key=r.api_key, max_retries=0) as llm:
+        answer = await llm.chat.completions.create(model=MODEL, max_tokens=10, messages=[
+            {"role": "system", "content": "You solve."}, {"role": "user", "content": r.prompt}])
+        await llm.chat.completions.create(model="verifier", max_tokens=6, messages=[
+            {"role": "system", "content": "You verify."},
+            {"role": "user", "content": f"{r.prompt} = {answer.choices[0].message.content}?"}])
+    return 1.0
+
+
+class _Lora:
+    """A peft model as GatewayGRPO sees one: ``peft_config``, and ``save_pretrained``
+    writing an adapter (a random one: backends.tinylora)."""
+
+    peft_config = {"default": SimpleNamespace(peft_type="LORA")}
+
+    def save_pretrained(self, path: Path) -> None:
+        from backends.tinylora import write_adapter
+
+        write_adapter(Path(path), seed=1)
+
+
+def test_a_policy_trainer_takes_its_own_tokens_and_pushes_its_own_adapter(
+        gateway: GatewayFactory, lora_sim: list[str], sqlite_url: str,
+        tmp_path: Path) -> None:
+    """Two policies, one pool: the verifier's trainer gets rows where only the verifier's
+    tokens are trained, and its push moves the verifier's version alone."""
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    with gateway(sqlite_url, backends=lora_sim, admin_token=ADMIN_TOKEN,
+                 lora_models={"verifier": MODEL}) as gw_url, ExitStack() as closing:
+        with pytest.raises(ValueError, match="no model 'critic'"):
+            GatewayGRPO(gw_url, _solve_then_verify, weights_dir=tmp_path,
+                        admin_token=ADMIN_TOKEN, policy="critic")
+        gw = GatewayGRPO(gw_url, _solve_then_verify, weights_dir=tmp_path,
+                         admin_token=ADMIN_TOKEN, run_id="duo", policy="verifier")
+        closing.callback(gw.close)
+        rows = gw.rollout_func(["2+2", "2+2"], _trainer(2))
+        for tid, mask, ids in zip(rows["trajectory_id"], rows["env_mask"],
+                                  rows["completion_ids"], strict=True):
+            calls = httpx.get(f"{gw_url}/trajectories/{tid}", timeout=10,
+                              headers=admin).json()["calls"]
+            (verify,) = [c for c in calls if c["model"] == "verifier"]
+            assert [t for t, m in zip(ids, mask, strict=True) if m] == verify["completion_ids"]
+        with pytest.raises(ValueError, match="LoRA family"):
+            gw.push(_Model())
+        push = gw.push(_Lora())
+        assert push.version == "1" == gw.version
+        status = httpx.get(f"{gw_url}/status", timeout=10, headers=admin).json()
+        assert status["models"]["verifier"]["adapter"] == "verifier@lora-1"
+        assert status["weight_version"] == "0"  # the solver's (the base's) is untouched

@@ -161,12 +161,12 @@ async def test_two_families_share_the_engines_with_their_own_versions_and_sample
             assert 'rollout_gateway_model_weight_version{model="solver"} 1.0' in metrics
 
 
-async def test_unknown_models_and_wrong_families_are_refused(
+async def test_aliases_name_families_and_unknown_models_are_refused(
         lora_engines: list[str], gateway_at: GatewayFactory, sqlite_url: str,
         tmp_path: Path) -> None:
     adapter = str(write_adapter(tmp_path / "a", seed=3))
     with gateway_at(sqlite_url, lora_engines, admin_token="tok", api_keys=[KEY],
-                    lora_models={"solver": MODEL}) as url:
+                    lora_models={"solver": MODEL}, model_aliases={"gpt-5*": "solver"}) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
                 httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
             before = [s["adapter_loads"] for s in await engine_stats(lora_engines)]
@@ -185,6 +185,10 @@ async def test_unknown_models_and_wrong_families_are_refused(
                 r = await admin.post("/admin/weight-update", json={
                     "version": "2", "method": "lora", "lora_path": adapter, **body})
                 assert r.status_code == status and says in r.text, (body, r.text)
+            # a harness's own model name, through the alias table, names a family
+            assert (await _chat(http, "aliased", "gpt-5-codex", SOLVER)).status_code == 200
+            (call,) = (await admin.get("/trajectories/aliased")).json()["calls"]
+            assert (call["model"], call["requested_model"]) == ("solver", "gpt-5-codex")
             r = await admin.put("/admin/staleness", json={"model": "critic",
                                                           "max_staleness": 1})
             assert r.status_code == 404 and "critic" in r.text

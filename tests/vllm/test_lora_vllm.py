@@ -8,6 +8,9 @@ the engine reported, while under the other adapters it does not. ``keep: 2`` unl
 adapter 1 when 3 arrives; a rank-16 adapter the engine refuses is rolled back and
 changes nothing; a full reload of the base checkpoint is timed beside an adapter update
 (printed; ``-s`` shows it), and once adapters are loaded the base weights may not change.
+Then a second policy, a ``verifier`` family of the same base, runs beside the base's own:
+interleaved in one trajectory and side by side, each policy's trained tokens are true
+under the adapter they were stamped with.
 """
 
 from __future__ import annotations
@@ -117,6 +120,41 @@ async def test_adapters_are_weight_updates_without_a_pause(
         r = await admin.post("/admin/weight-update", json={
             "version": "base-2", "method": "reload", "weights_path": str(tiny_model_dir)})
         assert r.status_code == 409 and "LoRA adapters are loaded" in r.text, r.text
+        # two policies at once: a "verifier" family beside the base's own, interleaved
+        # in one trajectory and running side by side; each policy's trained tokens are
+        # true under the adapter its calls were stamped with
+        job = await _job(admin, {"version": "11", "method": "lora", "model": "verifier",
+                                 "lora_path": paths[1], "keep": 1})
+        assert job["status"] == "succeeded", job
+
+        async def turn(tid: str, model: str, text: str) -> None:
+            r = await http.post("/v1/chat/completions", headers={"x-trajectory-id": tid},
+                                json={"model": model, "max_tokens": 16, "ignore_eos": True,
+                                      "temperature": 1.0, "messages": [
+                                          {"role": "system", "content": f"You are {model}."},
+                                          {"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+
+        await turn("duo", SERVED_NAME, "solve it")
+        await asyncio.gather(turn("duo-side", "verifier", "check it"),
+                             turn("duo", "verifier", "check the answer"),
+                             turn("solo", SERVED_NAME, "solve another"))
+        await turn("duo", SERVED_NAME, "solve it again")
+        stamps = [(c["model"], c["weight_version"]) for c in
+                  (await admin.get("/trajectories/duo")).json()["calls"]]
+        assert stamps == [(SERVED_NAME, "3"), ("verifier", "11"), (SERVED_NAME, "3")]
+        for model, adapter, calls_of in ((SERVED_NAME, f"{SERVED_NAME}@lora-3", 2),
+                                         ("verifier", "verifier@lora-11", 1)):
+            samples = (await admin.get(f"/trajectories/duo/samples?model={model}")).json()
+            assert sum(sum(s["loss_mask"]) for s in samples["data"]) == 16 * calls_of
+            for sample in samples["data"]:
+                ids, mask, reported = (sample["token_ids"], sample["loss_mask"],
+                                       sample["logprobs"])
+                under = await recompute(engine, ids, adapter)
+                off = [i for i in range(1, len(ids))
+                       if mask[i] and abs(under[i - 1] - reported[i]) >= SAME]
+                assert off == [], (model, off)
+
         print(f"\nLoRA adapter update (job, 1 engine): "
               f"{', '.join(f'{s * 1000:.0f} ms' for s in seconds.values())}; "
               f"full reload of the base checkpoint: {reload_s * 1000:.0f} ms")

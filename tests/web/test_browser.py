@@ -140,13 +140,17 @@ def test_status_page_is_live_and_usable(browser, busy_gateway):
     # Admin action without the token is refused; with it, it takes effect.
     page.fill("#weights-value", "step-42")
     page.click("#weights-form button[type=submit]")
-    expect(page.locator("#admin-result")).to_contain_text("rejected")
+    # (generous timeouts: the suite runs on two workers, and this page shares the CPUs)
+    expect(page.locator("#admin-result")).to_contain_text("rejected", timeout=15_000)
     page.fill("#admin-token", ADMIN_TOKEN)
     page.click("#token-form button[type=submit]")
     expect(page.locator("#admin-state")).to_have_text("token set for this tab")
     page.click("#weights-form button[type=submit]")
-    expect(page.locator("#admin-result")).to_contain_text("step-42")
-    expect(page.locator("#weight-version")).to_have_text("step-42", timeout=5_000)
+    expect(page.locator("#admin-result")).to_contain_text("step-42", timeout=15_000)
+    expect(page.locator("#weight-version")).to_have_text("step-42", timeout=15_000)
+    # the models table: each policy with its version (here the one served model's)
+    expect(page.locator("#models tbody tr td.version").first).to_have_text("step-42",
+                                                                           timeout=15_000)
     assert httpx.get(f"{gw}/status").json()["weight_version"] == "step-42"
     # (listed among the newest events; migrations may land between it and the top)
     expect(page.locator("#events li", has_text="weight version").first).to_be_visible(
