@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -34,34 +33,6 @@ async def _pg_admin(sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
-
-
-#: the real-vLLM tests: one unit of work on one worker, one after another (below)
-VLLM_TESTS = "tests/vllm/"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On the workers of ``make test`` (pytest-xdist), the real-vLLM tests come first: the
-    longest unit (the learning test alone is ~9 minutes) starts at once. Without xdist,
-    the order is the files' own."""
-    if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: not item.nodeid.startswith(VLLM_TESTS))  # stable
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """How ``make test --dist loadfile`` splits the suite over two workers: each file is
-    one unit (its module fixtures start once), except the real-vLLM files, which are one
-    unit together, so no two vLLM engines share the two cores."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class VllmTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return VLLM_TESTS if path.startswith(VLLM_TESTS) else path
-
-    return VllmTogether(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -37,12 +37,13 @@ def _admitted() -> tuple[Call, SimpleNamespace, Admission]:
     """A call admitted and queued, not yet dispatched (so its end abandons it)."""
     tracker = Tracker()
     rt = SimpleNamespace(tracker=tracker, failure_log=_Failures(), weight_version="0",
+                         version_of=lambda model: "0",
                          dispatcher=SimpleNamespace(scheduler=_Scheduler()))
     admission = Admission(limit=4, retry_after_s=1.0)
     slot = admission.enter()
     state = tracker.touch("t1", None, time.time())
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    seq = arrive(rt, state, [])  # type: ignore[arg-type]
+    seq = arrive(rt, state, [], "m")  # type: ignore[arg-type]
     ctx = CallContext(id="c1", endpoint="chat", state=state, body=body, seq=seq,
                       stream=False, arrived=time.monotonic(), started_wall=time.time(),
                       capture=Capture(chat=True, asked=inject(body, chat=True)), headers={})
