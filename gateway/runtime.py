@@ -135,7 +135,6 @@ class Runtime:
                       "written", self.writer.queue_depth)
         yield from trace_metrics(self.writer)
 
-
     def _model_metrics(self) -> Iterator[Metric]:
         """Per model calls ask for (a served model, a LoRA family): its live trajectories
         by phase and, where it is an integer, its weight version."""

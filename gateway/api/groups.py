@@ -25,7 +25,7 @@ from gateway.errors import Conflict
 from gateway.runtime import Runtime
 from gateway.schema.samples import GroupSamples, GroupTrees, Sample, SampleTree
 from gateway.store import queries
-from gateway.store.samples import build_samples
+from gateway.store.samples import build_samples, has_calls_for
 from gateway.store.trees import build_tree
 from gateway.trajectories.tagging import validate_id
 
@@ -59,7 +59,7 @@ async def _group_samples(rt: Runtime, ids: list[str], *, branches: str,
             if traj is None:
                 continue
             calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
-            if model is not None and not any(c.model == model for c in calls):
+            if not has_calls_for(calls, model):
                 continue  # no call for this policy: no sample of it
             built = build_samples(traj, calls, branches=branches,
                                   current_version=current_version, model=model)
@@ -145,7 +145,7 @@ async def group_trees(
             if traj is None:
                 continue
             calls = await queries.get_calls(session, trajectory_id=tid, attempt=traj.attempt)
-            if model is not None and not any(c.model == model for c in calls):
+            if not has_calls_for(calls, model):
                 continue  # no call for this policy
             rows.append((traj.created_at, build_tree(
                 traj, calls, current_version=versus(rt, current_version, model),

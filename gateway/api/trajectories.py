@@ -30,7 +30,7 @@ from gateway.schema.trajectories import (
 from gateway.store import queries
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
-from gateway.store.samples import build_samples
+from gateway.store.samples import build_samples, has_calls_for
 from gateway.store.trees import build_tree
 from gateway.trajectories.tagging import validate_id
 from gateway.weights.aborts import abort_trajectory
@@ -273,7 +273,7 @@ async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branche
                    current_version: str | None, max_staleness: int | None,
                    model: str | None) -> list[Sample]:
     traj, calls, record = await _attempt(rt, trajectory_id, attempt)
-    if model is not None and not any(c.model == model for c in calls):
+    if not has_calls_for(calls, model):
         raise NotFound(f"trajectory {trajectory_id!r} has no call for model {model!r} "
                        f"(models: {sorted({c.model for c in calls})})", param="model")
     built = build_samples(traj, calls, attempt=attempt, record=record, branches=branches,

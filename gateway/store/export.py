@@ -22,7 +22,7 @@ from gateway.schema.table import (
 )
 from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
-from gateway.store.samples import Sample, build_samples
+from gateway.store.samples import Sample, build_samples, has_calls_for
 from gateway.store.trees import build_tree
 
 __all__ = ["SAMPLE_SCHEMA", "TREE_SCHEMA", "export_samples", "iter_samples", "iter_trees",
@@ -41,7 +41,7 @@ async def iter_samples(
                 continue
             calls = await queries.get_calls(session, trajectory_id=trajectory_id,
                                             attempt=traj.attempt)
-        if model is not None and not any(c.model == model for c in calls):
+        if not has_calls_for(calls, model):
             continue
         for sample in build_samples(traj, calls, branches=branches, model=model):
             yield sample
@@ -58,7 +58,7 @@ async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[s
                 continue
             calls = await queries.get_calls(session, trajectory_id=trajectory_id,
                                             attempt=traj.attempt)
-        if model is None or any(c.model == model for c in calls):
+        if has_calls_for(calls, model):
             yield build_tree(traj, calls, model=model)
 
 

@@ -32,7 +32,8 @@ from gateway.schema.samples import CallSpan, Mismatch, Sample
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
-__all__ = ["CallSpan", "Mismatch", "Sample", "build_sample", "build_samples", "staleness"]
+__all__ = ["CallSpan", "Mismatch", "Sample", "build_sample", "build_samples", "has_calls_for",
+           "staleness"]
 
 
 def _truncate(sample: Sample, length: int) -> None:
@@ -98,6 +99,11 @@ def staleness(versions: Sequence[str], current: str | None) -> int | None:
     except ValueError:
         return None
     return max(0, newest - min(numbers))
+
+
+def has_calls_for(calls: Sequence[Call], model: str | None) -> bool:
+    """Whether a trajectory has samples of ``model`` (a call for it; any, without one)."""
+    return model is None or any(c.model == model for c in calls)
 
 
 BRANCH_CHOICES = ("all", "main", "longest")
