@@ -89,6 +89,7 @@ class LatencyProfile:
     link_gbps: float = LINK_GBPS
     request_overhead_ms: float = 5.0
     placeholder: bool = False
+    kv_bytes_per_token: int = 0  # the whole model's KV per token (0: not known)
 
     @property
     def key(self) -> str:
@@ -180,7 +181,38 @@ def load_profile(
         hidden=hidden,
         request_overhead_ms=float(c.get("request_overhead_ms", 5.0)),
         placeholder=bool(c.get("placeholder", False)),
+        kv_bytes_per_token=int(c.get("kv_bytes_per_token_total", 0)),
     )
+
+
+#: vLLM's default ``gpu_memory_utilization``: the share of each GPU's memory an engine
+#: takes, the premise of every profile's ``kv_capacity_tokens`` (Qwen3-14B on one H100:
+#: 0.9 x 80 GiB less 29.5 GB of weights and ~6 GB of activations leaves the 41.7 GB of KV
+#: the profile holds).
+VLLM_MEMORY_UTILIZATION = 0.9
+#: memory per GPU, GiB (the profiles' A100 is the 80 GB part)
+GPU_MEMORY_GIB = {"h100": 80, "a100": 80}
+
+
+def at_memory_utilization(p: LatencyProfile, utilization: float) -> LatencyProfile:
+    """``p`` on an engine that takes ``utilization`` of each GPU's memory instead of
+    vLLM's default: the weights and activations stay, the KV cache gives up the
+    difference on every GPU of the instance. A colocated rollout runs so (the trainer's
+    state keeps part of each GPU: verl's default is 0.5). ``ValueError`` when no KV is
+    left, or the profile does not say its KV bytes per token or GPU memory."""
+    if abs(utilization - VLLM_MEMORY_UTILIZATION) < 1e-9:
+        return p
+    gib = GPU_MEMORY_GIB.get(p.gpu.lower())
+    if not 0.0 < utilization <= 1.0 or gib is None or p.kv_bytes_per_token <= 0:
+        raise ValueError(f"cannot put {p.key} at gpu_memory_utilization {utilization}: "
+                         f"it must be in (0, 1] and the profile must know its GPU's memory "
+                         f"and KV bytes per token")
+    delta = p.tp * (utilization - VLLM_MEMORY_UTILIZATION) * gib * 2**30
+    tokens = p.kv_capacity_tokens + int(delta // p.kv_bytes_per_token)
+    if tokens < 16 * p.block_size:
+        raise ValueError(f"{p.key} does not fit at gpu_memory_utilization {utilization}: "
+                         f"its weights and activations leave no KV cache")
+    return replace(p, kv_capacity_tokens=tokens)
 
 
 #: The reference load of the TP-efficiency band: one instance, 256 sequences in flight,

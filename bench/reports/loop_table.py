@@ -16,7 +16,9 @@ LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-s
         # sync with 2x and 4x the batch beside async, tool sandboxes counted (16 GPUs)
         "loop/qwen3-14b-h100-16gpu-math-code-sync-batches.json",
         # async against sync both at 32 per GPU, where the rollout is busier (16 GPUs)
-        "loop/qwen3-14b-h100-16gpu-math-code-32pg-async.json"]
+        "loop/qwen3-14b-h100-16gpu-math-code-32pg-async.json",
+        # colocated sync (the pool's and the trainer's GPUs taking turns) beside async
+        "loop/qwen3-14b-h100-16gpu-math-code-colocated.json"]
 BENCH = "docs/benchmarks"
 
 
@@ -79,6 +81,10 @@ def loop_table(root: Path) -> str:
                     f"`{cell['best_static']}`")
             if note not in notes:
                 notes.append(note)
+            for job, rollouts in cell.get("colocated_rollout_s", {}).items():
+                each = ", ".join(f"`{k}` {s:.0f} s" for k, s in rollouts.items())
+                notes.append(f"- {workload}, {band}, colocated on the pool's {gpus} GPUs "
+                             f"{job}: sync rollout per step {each}")
             for ratio, part in cell["ratios"].items():
                 for name, row in part["rows"].items():
                     line = _row(workload, f"{band}, trainer {float(ratio):g}x "

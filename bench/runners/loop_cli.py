@@ -45,6 +45,16 @@ def loop(
         help="repeatable: also sync on the best layout with this many times the batch "
              "(its trainer as many times longer; default 2 and 4: 16 and 32 per GPU at "
              "--per-gpu 8); 1 or less: none")] = None,
+    colocated_trainer_gpus: Annotated[list[int] | None, typer.Option(
+        help="repeatable: also a colocated sync job (verl's default) on the pool's GPUs "
+             "plus this many trainer GPUs, rollout and training in turn on all of them, at "
+             "the batch and at each --sync-batch multiple (default: none)")] = None,
+    colocated_memory: Annotated[list[float] | None, typer.Option(
+        help="repeatable: the colocated engines' gpu_memory_utilization (default 0.5, "
+             "verl's, and 0.8, slime's advice with the trainer offloaded)")] = None,
+    colocated_switch: Annotated[list[float] | None, typer.Option(
+        help="repeatable: seconds per colocated step to sleep the engines, move the "
+             "trainer's state and the weights (default 10 and 30)")] = None,
     steps_: Annotated[int, typer.Option("--steps", help="trainer steps (1 is not reported)")]
     = 8,
     seeds: Annotated[int, typer.Option(help="seeds 1..N")] = 5,
@@ -64,7 +74,7 @@ def loop(
     = None,
 ) -> None:
     """Samples per hour of each step mode vs the best static synchronous layout."""
-    from bench.runners.loop import MODE_RUNS, STATIC, cell_count, run_cell
+    from bench.runners.loop import MODE_RUNS, STATIC, Colocated, cell_count, run_cell
     from bench.simulator.loop_run import LoopScenario
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES, resolve_names
@@ -85,8 +95,15 @@ def loop(
     points = [band_point(b, model, gpu) for b in bands]
     ratios = train_ratio or [0.25]
     batches = [k for k in (sync_batch if sync_batch is not None else [2, 4]) if k > 1]
+    mems = colocated_memory or [0.5, 0.8]
+    colo = [Colocated(k, m, sw, times) for times in [1, *batches]
+            for k in colocated_trainer_gpus or [] for m in mems
+            for sw in colocated_switch or [10.0, 30.0]]
+    if any(c.trainer_gpus < 1 or not 0 < c.memory <= 1 or c.switch_s < 0 for c in colo):
+        raise typer.BadParameter("need --colocated-trainer-gpus >= 1, 0 < "
+                                 "--colocated-memory <= 1 and --colocated-switch >= 0")
     per_cell = cell_count(len(STATIC), len(modes), len(pols), seeds, screen_seeds, len(ratios),
-                          len(batches))
+                          len(batches), len({c.job for c in colo}))
     doc: dict[str, Any] = {"command": " ".join(["rollout-gateway", "bench", "loop",
                                                 *sys.argv[3:]]), "cells": {},
                            # policies believe what the engines measured (LoopScenario),
@@ -110,7 +127,7 @@ def loop(
                 cell = run_cell(base, layouts=STATIC, modes=modes, policies=pols,
                                 seeds=range(1, seeds + 1), screen_seeds=screen_seeds,
                                 train_ratios=ratios, jobs=jobs, sync_batches=batches,
-                                progress=lambda n: prog.advance(task, n))
+                                colocated=colo, progress=lambda n: prog.advance(task, n))
                 key = f"{w}/{band}"
                 doc["cells"][key] = cell
                 if json_out is not None:
@@ -126,4 +143,7 @@ def report(key: str, cell: dict[str, Any]) -> str:
                      "trained tokens/h and x best static sync (paired 95% CI), then samples/h")
         for name, row in part["rows"].items():
             lines.append(f"    {name:34s} {_fmt(row)}")
+    for job, rollouts in cell.get("colocated_rollout_s", {}).items():
+        each = "  ".join(f"{lay} {s:.0f}s" for lay, s in rollouts.items())
+        lines.append(f"  colocated {job}: sync rollout per step {each}")
     return "\n".join(lines)

@@ -89,7 +89,8 @@ class Loop:
         w = load_workloads()[sc.workload]
         self.size = sc.group_size or w["group_size"]
         self.batch = sc.prompts or w["prompts"]
-        profs = band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp_for(sc.gpus))
+        profs = band_profiles(sc.model, sc.gpu, sc.tp_efficiency, max_tp_for(sc.gpus),
+                              sc.memory)
         # the engines stay paused through the training itself unless rollouts overlap it
         pause_s = sc.push_s + (0.0 if sc.mode == "async" else sc.train_s)
         mode = "wait" if sc.mode == "overprovisioned" and not sc.carry else PAUSE_MODE[sc.mode]
@@ -101,7 +102,7 @@ class Loop:
                   if resolve_name(sc.policy) in ORACLE_NAMES else None)
         self.truth = truth
         self.sim = LoopSim(get_policy(sc.policy, seed=sc.seed, oracle_truth=oracle), cfg,
-                           live_beliefs(sc.model, sc.gpu, sc.gpus, sc.beliefs))
+                           live_beliefs(sc.model, sc.gpu, sc.gpus, sc.beliefs, sc.memory))
         self.sim.on_finish = self._finished
         self.sim.on_resume = self._resumed
         self.stream = group_stream(sc)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from backends.sim.profiles import VLLM_MEMORY_UTILIZATION
+
 MODES = ("sync", "overprovisioned", "async", "tail-batching")
 ON_STALE = ("restart", "drop")
 
@@ -33,6 +35,9 @@ class LoopScenario:
     max_staleness: int = 1
     on_stale: str = "restart"
     pool_factor: int = 4
+    #: the share of each GPU's memory the engines take (vLLM's 0.9; a colocated rollout
+    #: less, the trainer's state holding the rest: bench.runners.loop, colocated sync)
+    memory: float = VLLM_MEMORY_UTILIZATION
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -43,6 +48,8 @@ class LoopScenario:
             raise ValueError("need steps >= 2, max_staleness >= 0 and over(_members) >= 0")
         if self.train_s < 0 or self.push_s < 0:
             raise ValueError("train_s and push_s must be >= 0")
+        if not 0.0 < self.memory <= 1.0:
+            raise ValueError("memory (the engines' share of GPU memory) must be in (0, 1]")
 
 
 @dataclass(slots=True)

@@ -12,7 +12,12 @@ told of those speeds is :func:`live_beliefs`: by default what a live gateway wou
 
 from __future__ import annotations
 
-from backends.sim.profiles import LatencyProfile, penalty_for
+from backends.sim.profiles import (
+    VLLM_MEMORY_UTILIZATION,
+    LatencyProfile,
+    at_memory_utilization,
+    penalty_for,
+)
 from gateway.dispatch.speeds import (
     TP_DEGREES,
     TYPICAL_CONTEXT,
@@ -31,20 +36,35 @@ def max_tp_for(gpus: int) -> int:
 
 
 def band_profiles(model: str, gpu: str, where: str | float = "calibrated",
-                  max_tp: int = 8) -> dict[int, LatencyProfile]:
+                  max_tp: int = 8,
+                  memory: float = VLLM_MEMORY_UTILIZATION) -> dict[int, LatencyProfile]:
     """Profiles of every TP degree up to ``max_tp`` at TP-efficiency ``where`` (``low``,
-    ``mid``, ``high``, ``calibrated`` (the default) or a TP8/TP1 ratio)."""
-    return profiles(model, gpu, penalty_for(model, gpu, where), max_tp)
+    ``mid``, ``high``, ``calibrated`` (the default) or a TP8/TP1 ratio), their engines
+    taking ``memory`` of each GPU's memory (:func:`at_memory_utilization`; a degree whose
+    weights leave no KV cache there is left out)."""
+    out = {}
+    for tp, p in profiles(model, gpu, penalty_for(model, gpu, where), max_tp).items():
+        try:
+            out[tp] = at_memory_utilization(p, memory)
+        except ValueError:
+            continue
+    if not out:
+        raise ValueError(f"no TP degree of {model}/{gpu} fits at gpu_memory_utilization "
+                         f"{memory}")
+    return out
 
 
 BELIEFS = ("live", "true")
 
 
-def live_beliefs(model: str, gpu: str, gpus: int, beliefs: str) -> SpeedMeter | None:
+def live_beliefs(model: str, gpu: str, gpus: int, beliefs: str,
+                 memory: float = VLLM_MEMORY_UTILIZATION) -> SpeedMeter | None:
     """The speeds a live gateway would hand policies (one meter for a whole run, as one
-    gateway serves every step), or None for the band's true speeds."""
+    gateway serves every step), or None for the band's true speeds. The KV capacity is
+    the engines' own (``memory``: a live gateway reads it off the engines)."""
     if beliefs not in BELIEFS:
         raise ValueError(f"beliefs must be one of {', '.join(BELIEFS)}, not {beliefs!r}")
     if beliefs == "true":
         return None
-    return SpeedMeter(speeds(band_profiles(model, gpu, "calibrated", max_tp_for(gpus))))
+    return SpeedMeter(speeds(band_profiles(model, gpu, "calibrated", max_tp_for(gpus),
+                                           memory)))
