@@ -68,6 +68,9 @@ class Adapters:
     #: each base's weight version when its first adapter was loaded: the weights its
     #: families run on before their first adapter (fixed while adapters are loaded)
     base_versions: dict[str, str] = field(default_factory=dict)
+    #: families whose adapters were found on engines a restarted gateway took over
+    #: (``gateway.weights.adopt``), not loaded by an update this gateway ran
+    adopted: set[str] = field(default_factory=set)
 
     def declare(self, model: str, base: str) -> None:
         """``model`` is a LoRA family of ``base`` (served on the base's weights until its

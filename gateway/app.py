@@ -30,6 +30,7 @@ from gateway.config import ServerSettings, Settings
 from gateway.proxy.relay import Proxy
 from gateway.readiness import announced
 from gateway.runtime import open_runtime
+from gateway.weights.adopt import adopt
 
 
 class GatewayApp(FastAPI):
@@ -63,7 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with open_runtime(settings) as rt:
+        async with open_runtime(settings, adopt) as rt:
             app.state.runtime = rt  # for embedding code (tests, demo); routes use request.state
             async with announced(rt, wait=settings.server.wait_ready):
                 yield {"rt": rt, "proxy": Proxy(rt), "access": access}

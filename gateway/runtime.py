@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -47,6 +48,8 @@ from gateway.trajectories.restore import Restorer
 from gateway.trajectories.state import TrajectoryState
 from gateway.trajectories.tracker import Tracker
 
+#: what a gateway takes over from a backend it (re)admits: None to admit it, else why not
+Adopt = Callable[["Runtime", Backend, object, aiohttp.ClientSession], Awaitable[str | None]]
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +68,8 @@ class Runtime:
     weight_version: str
     restorer: Restorer
     ready: bool = True
+    #: the weight version was taken from an engine's label (``gateway.weights.adopt``)
+    version_adopted: bool = False
     #: calls with an upstream request open, by engine: what a weight update waits on
     live_calls: LiveCalls = field(default_factory=LiveCalls)
     #: the LoRA families and adapters calls run on, by model name (``gateway.weights.lora``)
@@ -253,8 +258,11 @@ async def _open_spools(settings: Settings) -> tuple[Spool | None, list[Spool]]:
 
 
 @contextlib.asynccontextmanager
-async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
-    """Open every resource the gateway needs; close them in reverse on exit."""
+async def open_runtime(settings: Settings, adopt: Adopt | None = None
+                       ) -> AsyncIterator[Runtime]:
+    """Open every resource the gateway needs; close them in reverse on exit. ``adopt``
+    sees each backend the health checker (re)admits before it is admitted
+    (``gateway.weights.adopt``: what engines that outlived a gateway hold)."""
     async with contextlib.AsyncExitStack() as stack:
         if settings.auto_migrate or is_sqlite(settings.database_url):
             await asyncio.to_thread(upgrade, settings.database_url)
@@ -267,8 +275,6 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         for i, spec in enumerate(settings.backends):
             registry.add(parse_backend_spec(spec, i))
         health = HealthChecker(registry, settings.upstream)
-        await health.check_all()
-        health.start()
         stack.push_async_callback(health.close)
         spool, orphans = await _open_spools(settings)
         writer = TraceWriter(sessionmaker, settings.traces, spool, orphans=orphans)
@@ -288,6 +294,10 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         )
         for model, base in settings.lora_models.items():
             rt.adapters.declare(model, base)
+        if adopt is not None:
+            health.on_fresh = functools.partial(adopt, rt)
+        await health.check_all()
+        health.start()
         rt.metrics.add_collector(rt.collect)
         rt.mismatch = MismatchBoard(mismatch_limits(settings), rt.events)
         rt.metrics.add_collector(rt.mismatch.collect)

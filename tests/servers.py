@@ -111,6 +111,31 @@ def app_in_thread(
         loop.run(stop_app(server, task))
 
 
+async def forget_updates(url: str) -> None:
+    """Put an engine a test reuses back as a fresh one: no weight label (vLLM's
+    ``"default"``), no LoRA adapter. A gateway takes over what the engines it starts on
+    hold (gateway/weights/adopt.py), so one test's updates would be the next one's
+    starting point; routes an engine does not serve are skipped."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        try:
+            await http.post("/update_weight_version", json={"new_version": "default"})
+        except httpx.TransportError:
+            return  # nothing listens there (a test's dead backend)
+        r = await http.get("/v1/models")
+        cards = r.json().get("data", []) if r.status_code == 200 else []
+        for card in cards:
+            if isinstance(card, dict) and card.get("parent") not in (None, card.get("id")):
+                await http.post("/v1/unload_lora_adapter", json={"lora_name": card["id"]})
+
+
+def forget_updates_of(loop: LoopThread, urls: list[str]) -> None:
+    """:func:`forget_updates` of every engine in ``urls``."""
+    for url in urls:
+        loop.run(forget_updates(url))
+
+
 def two_sim_servers(loop: LoopThread) -> Iterator[list[str]]:
     """Two simulated vLLM servers (qwen3-14b on H100, 50x time, short answers) for a
     module-scoped fixture to ``yield from``; their base URLs."""

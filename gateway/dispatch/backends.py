@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -191,6 +191,13 @@ class HealthChecker:
     def __init__(self, registry: BackendRegistry, settings: UpstreamSettings) -> None:
         self._registry = registry
         self._settings = settings
+        #: sees a backend's ``/v1/models`` reply before it is (re)admitted: None admits
+        #: it, else why not (``gateway.weights.adopt``), asking the engine what it needs
+        #: on the checks' own connections (never the relay's: a full pool must not stall
+        #: an admission)
+        self.on_fresh: Callable[[Backend, object, aiohttp.ClientSession],
+                                Awaitable[str | None]] | None = None
+        self._fresh_lock = asyncio.Lock()  # one backend at a time: they share what it finds
         self._own: aiohttp.ClientSession | None = None
         self._closed = False
         self.loop = Periodic("health-checker", self.check_all, settings.health_interval_s,
@@ -222,7 +229,11 @@ class HealthChecker:
                 ok = resp.status == 200
             if ok and (not backend.models or not backend.healthy):
                 async with session.get(f"{backend.url}/v1/models") as r:
-                    backend.models = model_ids(orjson.loads(await r.read()))
+                    reply = orjson.loads(await r.read())
+                backend.models = model_ids(reply)
+                if self.on_fresh is not None and (
+                        why := await self._fresh(backend, reply, session)):
+                    ok, backend.last_error = False, why
         except GarbledReply as exc:
             ok = False
             if backend.last_error != str(exc):  # once per distinct reply, not every round
@@ -233,6 +244,20 @@ class HealthChecker:
             backend.last_error = f"{type(exc).__name__}: {exc}"[:300]
         self.record(backend, ok)
         return ok
+
+    async def _fresh(self, backend: Backend, reply: object,
+                     session: aiohttp.ClientSession) -> str | None:
+        assert self.on_fresh is not None
+        try:
+            async with self._fresh_lock:
+                why = await self.on_fresh(backend, reply, session)
+        except Exception as exc:  # a bug here must not admit an engine unchecked
+            log.exception("backend %s (%s): checking what it holds failed", backend.id,
+                          backend.url)
+            return f"checking what it holds failed: {type(exc).__name__}: {exc}"[:300]
+        if why is not None:
+            log.warning("backend %s (%s) is not admitted: %s", backend.id, backend.url, why)
+        return why
 
     def record(self, backend: Backend, ok: bool) -> None:
         backend.last_check = time.time()

@@ -219,6 +219,7 @@ async def _update(rt: Runtime, job: Job, adapter: Adapter, keep: int,
         if not any(a.base == adapter.base for a in rt.adapters):  # its base's weights are
             rt.adapters.base_versions[adapter.base] = rt.weight_version  # fixed from now
         dropped = rt.adapters.activate(adapter, keep)
+        rt.adapters.adopted.discard(family)  # this update decides from now on
         if family == adapter.base:
             rt.weight_version = adapter.version
         ph.detail.update(model=family, previous=previous, version=adapter.version,

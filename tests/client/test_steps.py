@@ -19,7 +19,7 @@ from gateway.client import AsyncRolloutClient, StepMode, StepRunner
 from gateway.client.errors import GatewayConnectionError
 from tests.gateway.conftest import make_settings
 from tests.gateway.slow_engines import KEY, MODEL, two_slow_engines
-from tests.servers import LoopThread, app_in_thread
+from tests.servers import LoopThread, app_in_thread, forget_updates_of
 
 B, G = 3, 3
 
@@ -84,6 +84,7 @@ def test_every_mode_hands_whole_groups_within_its_staleness(
         bound: int) -> None:
     settings = make_settings(sqlite_url, slow_urls, admin_token="tok", api_keys=[KEY],
                              weight_version="0")
+    forget_updates_of(loop_thread, slow_urls)  # the engines as new: the last mode's updates
     with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
         both = asyncio.run(run_mode(url, mode))
         board = httpx.get(f"{url}/status").json()["training_mismatch"]
@@ -144,6 +145,7 @@ def test_a_member_cut_before_its_first_call_never_calls(
                 assert runner._runs == {}  # the slow member's harness was cancelled
                 return batch
 
+    forget_updates_of(loop_thread, slow_urls)
     with app_in_thread(loop_thread, lambda: create_app(settings)) as url:
         batch = asyncio.run(go(url))
         (gid,) = batch.groups

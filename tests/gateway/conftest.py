@@ -9,7 +9,7 @@ from gateway.app import create_app
 from gateway.config import Settings, TraceSettings, UpstreamSettings
 from tests.gateway.slow_engines import two_slow_engines
 from tests.scripted_upstream import Script, Seen, make_upstream
-from tests.servers import LoopThread, app_in_thread, two_sim_servers
+from tests.servers import LoopThread, app_in_thread, forget_updates_of, two_sim_servers
 
 GatewayFactory = Callable[..., AbstractContextManager[str]]
 
@@ -34,7 +34,12 @@ def gateway_at(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
     """Start a gateway over ``backends``; yields its URL while the context is open."""
     stack = ExitStack()
 
-    def start(db_url: str, backends: list[str], **kw: object) -> AbstractContextManager[str]:
+    def start(db_url: str, backends: list[str], keep_engines: bool = False,
+              **kw: object) -> AbstractContextManager[str]:
+        """``keep_engines``: the engines as an earlier gateway left them (a restart);
+        by default as fresh ones (engines are shared by a module's tests)."""
+        if not keep_engines:
+            forget_updates_of(loop_thread, backends)
         settings = make_settings(db_url, backends, **kw)
         return app_in_thread(loop_thread, lambda: create_app(settings))
 

@@ -22,6 +22,29 @@ TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}}}}]
 
 
+def lora_sim_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
+    """Two simulated servers (50x) with LoRA on, rank 16 at most, for a fixture to
+    ``yield from``."""
+    configs = [SimServerConfig(speed=50, seed=i, enable_lora=True, max_lora_rank=16)
+               for i in range(2)]
+    cm = start_sim_servers(configs)
+    urls = loop_thread.run(cm.__aenter__())
+    yield urls
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+async def update_job(admin: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /admin/weight-update`` and wait for its job to end; the job's JSON."""
+    r = await admin.post("/admin/weight-update", json=body)
+    assert r.status_code == 202, r.text
+    for _ in range(600):
+        job: dict[str, Any] = (await admin.get(f"/admin/jobs/{r.json()['job']}")).json()
+        if job["status"] not in ("pending", "running"):
+            return job
+        await asyncio.sleep(0.02)
+    raise AssertionError("the update did not end")
+
+
 def two_slow_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
     """Two simulated servers slow enough (5x) that a 240-token answer spans a pause."""
     configs = [SimServerConfig(speed=5, seed=i, tick_real_s=0.005) for i in range(2)]

@@ -10,7 +10,6 @@ with real vLLM: tests/vllm/test_lora_vllm.py.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,18 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.sim.runner import start_sim_servers
-from backends.sim.state import SimServerConfig
 from backends.tinylora import write_adapter
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.slow_engines import ADMIN, HARNESS, KEY, MODEL, engine_stats, served_model
+from tests.gateway.slow_engines import (
+    ADMIN,
+    HARNESS,
+    KEY,
+    MODEL,
+    engine_stats,
+    lora_sim_engines,
+    served_model,
+    update_job,
+)
 from tests.servers import LoopThread
 
 SOLVER = [{"role": "system", "content": "You are the solver. Answer with a number."},
@@ -31,24 +37,13 @@ SOLVER = [{"role": "system", "content": "You are the solver. Answer with a numbe
 
 @pytest.fixture(scope="module")
 def lora_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
-    configs = [SimServerConfig(speed=50, seed=i, enable_lora=True, max_lora_rank=16)
-               for i in range(2)]
-    cm = start_sim_servers(configs)
-    urls = loop_thread.run(cm.__aenter__())
-    yield urls
-    loop_thread.run(cm.__aexit__(None, None, None))
+    yield from lora_sim_engines(loop_thread)
 
 
 async def _update(admin: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    r = await admin.post("/admin/weight-update", json={"method": "lora", **body})
-    assert r.status_code == 202, r.text
-    for _ in range(600):
-        job: dict[str, Any] = (await admin.get(f"/admin/jobs/{r.json()['job']}")).json()
-        if job["status"] not in ("pending", "running"):
-            assert job["status"] == "succeeded", job
-            return job
-        await asyncio.sleep(0.02)
-    raise AssertionError("the update did not end")
+    job = await update_job(admin, {"method": "lora", **body})
+    assert job["status"] == "succeeded", job
+    return job
 
 
 async def _chat(http: httpx.AsyncClient, tid: str, model: str,

@@ -31,13 +31,16 @@ from tests.gateway.slow_engines import (
     engine_stats,
     generating,
     served_model,
+    update_job,
 )
 from tests.servers import LoopThread
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lora_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
-    """Two slow simulated servers with LoRA on; the second takes rank 8 at most."""
+    """Two slow simulated servers with LoRA on; the second takes rank 8 at most. Fresh
+    for each test: a gateway takes over the adapters engines hold (gateway.weights.adopt),
+    so one test's adapters would be the next one's starting point."""
     configs = [SimServerConfig(speed=5, seed=i, tick_real_s=0.005, enable_lora=True,
                                max_lora_rank=16 if i == 0 else 8) for i in range(2)]
     cm = start_sim_servers(configs)
@@ -46,15 +49,7 @@ def lora_engines(loop_thread: LoopThread) -> Iterator[list[str]]:
     loop_thread.run(cm.__aexit__(None, None, None))
 
 
-async def _job(admin: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    r = await admin.post("/admin/weight-update", json=body)
-    assert r.status_code == 202, r.text
-    for _ in range(600):
-        job: dict[str, Any] = (await admin.get(f"/admin/jobs/{r.json()['job']}")).json()
-        if job["status"] not in ("pending", "running"):
-            return job
-        await asyncio.sleep(0.02)
-    raise AssertionError("the update did not end")
+_job = update_job
 
 
 async def _call(http: httpx.AsyncClient, tid: str, tokens: int = 8) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from backends.base import InstanceSpec, LaunchedInstance
 from backends.vllm_local import LocalVLLMLauncher
+from tests.servers import forget_updates
 from tests.vllm.truth import REDRAW, SERVED_NAME, reload_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +121,7 @@ async def tp1_server(_tp1_engine: LaunchedInstance, tiny_model_dir: Path
     how the suite was split (``make test`` runs files on two workers)."""
     yield _tp1_engine
     await reload_weights(_tp1_engine.url, str(tiny_model_dir))
+    await forget_updates(_tp1_engine.url)  # no label, no adapter: as a fresh engine
 
 
 @pytest.fixture(scope="session")
