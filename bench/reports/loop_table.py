@@ -4,6 +4,7 @@ static synchronous layout, with the staleness and the cost of every speed-up bes
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,52 @@ def _row(workload: str, band: str, name: str, row: dict[str, Any]) -> str:
             f"{row['idle_share']:.0%} | {row['length_bias']:.2f} | {sandboxes} |")
 
 
+_MEMORY = re.compile(r"memory ([0-9.]+)")
+_FIGURES = ("tokens_per_hour", "samples_per_hour", "idle_share")
+
+
+def _collapse_memory(rows: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Colocated rows that differ only in the engines' memory share, merged into one
+    (named ``memory 0.5-0.8``) where every figure agrees within 0.5%: the KV cache did
+    not bind there. The memory shares merged (none: rows as given)."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for name in rows:
+        if m := _MEMORY.search(name):
+            groups.setdefault(_MEMORY.sub("memory {}", name), []).append((m[1], name))
+    out, merged = dict(rows), set[str]()
+    for pattern, members in groups.items():
+        if len(members) < 2:
+            continue
+        first = rows[members[0][1]]
+        if all(abs(rows[n][k] - first[k]) <= 0.005 * max(abs(first[k]), 1e-9)
+               for _, n in members for k in _FIGURES):
+            for _, n in members:
+                del out[n]
+            mems = sorted(m for m, _ in members)
+            out[pattern.format(f"{mems[0]}-{mems[-1]}")] = first
+            merged.update(mems)
+    return ({n: out[n] for n in [*rows, *out] if n in out}, sorted(merged))
+
+
+def _colocated_notes(workload: str, band: str,
+                     sweeps: dict[str, dict[str, float]]) -> list[str]:
+    """One line per colocated job: its layouts' rollout per step, at each memory share."""
+    jobs: dict[str, list[tuple[str, dict[str, float]]]] = {}
+    for job, rollouts in sweeps.items():
+        m = _MEMORY.search(job)
+        key = _MEMORY.sub("", job).rstrip(", ") if m else job
+        jobs.setdefault(key, []).append((m[1] if m else "", rollouts))
+    out = []
+    for job, runs in jobs.items():
+        layouts = list(dict.fromkeys(k for _, r in runs for k in r))
+        each = ", ".join(f"`{lay}` " + " / ".join(
+            f"{r[lay]:.0f}" if lay in r else "-" for _, r in runs) + " s" for lay in layouts)
+        mems = " / ".join(m for m, _ in runs)
+        out.append(f"- {workload}, {band}: colocated {job}, sync rollout per step at memory "
+                   f"{mems}: {each}")
+    return out
+
+
 def loop_table(root: Path) -> str:
     out = ["| workload | TP efficiency | mode @ layout | trained tokens/h (M) | x best static "
            "sync, tokens (paired 95% CI) | samples/h | x best static sync, samples | trained "
@@ -81,12 +128,14 @@ def loop_table(root: Path) -> str:
                     f"`{cell['best_static']}`")
             if note not in notes:
                 notes.append(note)
-            for job, rollouts in cell.get("colocated_rollout_s", {}).items():
-                each = ", ".join(f"`{k}` {s:.0f} s" for k, s in rollouts.items())
-                notes.append(f"- {workload}, {band}, colocated on the pool's {gpus} GPUs "
-                             f"{job}: sync rollout per step {each}")
+            notes += _colocated_notes(workload, band, cell.get("colocated_rollout_s", {}))
             for ratio, part in cell["ratios"].items():
-                for name, row in part["rows"].items():
+                rows, same = _collapse_memory(part["rows"])
+                if same:
+                    notes.append(f"- {workload}, {band}: colocated rows at memory "
+                                 f"{' and '.join(same)} measured the same (within 0.5% in "
+                                 "every figure): one row each, memory named as the range")
+                for name, row in rows.items():
                     line = _row(workload, f"{band}, trainer {float(ratio):g}x "
                                 f"({part['train_s']:.0f} s)", name, row)
                     if line not in seen:  # a later file that reruns a row gives the same one
