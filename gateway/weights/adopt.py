@@ -86,6 +86,11 @@ async def adopt(rt: Runtime, b: Backend, models_reply: object,
     label, _ = await engines.weight_label(session, b.url, TIMEOUT_S)
     if label == engines.UNLABELLED:  # never told a version: it says nothing
         label = None
+        if rt.version_adopted or rt.weight_version != rt.settings.weight_version:
+            log.warning("backend %s (%s) has no weight label (an engine restarted?) while "
+                        "the gateway is at version %r: its calls are stamped %r; if it "
+                        "does not serve those weights, update it or remove it", b.id, b.url,
+                        rt.weight_version, rt.weight_version)
     if label is not None:
         b.weight_version = label
         _adopt_version(rt, b, label)
