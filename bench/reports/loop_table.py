@@ -51,25 +51,32 @@ _FIGURES = ("tokens_per_hour", "samples_per_hour", "idle_share")
 
 def _collapse_memory(rows: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Colocated rows that differ only in the engines' memory share, merged into one
-    (named ``memory 0.5-0.8``) where every figure agrees within 0.5%: the KV cache did
-    not bind there. The memory shares merged (none: rows as given)."""
+    (named ``memory 0.5-0.8``, where the first of them stood) where every figure agrees
+    within 0.5%: the KV cache did not bind there. The memory shares merged (none: rows
+    as given)."""
     groups: dict[str, list[tuple[str, str]]] = {}
     for name in rows:
         if m := _MEMORY.search(name):
             groups.setdefault(_MEMORY.sub("memory {}", name), []).append((m[1], name))
-    out, merged = dict(rows), set[str]()
+    into: dict[str, str | None] = {}  # a merged row's members -> its name (first) or None
+    merged = set[str]()
     for pattern, members in groups.items():
-        if len(members) < 2:
-            continue
         first = rows[members[0][1]]
-        if all(abs(rows[n][k] - first[k]) <= 0.005 * max(abs(first[k]), 1e-9)
-               for _, n in members for k in _FIGURES):
-            for _, n in members:
-                del out[n]
-            mems = sorted(m for m, _ in members)
-            out[pattern.format(f"{mems[0]}-{mems[-1]}")] = first
-            merged.update(mems)
-    return ({n: out[n] for n in [*rows, *out] if n in out}, sorted(merged))
+        if len(members) < 2 or not all(
+                abs(rows[n][k] - first[k]) <= 0.005 * max(abs(first[k]), 1e-9)
+                for _, n in members for k in _FIGURES):
+            continue
+        mems = sorted(m for m, _ in members)
+        into |= {n: None for _, n in members}
+        into[members[0][1]] = pattern.format(f"{mems[0]}-{mems[-1]}")
+        merged.update(mems)
+    out = {}
+    for name, row in rows.items():
+        if name not in into:
+            out[name] = row
+        elif (as_name := into[name]) is not None:
+            out[as_name] = row
+    return out, sorted(merged)
 
 
 def _colocated_notes(workload: str, band: str,

@@ -69,3 +69,23 @@ def test_colocated_sync_is_the_same_job_rolling_out_and_training_on_all_gpus() -
         3600 * sum(run2.samples[1:]) / seconds2)
     # the disaggregated sync on 8 GPUs is what the ratio is taken against
     assert rows[f"sync@{cell['best_static']}"]["tokens_vs_best_sync"]["geomean"] == 1.0
+
+
+def test_the_page_merges_colocated_rows_only_where_the_memory_share_changed_nothing() -> None:
+    from bench.reports.loop_table import _collapse_memory
+
+    def row(tokens: float) -> dict[str, float]:
+        return {"tokens_per_hour": tokens, "samples_per_hour": 100.0, "idle_share": 0.3}
+
+    rows = {"sync@verl-tp8": row(1.0),
+            "colocated sync +8 GPUs, memory 0.5, switch 10 s@verl-tp8": row(2.0),
+            "colocated sync +8 GPUs, memory 0.8, switch 10 s@verl-tp8": row(2.001),
+            "colocated sync x4 +8 GPUs, memory 0.5, switch 10 s@verl-tp8": row(3.0),
+            "colocated sync x4 +8 GPUs, memory 0.8, switch 10 s@verl-tp8": row(3.3)}
+    out, merged = _collapse_memory(rows)
+    assert merged == ["0.5", "0.8"]
+    assert list(out) == ["sync@verl-tp8",
+                         "colocated sync +8 GPUs, memory 0.5-0.8, switch 10 s@verl-tp8",
+                         "colocated sync x4 +8 GPUs, memory 0.5, switch 10 s@verl-tp8",
+                         "colocated sync x4 +8 GPUs, memory 0.8, switch 10 s@verl-tp8"]
+    assert out["colocated sync +8 GPUs, memory 0.5-0.8, switch 10 s@verl-tp8"] == row(2.0)
