@@ -36,6 +36,12 @@ def adapter_name(model: str, version: str) -> str:
     return f"{model}@lora-{version}"
 
 
+def parse_adapter_name(name: str) -> tuple[str, str] | None:
+    """(family, version) of a name :func:`adapter_name` made; None for any other name."""
+    family, sep, version = name.partition("@lora-")
+    return (family, version) if sep and family and version and "@" not in family else None
+
+
 @dataclass(frozen=True, slots=True)
 class Adapter:
     base: str  # the served base model it applies to

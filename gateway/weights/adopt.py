@@ -35,11 +35,10 @@ before admitting it (``gateway.pool.keeper``), so they are left alone here.
 from __future__ import annotations
 
 import logging
-import re
 
 import aiohttp
 
-from gateway.adapters import Adapter
+from gateway.adapters import Adapter, parse_adapter_name
 from gateway.dispatch.backends import Backend
 from gateway.pool import engines
 from gateway.runtime import Runtime
@@ -47,7 +46,6 @@ from gateway.runtime import Runtime
 log = logging.getLogger(__name__)
 #: reading a label or loading an adapter while a backend is being admitted
 TIMEOUT_S = 60.0
-_NAME = re.compile(r"^(?P<family>[^@]+)@lora-(?P<version>.+)$")
 
 
 def adapter_cards(reply: object, bases: set[str]) -> list[Adapter]:
@@ -61,11 +59,10 @@ def adapter_cards(reply: object, bases: set[str]) -> list[Adapter]:
         name, parent, root = card.get("id"), card.get("parent"), card.get("root")
         if not (isinstance(name, str) and isinstance(parent, str) and parent in bases):
             continue
-        m = _NAME.match(name)
-        if m is None:
+        if (parsed := parse_adapter_name(name)) is None:
             continue
-        family = m["family"]
-        out.append(Adapter(base=parent, version=m["version"],
+        family, version = parsed
+        out.append(Adapter(base=parent, version=version,
                            path=root if isinstance(root, str) else "",
                            model="" if family == parent else family))
     return out
