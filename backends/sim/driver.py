@@ -89,6 +89,11 @@ class SimEngine:
         #: clear while a batch of steps has run and its tokens are not delivered yet
         self._delivered = asyncio.Event()
         self._delivered.set()
+        #: held by each batch of steps and by each utility call between batches (an
+        #: adapter load), which vLLM's engine core runs between two steps
+        self._core = asyncio.Lock()
+        self._held = False  # a utility call ran since the last batch: start anew
+        self.held_s = 0.0  # simulated seconds the loop spent in utility calls
 
     async def submit(self, req: SimRequest) -> RequestHandle:
         """Queue a request after the per-request API overhead; ValueError if it can't fit."""
@@ -144,6 +149,15 @@ class SimEngine:
         while self.core.has_work or self._handles:  # noqa: ASYNC110 - polled, like vLLM
             await asyncio.sleep(poll_s)
 
+    async def hold(self, seconds: float) -> None:
+        """Run a utility call that takes ``seconds`` of simulated time on the engine loop
+        (an adapter load): it waits for the batch running now, and no step runs until it
+        ends; requests stay queued."""
+        async with self._core:
+            await self.clock.sleep(seconds)
+            self.held_s += seconds
+            self._held = True
+
     def resume(self) -> None:
         self.paused = False
         self._resumed.set()
@@ -160,22 +174,31 @@ class SimEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 t_free = self.clock.now()  # an idle engine starts when work arrives
-            now = self.clock.now()
-            if now > t_free + self.tick_s:  # fell behind: let simulated time slip
-                self.lag_s += now - t_free - self.tick_s
-                if isinstance(self.clock, WallClock):
-                    self.clock.fell_behind(self, now - t_free - self.tick_s)
-                t_free = now - self.tick_s
-            start = t_free
-            version = self.weight_version  # it only changes while paused, between batches
-            batch = self._run_batch()
-            t_free = start + sum(o.duration_s for o in batch)
-            self._delivered.clear()
-            try:
-                await self.clock.sleep(t_free - self.clock.now())
-                self._deliver(batch, start, version)
-            finally:
-                self._delivered.set()
+            async with self._core:
+                t_free = await self._batch(t_free)
+
+    async def _batch(self, t_free: float) -> float:
+        """Run, sleep out and deliver one batch of steps; returns when the engine is free."""
+        now = self.clock.now()
+        if self._held:  # a utility call held the loop: that time is not lag
+            self._held = False
+            t_free = max(t_free, now)
+        if now > t_free + self.tick_s:  # fell behind: let simulated time slip
+            self.lag_s += now - t_free - self.tick_s
+            if isinstance(self.clock, WallClock):
+                self.clock.fell_behind(self, now - t_free - self.tick_s)
+            t_free = now - self.tick_s
+        start = t_free
+        version = self.weight_version  # it only changes while paused, between batches
+        batch = self._run_batch()
+        t_free = start + sum(o.duration_s for o in batch)
+        self._delivered.clear()
+        try:
+            await self.clock.sleep(t_free - self.clock.now())
+            self._deliver(batch, start, version)
+        finally:
+            self._delivered.set()
+        return t_free
 
     def _run_batch(self) -> list[StepOutput]:
         batch: list[StepOutput] = []

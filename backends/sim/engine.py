@@ -32,7 +32,7 @@ from collections import deque
 from typing import Literal
 
 from backends.sim.kv_cache import KVCache
-from backends.sim.profiles import LatencyProfile
+from backends.sim.profiles import LatencyProfile, LoraCost
 from backends.sim.request import Seq, SeqState, SimRequest, StepOutput
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -52,10 +52,12 @@ class EngineCore:
         scheduling_policy: SchedulingPolicy = "fcfs",
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        lora: LoraCost | None = None,
     ) -> None:
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
         self.profile = profile
+        self.lora = lora  # set: started with --enable-lora (adapters cost their steps)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy: SchedulingPolicy = scheduling_policy
@@ -235,8 +237,11 @@ class EngineCore:
         n_tokens = 0
         decode_ctx = 0
         prefill_attn = 0.0
+        adapter_tokens = 0
         done: list[Seq] = []
         for seq, n in sched.items():
+            if seq.req.lora is not None:
+                adapter_tokens += n
             if n == 1 and seq.is_decoding:
                 n_tokens += 1
                 decode_ctx += seq.num_tokens
@@ -254,7 +259,7 @@ class EngineCore:
                     done.append(seq)
         ms = self.profile.step_ms(
             num_tokens=n_tokens, decode_ctx_tokens=decode_ctx, prefill_attn=prefill_attn
-        )
+        ) * self._lora_factor(adapter_tokens, n_tokens)
         out.duration_s = ms / 1000.0
         out.num_batched_tokens = n_tokens
         self._finish(done, out)
@@ -268,8 +273,9 @@ class EngineCore:
         k = min(k, slack + bs * (self.kv.num_free // n), MAX_FUSED_STEPS)
         ctx0 = sum(s.num_tokens for s in run)
         p = self.profile
-        base = p.step_ms(num_tokens=n, decode_ctx_tokens=ctx0)
-        inc = p.A_ms_per_1k_ctx * n / 1000.0  # each step adds n tokens of decode context
+        f = self._lora_factor(sum(s.req.lora is not None for s in run), n)
+        base = p.step_ms(num_tokens=n, decode_ctx_tokens=ctx0) * f
+        inc = p.A_ms_per_1k_ctx * n / 1000.0 * f  # each step adds n tokens of decode context
         k = min(k, _steps_starting_before(horizon_s * 1000.0, base, inc))
         if k <= 1:
             return None
@@ -288,6 +294,9 @@ class EngineCore:
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _lora_factor(self, adapter_tokens: int, num_tokens: int) -> float:
+        return 1.0 if self.lora is None else self.lora.factor(adapter_tokens, num_tokens)
+
     def _grow(self, seq: Seq, n: int) -> bool:
         """Own enough blocks for ``num_computed + n`` tokens."""
         need = -(-(seq.num_computed + n) // self._bs) - seq.num_blocks

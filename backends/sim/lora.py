@@ -17,7 +17,9 @@ A request whose ``model`` names a loaded adapter is served on it: its answer nam
 adapter, ``/v1/models`` lists it (``parent``: the base model), its tokens differ from the
 base model's (the adapter seeds the draw), and ``/sim/stats`` ``requests_seen[].model``
 records what served each request: the truth the gateway's per-call versions are
-compared with. Adapters cost nothing to decode here.
+compared with. What adapters cost (:class:`backends.sim.profiles.LoraCost`): a load holds
+the engine loop for ``load_s`` between two batches of steps, and a step's time grows with
+its share of tokens on adapters.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ async def load_lora_adapter(request: Request) -> Response:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you "
                        "want to load the adapter in place, set 'load_inplace' to True.",
                        type_="InvalidUserInput")
-    sim.adapters[name] = read_adapter(name, path, sim.config.max_lora_rank)
+    adapter = read_adapter(name, path, sim.config.max_lora_rank)
+    await sim.engine.hold(sim.config.lora_cost.load_s)  # the engine loads it between steps
+    sim.adapters[name] = adapter
     sim.num_adapter_loads += 1
     return Response(f"Success: LoRA adapter '{name}' added successfully.", status_code=200)
 

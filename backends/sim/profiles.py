@@ -132,6 +132,38 @@ class LatencyProfile:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LoraCost:
+    """What serving LoRA adapters costs an engine started with ``--enable-lora``.
+
+    * ``step_overhead``: a step whose tokens all run on adapters takes ``1 +
+      step_overhead`` times as long (the LoRA shrink/expand kernels beside every adapted
+      layer); a mixed batch pays in proportion to its tokens on adapters. vLLM's own
+      LoRA throughput benchmark (``benchmark_throughput.py``, PR 11267: Llama-2-7B, one
+      A100, rank 8) measured 2,694 output tokens/s on the base model and 1,788 on one
+      adapter, a step 1.51x as long: the default, the costliest published figure on a
+      GPU; vLLM's TPU LoRA work reported 8-24% (PR 15655), and the kernels run at the
+      padded ``max_lora_rank``, whatever the adapter's own rank.
+    * ``idle_overhead``: what ``--enable-lora`` costs a step with no adapter in it (10.5%
+      before vLLM PR 25914, 1.4% after: the default).
+    * ``load_s``: loading one adapter holds the engine between two steps (vLLM runs
+      ``add_lora`` on the engine core's loop). No GPU measurement is published; 0.2 s is
+      reading and copying a rank-16 all-linear adapter of a 14B model (about 130 MB) at
+      ~1 GB/s from the page cache; 9-12 ms measured here on CPU for the tiny model.
+    """
+
+    step_overhead: float = 0.51
+    idle_overhead: float = 0.014
+    load_s: float = 0.2
+
+    def factor(self, adapter_tokens: int, num_tokens: int) -> float:
+        """The multiplier on a step of ``num_tokens`` tokens, ``adapter_tokens`` of them
+        on adapters."""
+        if num_tokens <= 0:
+            return 1.0
+        return 1.0 + self.idle_overhead + self.step_overhead * adapter_tokens / num_tokens
+
+
 def profile_key(model: str, gpu: str, tp: int) -> str:
     return f"{model}/{gpu}/tp{tp}"
 

@@ -48,6 +48,10 @@ class SimRequest:
     #: (``kv_cache.block_hashes(prompt_ids, block_size)``): a caller that extends a
     #: trajectory turn by turn can extend them incrementally instead of rehashing.
     prompt_hashes: Sequence[int] | None = None
+    #: the LoRA adapter it runs on (None: the base model): its KV blocks are its own
+    #: (vLLM keys a block's hash by the adapter too) and its steps cost more
+    #: (:class:`backends.sim.profiles.LoraCost`)
+    lora: str | None = None
 
     def resolve_output(self, rng: random.Random) -> tuple[list[int], FinishReason]:
         """The exact output token ids this request will produce and why it will stop."""
@@ -60,6 +64,12 @@ class SimRequest:
         if len(ids) < target:
             ids.extend(b + SYNTHETIC_TOKEN_BASE for b in rng.randbytes(target - len(ids)))
         return ids, reason
+
+
+def lora_root(adapter: str | None) -> int:
+    """The root of a request's block-hash chain: one per adapter, as vLLM adds the LoRA
+    to a block's hash keys, so no adapter reuses the base model's (or another's) KV."""
+    return ROOT_HASH if adapter is None else hash((ROOT_HASH, adapter))
 
 
 class SeqState(enum.Enum):
@@ -101,7 +111,7 @@ class Seq:
     def ensure_hashes(self, n_blocks: int, block_size: int) -> list[int]:
         """Chain hashes of the first ``n_blocks`` blocks, computing missing ones once."""
         h = self.hashes
-        parent = h[-1] if h else ROOT_HASH
+        parent = h[-1] if h else lora_root(self.req.lora)
         toks = self.tokens
         for b in range(len(h), n_blocks):
             parent = hash((parent, tuple(toks[b * block_size:(b + 1) * block_size])))

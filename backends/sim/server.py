@@ -158,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
                           top_logprobs=body.top_logprobs or 0,
                           return_token_ids=body.return_token_ids)
     sim.record_seen(shape.rid, body, len(prompt_ids), max_tokens)
-    await sim.submit(shape.rid, prompt_ids, choices, body.priority)
+    await sim.submit(shape.rid, prompt_ids, choices, body.priority, sim.adapter_of(body.model))
     return await _respond(request, sim, shape, choices, body.stream, body.include_usage)
 
 
@@ -235,7 +235,7 @@ async def completions(request: Request) -> Response:
                           top_logprobs=body.logprobs or 0,
                           return_token_ids=body.return_token_ids)
     sim.record_seen(shape.rid, body, len(prompt_ids), max_tokens)
-    await sim.submit(shape.rid, prompt_ids, choices, body.priority)
+    await sim.submit(shape.rid, prompt_ids, choices, body.priority, sim.adapter_of(body.model))
     return await _respond(request, sim, shape, choices, body.stream, body.include_usage)
 
 

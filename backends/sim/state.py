@@ -8,7 +8,7 @@ import math
 import random
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -18,7 +18,7 @@ from backends.sim.clock import WallClock, shared_clock
 from backends.sim.driver import SimEngine
 from backends.sim.engine import EngineCore, SchedulingPolicy
 from backends.sim.metrics import ServerMetrics
-from backends.sim.profiles import LatencyProfile, load_profile, native_context
+from backends.sim.profiles import LatencyProfile, LoraCost, load_profile, native_context
 from backends.sim.protocol import APIError, _Body
 from backends.sim.request import SimRequest
 from backends.sim.responses import Choice
@@ -83,6 +83,8 @@ class SimServerConfig:
     #: (``backends.sim.lora``) exist and requests may name a loaded adapter
     enable_lora: bool = False
     max_lora_rank: int = 16  # vLLM's default
+    #: what adapters cost the engine when ``enable_lora``: slower steps, loads that hold it
+    lora_cost: LoraCost = field(default_factory=LoraCost)
 
     def make_clock(self) -> WallClock:
         return shared_clock(self.clock, self.speed) if self.clock else WallClock(self.speed)
@@ -118,7 +120,8 @@ class SimState:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                scheduling_policy=config.scheduling_policy,
                                enable_prefix_caching=config.enable_prefix_caching,
-                               seed=config.seed)
+                               seed=config.seed,
+                               lora=config.lora_cost if config.enable_lora else None)
         self.engine = SimEngine(self.core, config.make_clock(),
                                 tick_s=config.tick_real_s * config.speed)
         self.metrics = ServerMetrics(self.engine, config.served_name)
@@ -194,10 +197,11 @@ class SimState:
         self._seen_by_id[rid] = entry
 
     async def submit(self, rid: str, prompt_ids: list[int], choices: list[Choice],
-                     priority: int) -> None:
+                     priority: int, adapter: str | None = None) -> None:
         async def one(c: Choice) -> None:
             req = SimRequest(f"{rid}-{c.index}", prompt_ids, max_tokens=len(c.comp.ids),
-                             ignore_eos=True, priority=priority, output_ids=c.comp.ids)
+                             ignore_eos=True, priority=priority, output_ids=c.comp.ids,
+                             lora=adapter)
             c.handle = await self.engine.submit(req)
             entry = self._seen_by_id.get(rid)
             if entry is not None and c.index == 0:  # the spans fill in as tokens go out
@@ -230,5 +234,6 @@ class SimState:
             "pause_aborts": self.num_pause_aborts, "reloads": self.num_reloads,
             "weight_version": self.weight_version, "weights_path": self.weights_path,
             "adapters": sorted(self.adapters), "adapter_loads": self.num_adapter_loads,
+            "held_s": self.engine.held_s,
             "requests_seen": list(self.seen),
         }
