@@ -135,6 +135,19 @@ class DispatchSettings(BaseModel):
     time_scale: float = Field(
         1.0, gt=0, description="policy seconds per wall second: the speed factor of a "
         "time-compressed simulated pool, so the policy plans as often as in the simulator")
+    model_shares: dict[str, float] = Field(
+        {}, description="weights of the models that share a base's engines (the base and "
+        "its LoRA families) when their queued calls outnumber its free slots: the free "
+        "slots are split by weighted max-min fairness over calls in flight (default weight "
+        "1 each); e.g. '{\"solver\": 2}'. See gateway/dispatch/shares.py")
+
+    @field_validator("model_shares")
+    @classmethod
+    def _positive_shares(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {m: w for m, w in value.items() if not w > 0}
+        if bad:
+            raise ValueError(f"model_shares must be positive; got {bad}")
+        return value
 
 
 class ServerSettings(BaseModel):

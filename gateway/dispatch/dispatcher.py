@@ -85,15 +85,20 @@ class Dispatcher:
                 param="model",
             )
 
-    async def acquire(self, call: CallView, model: str, exclude: Iterable[str] = ()) -> Lease:
+    async def acquire(self, call: CallView, model: str, exclude: Iterable[str] = (),
+                      family: str | None = None) -> Lease:
+        """A slot on a backend of ``model`` for ``call``; ``family`` is the model the call
+        is for when it is a LoRA family of ``model`` (its share of the slots)."""
         started = time.monotonic()
         if not exclude:  # a retry of a call already admitted is not held again
             await self.gate.admit(self.settings)
         await self._candidates(model, exclude)
+        family = family or model
         backend, priority = await self.scheduler.place(
-            call.trajectory_id, call.seq, call.context_tokens, model, exclude)
+            call.trajectory_id, call.seq, call.context_tokens, model, exclude, family)
         return Lease(backend, priority if self.settings.send_priority else None,
-                     time.monotonic() - started, on_release=self.scheduler.kick)
+                     time.monotonic() - started,
+                     on_release=lambda: self.scheduler.released(family))
 
     @property
     def policy_name(self) -> str:

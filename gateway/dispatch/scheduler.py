@@ -29,20 +29,21 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Set
-from dataclasses import dataclass
 
 from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
+from gateway.dispatch.shares import fair_shares
 from gateway.dispatch.speeds import SpeedMeter
 from gateway.dispatch.step import STALE, Failure, Queued, schedule_pass
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
+from gateway.dispatch.waiters import Placed, Waiter, expire_unroutable, fail_ended
+from gateway.dispatch.watchdog import Watchdog
 from gateway.errors import (
-    NoBackendAvailable,
     Overloaded,
     QueueTimeout,
     SchedulingFailed,
-    TrajectoryFinished,
 )
 from gateway.loops import Periodic
 from gateway.policies.base import (
@@ -57,17 +58,8 @@ from gateway.trajectories.state import TrajectoryState
 from gateway.trajectories.tracker import Tracker
 
 log = logging.getLogger(__name__)
-Placed = tuple[Backend, int]
 KvLookup = Callable[[str], float | None]
 Clock = Callable[[], float]
-
-
-@dataclass(slots=True)
-class Waiter:
-    call: PendingCall
-    model: str
-    exclude: frozenset[str]
-    future: asyncio.Future[Placed]
 
 
 class Scheduler:
@@ -86,6 +78,7 @@ class Scheduler:
         self.on_migrate: Callable[[TrajectoryState, Migrate], None] | None = None
         self.on_relayout: Callable[[Relayout], Awaitable[None]] | None = None
         self._waiting: dict[str, Waiter] = {}
+        self.running: Counter[str] = Counter()  # calls placed and not released, per family
         self._keys = itertools.count()
         self._kick: asyncio.Handle | None = None
         self.ticker = Periodic("scheduler-tick", self._tick, settings.tick_s, logger=log)
@@ -94,10 +87,8 @@ class Scheduler:
         self.migrations = 0
         self.relayouts = 0
         self.faults = 0  # calls failed because scheduling them raised
-        self.stalls = 0  # times the watchdog found the queue stuck beside free slots
         self.on_fault: Callable[[str], None] | None = None
-        self._last_progress = self.clock()
-        self._stalled = False
+        self.watchdog = Watchdog(settings.watchdog_s, clock)
         #: Whether capacity is on its way (a managed pool starting instances); set by the
         #: dispatcher. Queued calls outlive ``backend_wait_s`` without a routable backend
         #: only while it says so.
@@ -141,35 +132,30 @@ class Scheduler:
             await self._plan()
 
     def watch(self, now: float | None = None) -> bool:
-        """The watchdog: is the queue stuck while a backend has a free slot?
-
-        A healthy scheduler dispatches within a pass of a slot freeing up. When calls have
-        waited ``watchdog_s`` with no dispatch although some routable backend is below its
-        cap, the stall is counted and logged once (with what is waiting), and another pass
-        is forced. Returns whether the queue is stalled now.
-        """
+        """The watchdog (``gateway.dispatch.watchdog``): is the queue stuck while a
+        backend has a free slot? A stall is logged once, with what waits, and another
+        pass is forced. Returns whether the queue is stalled now."""
         now = self.clock() if now is None else now
-        if not self._waiting or not self._has_free_slot():
-            self._last_progress = now
-            self._stalled = False
-            return False
-        if now - self._last_progress < self.settings.watchdog_s:
-            return False
-        if not self._stalled:
-            self._stalled = True
-            self.stalls += 1
+        stalled, began = self.watchdog.check(
+            now, bool(self._waiting) and self._has_free_slot())
+        if began:
             oldest = min(w.call.enqueued_at for w in self._waiting.values())
             log.error("scheduler stalled: %d calls queued (oldest %.1fs) while backends have "
                       "free slots; policy %s", len(self._waiting), self.wall() - oldest,
                       self.policy.name)
             if self.on_fault is not None:
                 self.on_fault("stall")
-        self.kick()
-        return True
+        if stalled:
+            self.kick()
+        return stalled
+
+    @property
+    def stalls(self) -> int:
+        return self.watchdog.stalls
 
     @property
     def stalled_for_s(self) -> float:
-        return self.clock() - self._last_progress if self._stalled else 0.0
+        return self.watchdog.stalled_for_s
 
     def _has_free_slot(self) -> bool:
         models = {w.model for w in self._waiting.values()}
@@ -182,11 +168,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the queue
     async def place(self, trajectory_id: str, seq: int, context_tokens: int, model: str,
-                    exclude: Iterable[str] = ()) -> Placed:
+                    exclude: Iterable[str] = (), family: str | None = None) -> Placed:
         """Wait until the policy dispatches this call; returns (backend, priority).
 
-        The backend's ``in_flight`` is already counted when this returns; the caller
-        releases it through its lease.
+        ``family`` is the model the call is for when it is a LoRA family of ``model``. The
+        backend's ``in_flight`` and the family's ``running`` are already counted when this
+        returns; the caller releases both through its lease (:meth:`released`).
         """
         if len(self._waiting) >= self.settings.max_queued:
             raise Overloaded(f"{len(self._waiting)} calls already queued in the gateway",
@@ -194,31 +181,39 @@ class Scheduler:
         key = f"q{next(self._keys)}"
         fut: asyncio.Future[Placed] = asyncio.get_running_loop().create_future()
         call = PendingCall(key, trajectory_id, seq, context_tokens, self.wall())
-        self._waiting[key] = Waiter(call, model, frozenset(exclude), fut)
+        self._waiting[key] = Waiter(call, model, frozenset(exclude), fut, family or model)
         self.kick()
         try:
             async with asyncio.timeout(self.settings.queue_timeout_s):
                 return await fut
         except TimeoutError:
-            self._give_back(fut)
+            self._give_back(fut, family or model)
             raise QueueTimeout(
                 f"call waited {self.settings.queue_timeout_s:g}s in the gateway queue "
                 "without being placed; nothing ran it, send it again",
                 retry_after_s=self.settings.overload_retry_after_s) from None
         except asyncio.CancelledError:
-            self._give_back(fut)
+            self._give_back(fut, family or model)
             raise
         finally:
             self._waiting.pop(key, None)
 
-    def _give_back(self, fut: asyncio.Future[Placed]) -> None:
+    def _give_back(self, fut: asyncio.Future[Placed], family: str) -> None:
         """The call was placed but its caller is gone: return the slot."""
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             backend, _ = fut.result()
             backend.in_flight -= 1
-            self.kick()
+            self.released(family)
         elif not fut.done():
             fut.cancel()
+
+    def released(self, family: str) -> None:
+        """A call of ``family`` placed by :meth:`place` ended (its lease was released)."""
+        if self.running[family] > 1:
+            self.running[family] -= 1
+        else:
+            del self.running[family]
+        self.kick()
 
     def kick(self) -> None:
         """Schedule a pass at the next loop iteration (many kicks, one pass)."""
@@ -246,10 +241,34 @@ class Scheduler:
         return self.settings.cap_per_gpu * (len(b.gpus) or (b.tp or 1))
 
     def _schedule_model(self, model: str, waiters: list[Waiter]) -> None:
+        """One pass over ``model``'s queue; when several families wait for more calls
+        than it has free slots, one pass per family bounded by its fair share, the most
+        starved first, then one over the calls left (``gateway.dispatch.shares``)."""
         backends = {b.id: b for b in self.registry.routable(model)}
         if not backends:
             self._expire_unroutable(model, waiters)
             return
+        families: dict[str, list[Waiter]] = {}
+        for w in waiters:
+            families.setdefault(w.family, []).append(w)
+        free = sum(max(0, self._cap(b) - b.in_flight) for b in backends.values())
+        if len(families) < 2 or free >= len(waiters):
+            self._pass(backends, waiters)
+            return
+        weights = self.settings.model_shares
+        shares = fair_shares(free, {f: len(ws) for f, ws in families.items()}, self.running,
+                             weights)
+        for family in sorted(shares, key=lambda f: self.running[f] / weights.get(f, 1.0)):
+            if shares[family]:
+                self._pass(backends, families[family], limit=shares[family])
+        left = [w for w in waiters if not w.future.done()]
+        if left:  # a family that took less than its share leaves slots to the others
+            self._pass(backends, left)
+
+    def _pass(self, backends: dict[str, Backend], waiters: list[Waiter],
+              limit: int | None = None) -> None:
+        """The policy's pass over ``waiters``; at most ``limit`` placed (the first ones of
+        its answer: policies answer in their order of priority)."""
         by_key = {w.call.key: w for w in waiters}
         done = schedule_pass(self.policy, self.snapshot(backends.values()),
                              [Queued(w.call, w.exclude) for w in waiters], self.tracker.live)
@@ -257,24 +276,20 @@ class Scheduler:
             self._failed(by_key[f.call.key], f)
         if done.isolated:  # the bad calls are out: the next pass is a batch again
             asyncio.get_running_loop().call_soon(self.kick)
-        for d in done.placed:
+        for d in done.placed[:limit]:
             waiter = by_key[d.key]
             if not waiter.future.done():
                 self._resolve(waiter, backends[d.instance], d.priority)
 
     def _expire_unroutable(self, model: str, waiters: list[Waiter]) -> None:
-        """Every backend of ``model`` went away while these calls waited: fail the ones that
-        have waited ``backend_wait_s`` (503, as if they had arrived now) unless capacity
-        is on its way, so a pool that lost its last backend never holds calls for the
-        whole queue timeout. The periodic tick brings this pass round."""
-        if self.expecting_capacity():
-            return
-        deadline = self.wall() - self.settings.backend_wait_s
-        for w in waiters:
-            if w.call.enqueued_at <= deadline and not w.future.done():
-                w.future.set_exception(NoBackendAvailable(
-                    f"no healthy backend can serve model {model!r}: every backend went "
-                    f"away while this call waited in the gateway queue"))
+        """Every backend of ``model`` went away while these calls waited: unless capacity
+        is on its way, fail those that have waited ``backend_wait_s``."""
+        if not self.expecting_capacity():
+            expire_unroutable(model, waiters, self.wall() - self.settings.backend_wait_s)
+
+    def trajectories_ended(self, trajectory_ids: Set[str]) -> int:
+        """Their attempts were finished: calls of them still queued fail with 409."""
+        return fail_ended(list(self._waiting.values()), trajectory_ids)
 
     def _failed(self, w: Waiter, f: Failure) -> None:
         call = f.call
@@ -301,25 +316,11 @@ class Scheduler:
         if not w.future.done():
             w.future.set_exception(error)
 
-    def trajectories_ended(self, trajectory_ids: Set[str]) -> int:
-        """Their attempts were finished: calls of them still queued fail with 409 (they
-        belong to the finished attempt; the next call on the id opens a new one), in one
-        pass over the queue. Returns how many."""
-        failed = 0
-        for w in list(self._waiting.values()):
-            tid = w.call.trajectory_id
-            if tid in trajectory_ids and not w.future.done():
-                w.future.set_exception(TrajectoryFinished(
-                    f"trajectory {tid!r} was finished while this call waited in "
-                    "the queue; a new call on the id opens its next attempt"))
-                failed += 1
-        return failed
-
     def _resolve(self, w: Waiter, backend: Backend, priority: int) -> None:
         backend.in_flight += 1  # in the same step as the choice (pool drain contract)
+        self.running[w.family] += 1
         self.dispatched += 1
-        self._last_progress = self.clock()
-        self._stalled = False
+        self.watchdog.progress()
         w.future.set_result((backend, priority))
 
     def snapshot(self, backends: Iterable[Backend] | None = None) -> Snapshot:

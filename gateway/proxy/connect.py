@@ -41,7 +41,7 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
     for attempt in range(1, limits.max_attempts + 1):
         try:
             lease = await rt.dispatcher.acquire(ctx.view(), ctx.served or ctx.body["model"],
-                                                tried)
+                                                tried, ctx.model or None)
         except NoBackendAvailable:
             if last is not None:  # every backend failed: say how the last one did
                 raise last from None
