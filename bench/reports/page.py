@@ -43,7 +43,8 @@ TAIL = {"search": ["search-64gpu.json", "search-64gpu-perfect.json"],
 WEIGHTS = "weights/math-code-8gpu.json"
 GRID = ["grid/headline-math-code-5seeds.json", "grid/qwen3-14b-h100-16gpu-4pg-live.json",
         "grid/qwen3-14b-h100-16gpu-16pg-tau-live.json",
-        "grid/qwen3-14b-h100-16gpu-16pg-swe-live.json", "grid/qwen3-14b-h100-16gpu.json",
+        "grid/qwen3-14b-h100-16gpu-16pg-swe-live.json",
+        "grid/qwen3-14b-h100-16gpu-16pg-search-live.json", "grid/qwen3-14b-h100-16gpu.json",
         "grid/qwen3-14b-h100-16gpu-64pg.json", "grid/qwen3-14b-a100-16gpu.json",
         "grid/qwen3-8b-32b-h100.json"]
 LIVE = ["live-16gpu/3x/static-and-lane.json", "live-16gpu/3x/heddle-libra.json"]
