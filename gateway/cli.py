@@ -241,13 +241,19 @@ def sim_backend(
     enable_lora: Annotated[bool, typer.Option(
         help="serve LoRA adapters loaded at run time (vLLM --enable-lora with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")] = False,
+    routed_experts: Annotated[str | None, typer.Option(
+        "--enable-return-routed-experts", metavar="ROUTER",
+        help="answer with each position's routed experts (vLLM "
+        "--enable-return-routed-experts) of this router: qwen3-30b-a3b, "
+        "qwen3-235b-a22b, gpt-oss-120b, glm-4.5-air, tiny-moe")] = None,
 ) -> None:
     """Run simulated vLLM servers (one process, consecutive ports)."""
     from backends.sim.runner import run_sim_backends
 
     run_sim_backends(host=host, port=port, model=model, gpu=gpu, tp=tp, speed=speed,
                      count=count, seed=seed, scheduling_policy=scheduling_policy,
-                     max_model_len=max_model_len, enable_lora=enable_lora)
+                     max_model_len=max_model_len, enable_lora=enable_lora,
+                     routed_experts=routed_experts)
 
 
 @app.command("front")

@@ -33,6 +33,9 @@ class _Body(BaseModel):
     seed: int | None = None
     #: vLLM's request id (``chatcmpl-<request_id>``), e.g. to abort it by name
     request_id: str | None = None
+    #: routed experts of prompt positions before this one are left out of the answer
+    #: (``backends.sim.routes``)
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
     @property
     def stop_list(self) -> list[str]:

@@ -20,6 +20,7 @@ from backends.sim.chat import Completion, output_piece
 from backends.sim.driver import Delta, RequestHandle
 from backends.sim.protocol import completion_logprobs, token_logprobs
 from backends.sim.request import FinishReason
+from backends.sim.routes import RouteAsk
 from backends.sim.tokenizer import TOOL_CALL_START, SimTokenizer
 
 
@@ -94,6 +95,7 @@ class ResponseShape:
     top_logprobs: int
     return_token_ids: bool
     created: int = 0
+    routes: RouteAsk | None = None  # --enable-return-routed-experts (non-streamed answers)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -123,6 +125,9 @@ class ResponseShape:
             out["token_ids"] = list(c.comp.ids[:n])
             if not self.chat:
                 out["prompt_token_ids"] = self.prompt_ids
+        if self.routes is not None:
+            out["routed_experts"] = self.routes.field(self.prompt_ids + list(c.comp.ids[:n]),
+                                                      forwarded=n > 0)
         return out
 
     def full_response(self, choices: list[Choice]) -> dict[str, Any]:

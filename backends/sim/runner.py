@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from backends.sim.engine import SchedulingPolicy
 from backends.sim.hosting import bind, sim_server
+from backends.sim.routes import MOE_SHAPES
 from backends.sim.state import SimServerConfig
 
 
@@ -44,7 +45,8 @@ async def start_sim_servers(configs: Sequence[SimServerConfig], host: str = "127
 def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = "qwen3-14b",
                      gpu: str = "H100", tp: int = 1, speed: float = 1.0, count: int = 1,
                      seed: int = 0, scheduling_policy: str = "fcfs",
-                     max_model_len: int | None = None, enable_lora: bool = False) -> None:
+                     max_model_len: int | None = None, enable_lora: bool = False,
+                     routed_experts: str | None = None) -> None:
     """Serve ``count`` simulated servers on ports ``port .. port+count-1`` until SIGINT/TERM.
 
     Each server gets seed ``seed + i`` so their outputs differ; ``max_model_len`` (None:
@@ -55,9 +57,15 @@ def run_sim_backends(*, host: str = "127.0.0.1", port: int = 8100, model: str = 
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, not {max_model_len}")
+    moe = None
+    if routed_experts is not None:
+        moe = MOE_SHAPES.get(routed_experts.lower())
+        if moe is None:
+            raise ValueError(f"unknown router {routed_experts!r}; known: {sorted(MOE_SHAPES)}")
     configs = [SimServerConfig(model=model, gpu=gpu, tp=tp, speed=speed, seed=seed + i,
                                scheduling_policy=policy, max_model_len=max_model_len,
-                               enable_lora=enable_lora)
+                               enable_lora=enable_lora, moe=moe,
+                               enable_return_routed_experts=moe is not None)
                for i in range(count)]
     configs[0].profile()  # unknown profile: fail before binding anything
     asyncio.run(_run_forever(configs, host, port))

@@ -139,6 +139,7 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(400, f"invalid messages: {exc}", param="messages") from None
     max_tokens = sim.resolve_max_tokens(len(prompt_ids),
                                         body.max_completion_tokens or body.max_tokens)
+    routes = sim.route_ask(body.routed_experts_prompt_start, len(prompt_ids), body.model)
     choices = []
     for i in range(body.n):
         rng, seed = sim.rng_for(body.seed, i, sim.adapter_of(body.model))
@@ -156,7 +157,8 @@ async def chat_completions(request: Request) -> Response:
     shape = ResponseShape(sim.tok, rid, body.model, prompt_ids,
                           chat=True, logprobs=body.logprobs,
                           top_logprobs=body.top_logprobs or 0,
-                          return_token_ids=body.return_token_ids)
+                          return_token_ids=body.return_token_ids,
+                          routes=None if body.stream else routes)
     sim.record_seen(shape.rid, body, len(prompt_ids), max_tokens)
     await sim.submit(shape.rid, prompt_ids, choices, body.priority, sim.adapter_of(body.model))
     return await _respond(request, sim, shape, choices, body.stream, body.include_usage)
@@ -222,6 +224,7 @@ async def completions(request: Request) -> Response:
     if not prompt_ids:
         raise APIError(400, "prompt must not be empty", param="prompt")
     max_tokens = sim.resolve_max_tokens(len(prompt_ids), body.max_tokens)
+    routes = sim.route_ask(body.routed_experts_prompt_start, len(prompt_ids), body.model)
     choices = []
     for i in range(body.n):
         rng, seed = sim.rng_for(body.seed, i, sim.adapter_of(body.model))
@@ -233,7 +236,8 @@ async def completions(request: Request) -> Response:
     shape = ResponseShape(sim.tok, rid, body.model, prompt_ids,
                           chat=False, logprobs=body.logprobs is not None,
                           top_logprobs=body.logprobs or 0,
-                          return_token_ids=body.return_token_ids)
+                          return_token_ids=body.return_token_ids,
+                          routes=None if body.stream else routes)
     sim.record_seen(shape.rid, body, len(prompt_ids), max_tokens)
     await sim.submit(shape.rid, prompt_ids, choices, body.priority, sim.adapter_of(body.model))
     return await _respond(request, sim, shape, choices, body.stream, body.include_usage)

@@ -22,6 +22,7 @@ from backends.sim.profiles import LatencyProfile, LoraCost, load_profile, native
 from backends.sim.protocol import APIError, _Body
 from backends.sim.request import SimRequest
 from backends.sim.responses import Choice
+from backends.sim.routes import MOE_SHAPES, MoeShape, RouteAsk
 from backends.sim.tokenizer import SimTokenizer, get_tokenizer
 
 
@@ -83,8 +84,23 @@ class SimServerConfig:
     #: (``backends.sim.lora``) exist and requests may name a loaded adapter
     enable_lora: bool = False
     max_lora_rank: int = 16  # vLLM's default
+    #: vLLM's ``--enable-return-routed-experts``: non-streamed answers carry each
+    #: forwarded position's routed experts (``backends.sim.routes``), of the router
+    #: ``moe`` (default: :data:`backends.sim.routes.MOE_SHAPES` of ``model``)
+    enable_return_routed_experts: bool = False
+    moe: MoeShape | None = None
     #: what adapters cost the engine when ``enable_lora``: slower steps, loads that hold it
     lora_cost: LoraCost = field(default_factory=LoraCost)
+
+    def router(self) -> MoeShape | None:
+        """The router whose routes answers carry; None when routes are off."""
+        if not self.enable_return_routed_experts:
+            return None
+        shape = self.moe or MOE_SHAPES.get(self.model.lower())
+        if shape is None:
+            raise ValueError(f"routed experts need a mixture-of-experts model: {self.model!r} "
+                             f"is not one of {sorted(MOE_SHAPES)}; pass moe=MoeShape(...)")
+        return shape
 
     def make_clock(self) -> WallClock:
         return shared_clock(self.clock, self.speed) if self.clock else WallClock(self.speed)
@@ -115,6 +131,7 @@ class SimState:
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
+        self.router = config.router()
         self.tok: SimTokenizer = get_tokenizer()
         self.core = EngineCore(config.profile(), max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
@@ -152,6 +169,18 @@ class SimState:
         if model != self.config.served_name and model not in self.adapters:
             raise APIError(404, f"The model `{model}` does not exist.",
                            type_="NotFoundError", param="model", code="404")
+
+    def route_ask(self, start: int, prompt_len: int, model: str) -> RouteAsk | None:
+        """What a request's answer carries of routed experts; vLLM's 400 for a start
+        outside the prompt (checked whether routes are on or not, as vLLM)."""
+        if not 0 <= start <= prompt_len:
+            raise APIError(400, "routed_experts_prompt_start must be between 0 and the prompt "
+                           f"length ({prompt_len}), inclusive.",
+                           param="routed_experts_prompt_start")
+        if self.router is None:
+            return None
+        salt = f"{self.weight_version}|{self.adapter_of(model) or ''}"
+        return RouteAsk(self.router, start, salt)
 
     def adapter_of(self, model: str) -> str | None:
         """The LoRA adapter a request on ``model`` runs on (None: the base model)."""
