@@ -40,15 +40,20 @@ def backend_row(rt: Runtime, b: Backend, *, with_url: bool) -> dict[str, Any]:
 
 def models_view(rt: Runtime) -> dict[str, Any]:
     """Each model calls are served for (a served model, or a LoRA family of one: a
-    policy): its base, weight version, current adapter, staleness bound, and its live
-    trajectories by phase (each counted under the model of its latest call)."""
+    policy): its base, weight version, current adapter, staleness bound, its calls on
+    the engines and its weight in the share of its base's slots
+    (``gateway.dispatch.shares``), and its live trajectories by phase (each counted under
+    the model of its latest call)."""
     by_model = rt.tracker.by_model()
+    running = rt.dispatcher.scheduler.running
+    shares = rt.settings.dispatch.model_shares
     out = {}
     for name in rt.model_names(by_model):
         adapter = rt.adapters.current(name)
         out[name] = {"base": rt.adapters.base_of(name), "version": rt.version_of(name),
                      "adapter": adapter.name if adapter is not None else None,
                      "max_staleness": rt.bound_for(name),
+                     "calls_running": running.get(name, 0), "share": shares.get(name, 1.0),
                      "trajectories": phase_counts(by_model.get(name, []))}
     return out
 

@@ -66,7 +66,8 @@ def _merge_models(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for name in dict.fromkeys(n for part in parts for n in part):
         rows = [part[name] for part in parts if name in part]
         out[name] = {**{k: _one([r.get(k) for r in rows])
-                        for k in ("base", "version", "adapter", "max_staleness")},
+                        for k in ("base", "version", "adapter", "max_staleness", "share")},
+                     "calls_running": sum(r.get("calls_running") or 0 for r in rows),
                      "trajectories": _sum_dicts([r.get("trajectories") or {} for r in rows])}
     return out
 

@@ -87,6 +87,9 @@ async def test_two_families_share_the_engines_with_their_own_versions_and_sample
             assert (await _chat(http, "t1", "solver", again)).status_code == 200
             assert (await admin.post("/trajectories/t1/finish",
                                      json={"reward": 1.0})).status_code == 200
+            models = (await admin.get("/status")).json()["models"]  # every slot given back
+            assert {m: (v["calls_running"], v["share"]) for m, v in models.items()} == {
+                MODEL: (0, 1.0), "solver": (0, 1.0), "verifier": (0, 1.0)}
 
             calls = (await admin.get("/trajectories/t1")).json()["calls"]
             stats = await engine_stats(lora_engines)
