@@ -14,11 +14,8 @@ While a job runs with nothing routable the dispatcher holds calls (``CapacitySou
 crashed instance is restarted with exponential backoff (:mod:`gateway.pool.restarts`).
 
 The pool also holds the one record of the weights every engine must serve
-(:class:`~gateway.pool.checkpoint.Weights`, kept current by the weight-update job in
-``gateway.weights.update``): every instance it starts begins on the current checkpoint
-path, is told the current version and is admitted only when its own ``/weight_info``
-says it (one started before an update finished reloads the new path first; with weights
-the trainer pushed, it is held out of rotation until an update brings them).
+(:mod:`gateway.pool.keeper`, kept current by the weight-update job): every instance it
+starts begins on them and is admitted only once its own ``/weight_info`` says so.
 """
 
 from __future__ import annotations
@@ -184,13 +181,14 @@ class PoolManager:
         target = [s for s in self.planned if s.id != instance_id]
         return self.submit("remove-instance", {"id": instance_id}, target)
 
-    def relayout(self, retire: Sequence[str], launch: Sequence[int], reason: str = "") -> Job:
+    def relayout(self, retire: Sequence[str], launch: Sequence[int], reason: str = "",
+                 *, at_push: bool = False) -> Job:
         """A resource policy's decision (``gateway.policies.base.Relayout``): drain and
         stop ``retire``, start instances of the TP degrees ``launch`` on freed GPUs.
-        Refused while another reconfiguration is pending, so proposals do not pile up."""
+        Refused while another job runs (``at_push``: but the asking weight update)."""
         if self.static:
             raise LayoutError("a static pool cannot be reconfigured")
-        if self.rt.jobs.running:
+        if self.rt.jobs.running > at_push:
             raise LayoutError("a reconfiguration is already in progress")
         unknown = set(retire) - {s.id for s in self.planned}
         if unknown:
@@ -331,9 +329,8 @@ class PoolManager:
 
     def held(self) -> list[Backend]:
         """Started engines held out of rotation until they have the pushed weights."""
-        return [i.backend for i in self.instances.values()
-                if i.awaiting is not None and i.backend is not None
-                and i.state is ServerState.STARTING]
+        return [i.backend for i in self.instances.values() if i.awaiting is not None
+                and i.backend is not None and i.state is ServerState.STARTING]
 
     async def commit(self, weights: Weights, labels: dict[str, str | None]) -> None:
         """A weight update brought ``weights`` to the engines in ``labels`` (id -> what

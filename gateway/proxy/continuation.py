@@ -37,6 +37,7 @@ import orjson
 from gateway.errors import UpstreamError
 from gateway.live_calls import continuable
 from gateway.proxy.calls import CallContext
+from gateway.proxy.lifecycle import move
 from gateway.proxy.sse import SSEDecoder
 from gateway.proxy.upstream import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.runtime import Runtime
@@ -141,10 +142,16 @@ def _reshape(ctx: CallContext, payload: dict[str, Any], head: dict[str, Any],
 
 async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
                 path: str = "/v1/completions") -> UpstreamResponse:
-    """Wait for resume, then send ``body`` to the engine that ran the call."""
+    """Wait for resume, then send ``body`` to the engine that ran the call, or, when
+    that engine takes no calls any more (retired by a relayout at the push, or taken out
+    of rotation), to the one the scheduler places it on."""
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
+    if not ctx.lease.backend.routable:
+        await move(rt, ctx)
+        body["model"] = ctx.body["model"]  # the adapter it is bound to there
+        assert ctx.lease is not None
     rt.live_calls.continued(ctx.id)
     ctx.resume_mark = None  # the engine's own count (the abort's end) is the boundary
     label = ctx.lease.backend.weight_version or rt.weight_version

@@ -66,6 +66,27 @@ def requeue(rt: Runtime, ctx: CallContext, *, keep_out: list[str] | None) -> Non
     ctx.retries += 1
 
 
+async def move(rt: Runtime, ctx: CallContext) -> None:
+    """The engine ``ctx`` waits to go on from is being retired (a relayout at a weight
+    push, :mod:`gateway.weights.job`): back to the queue with its tokens, and on to the
+    backend the scheduler places it on (its continuation is token in, so any engine of
+    its model can take it)."""
+    old = ctx.lease
+    assert old is not None, "move of a call that was not dispatched"
+    old.release()  # its slot frees now (the retired engine drains), the lease stays the
+    rt.live_calls.remove(ctx.id)  # call's until another one is had: if none is, the
+    rt.tracker.call_requeued(ctx.state)  # call is recorded on it with what it made
+    try:
+        lease = await rt.dispatcher.acquire(ctx.view(), ctx.served or ctx.body["model"], (),
+                                            ctx.model or None)
+    except BaseException:
+        rt.tracker.call_dispatched(ctx.state, old.backend.id, 0.0)
+        raise
+    made_by = ctx.weight_version  # the tokens so far: the continuation marks the rest
+    dispatched(rt, ctx, lease)
+    ctx.weight_version = made_by
+
+
 def abandon(rt: Runtime, state: TrajectoryState) -> None:
     """A call that arrived but never got a context (its request failed to prepare)."""
     rt.tracker.call_abandoned(state)

@@ -16,6 +16,7 @@ from gateway.pool.checkpoint import Weights, check_checkpoint
 from gateway.pool.jobs import Job, JobStatus
 from gateway.runtime import Runtime
 from gateway.weights.aborts import enforce_staleness
+from gateway.weights.relayout import relayout_at_push
 from gateway.weights.update import (
     EngineAnswer,
     current_weights,
@@ -121,6 +122,8 @@ async def _update(rt: Runtime, job: Job, version: str, engine_mode: EngineMode,
             with job.phase("update", method=method) as ph:
                 ok = await _push(rt, job, ph.detail, method, new, old, targets, timeout_s,
                                  trainer_done)
+            if ok:  # the engines are paused on the new weights: the policy's moment
+                relayout_at_push(rt, job, engine_mode, method)
     finally:
         with job.phase("resume") as ph:
             resumed = await resume_all(rt, version if ok else None, timeout_s, targets,
