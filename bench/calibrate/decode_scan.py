@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch's split, cuda.Event and cuda.Stream carry no annotations)
 """Per-TP decode step time of a real model architecture, measured on one GPU.
 
 The simulator's least certain constant is how step time scales with the tensor-parallel
@@ -186,7 +188,7 @@ class Timer:
                 for _ in range(self.reps):
                     fn()
                 samples.append((time.perf_counter() - t0) * 1000 / self.reps)
-        return statistics.median(samples)
+        return float(statistics.median(samples))
 
 
 def graphed(dev: torch.device, fn: Any) -> Any:

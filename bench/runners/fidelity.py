@@ -62,7 +62,7 @@ def engine_vs_formula(p: LatencyProfile) -> dict[str, float]:
 
 
 def anchors() -> dict[str, Any]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for model, params in PARAMS_B.items():
         for gpu, bw in HBM_TBPS.items():
             for tp in (1, 2, 4, 8):
@@ -123,7 +123,7 @@ def libra_setup(seed: int = 1) -> dict[str, list[tuple[int, int]]]:
 
 def libra(penalties: list[float]) -> dict[str, Any]:
     reqs = libra_setup()
-    sweep = []
+    sweep: list[dict[str, Any]] = []
     for pen in sorted({*penalties, DEFAULT_TP_PENALTY}):
         got = {"short": {"8xTP1": pool_throughput(1, pen, reqs["short"], 3),
                          "1xTP8": pool_throughput(8, pen, reqs["short"][:24], 3)},
@@ -177,7 +177,7 @@ async def real_vs_sim() -> dict[str, Any]:
         real = await fr.multi_turn_makespan(url)
     fitted = fr.fit(measured)
     base = load_profile("tiny", "cpu", 1)
-    prof = dataclasses.replace(base, placeholder=False, **fitted)
+    prof = dataclasses.replace(base, placeholder=False, **fitted)  # type: ignore[arg-type]
     cfg = SimServerConfig(model="tiny", gpu="cpu", tp=1, speed=1.0, max_model_len=2048,
                           latency=prof)
     async with start_sim_servers([cfg]) as (sim_url,):
