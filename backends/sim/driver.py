@@ -175,6 +175,8 @@ class SimEngine:
                 await self._wake.wait()
                 t_free = self.clock.now()  # an idle engine starts when work arrives
             async with self._core:
+                if self.paused or not self.core.has_work:  # changed while a utility
+                    continue                               # call held the loop
                 t_free = await self._batch(t_free)
 
     async def _batch(self, t_free: float) -> float:

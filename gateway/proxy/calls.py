@@ -143,8 +143,8 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
         completion=cap.token_ids, ok=status == "ok", turn=_turn_facts(ctx),
     )
     rt.dispatcher.scheduler.call_completed(ctx.state, ok=status == "ok")
-    if status == "ok":
-        _measure(rt, ctx, now - dispatched, len(cap.token_ids), running)
+    if status == "ok" and not ctx.continuations:  # one that spanned a pause says nothing
+        _measure(rt, ctx, now - dispatched, len(cap.token_ids), running)  # of a speed
     ctx.seq = rt.tracker.record_seq(ctx.state)  # in placement order, gap-free
     rec = CallRecord(
         id=ctx.id, trajectory_id=ctx.state.id, group_id=ctx.state.group_id, seq=ctx.seq,

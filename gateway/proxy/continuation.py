@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from backends.base import ServerState
 from gateway.errors import UpstreamError
 from gateway.live_calls import continuable
 from gateway.proxy.calls import CallContext
@@ -148,9 +149,12 @@ async def _open(rt: Runtime, ctx: CallContext, body: dict[str, Any],
     gate = rt.dispatcher.gate
     await gate.wait_open(rt.settings.dispatch.pause_max_wait_s)
     assert ctx.lease is not None
-    if not ctx.lease.backend.routable:
+    backend = ctx.lease.backend
+    if not backend.healthy or backend.state is not ServerState.READY:
         await move(rt, ctx)
-        body["model"] = ctx.body["model"]  # the adapter it is bound to there
+        for key in ("model", "priority"):  # the adapter and priority it has there
+            if key in ctx.body:
+                body[key] = ctx.body[key]
         assert ctx.lease is not None
     rt.live_calls.continued(ctx.id)
     ctx.resume_mark = None  # the engine's own count (the abort's end) is the boundary

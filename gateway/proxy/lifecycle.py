@@ -43,13 +43,16 @@ def arrive(rt: Runtime, state: TrajectoryState, outcomes: list[ToolOutcome],
     return seq
 
 
-def dispatched(rt: Runtime, ctx: CallContext, lease: Lease) -> None:
+def dispatched(rt: Runtime, ctx: CallContext, lease: Lease,
+               queued_s: float | None = None) -> None:
     """The scheduler gave ``ctx`` to ``lease``'s backend; a call for a model with LoRA
-    adapters runs on its current one (:mod:`gateway.adapters`)."""
+    adapters runs on its current one (:mod:`gateway.adapters`). ``queued_s``: how long it
+    waited for this backend (default: since it arrived)."""
     ctx.bind(lease, rt.version_of(ctx.model), rt.adapters.current(ctx.model))
     rt.live_calls.add(ctx.id, lease.backend.id, ctx.body,
                        ctx.mark_version if ctx.stream else None, ctx.state.id)
-    rt.tracker.call_dispatched(ctx.state, lease.backend.id, time.monotonic() - ctx.arrived)
+    rt.tracker.call_dispatched(ctx.state, lease.backend.id,
+                               time.monotonic() - ctx.arrived if queued_s is None else queued_s)
 
 
 def requeue(rt: Runtime, ctx: CallContext, *, keep_out: list[str] | None) -> None:
@@ -82,9 +85,11 @@ async def move(rt: Runtime, ctx: CallContext) -> None:
     except BaseException:
         rt.tracker.call_dispatched(ctx.state, old.backend.id, 0.0)
         raise
-    made_by = ctx.weight_version  # the tokens so far: the continuation marks the rest
-    dispatched(rt, ctx, lease)
-    ctx.weight_version = made_by
+    # the call's stamp and clock stay its first dispatch's (the tokens so far were made
+    # there; the continuation marks where the rest begins)
+    made_by, started = ctx.weight_version, ctx.dispatched_at
+    dispatched(rt, ctx, lease, lease.queued_s)
+    ctx.weight_version, ctx.dispatched_at = made_by, started
 
 
 def abandon(rt: Runtime, state: TrajectoryState) -> None:

@@ -11,12 +11,13 @@ from typing import Any, Literal
 
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.gate import EngineMode
+from gateway.policies.base import Relayout
 from gateway.pool import engines
 from gateway.pool.checkpoint import Weights, check_checkpoint
 from gateway.pool.jobs import Job, JobStatus
 from gateway.runtime import Runtime
 from gateway.weights.aborts import enforce_staleness
-from gateway.weights.relayout import relayout_at_push
+from gateway.weights.relayout import apply_at_push, propose_at_push
 from gateway.weights.update import (
     EngineAnswer,
     current_weights,
@@ -111,6 +112,7 @@ async def _update(rt: Runtime, job: Job, version: str, engine_mode: EngineMode,
     if not await _check(rt, job, new, method, targets):
         return
     ok = False
+    change: Relayout | None = None
     try:
         with job.phase("pause", mode=engine_mode) as ph:
             paused = await pause_engines(rt, engine_mode, timeout_s, targets=targets)
@@ -123,7 +125,7 @@ async def _update(rt: Runtime, job: Job, version: str, engine_mode: EngineMode,
                 ok = await _push(rt, job, ph.detail, method, new, old, targets, timeout_s,
                                  trainer_done)
             if ok:  # the engines are paused on the new weights: the policy's moment
-                relayout_at_push(rt, job, engine_mode, method)
+                change = propose_at_push(rt, engine_mode, method)
     finally:
         with job.phase("resume") as ph:
             resumed = await resume_all(rt, version if ok else None, timeout_s, targets,
@@ -135,6 +137,8 @@ async def _update(rt: Runtime, job: Job, version: str, engine_mode: EngineMode,
         if not ok:
             job.errors.append(f"weight update abandoned; resumed with version "
                               f"{old.version!r}")
+    if change is not None:
+        apply_at_push(rt, job, change)
 
 
 async def _push(rt: Runtime, job: Job, detail: dict[str, Any], method: UpdateMethod,

@@ -7,11 +7,12 @@ hold the new weights, the weight-update job asks the policy's ``at_pause`` (``re
 the layout fastest for the trajectories finished since the last choice). A relayout it
 returns is applied there:
 
-1. the instances it retires take no call from now on (``DRAINING``);
+1. the instances it retires take no call from now on (``DRAINING``, :func:`propose_at_push`);
 2. the engines resume and the gate opens: every call the push aborted goes on token in
    (``gateway.proxy.continuation``), and one whose engine is retired goes back to the
    queue and on to wherever the scheduler places it (``gateway.proxy.lifecycle.move``);
-3. the relayout job (``gateway.pool.manager``) drains the retired instances (what is left
+3. then (:func:`apply_at_push`, not before: the resume still talks to the retired engines)
+   the relayout job (``gateway.pool.manager``) drains the retired instances (what is left
    on them: streams frozen in place, which finish there), stops them and starts the new
    ones on the new weights; queued calls wait for them as for any capacity on its way.
 
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 from backends.base import ServerState
+from gateway.policies.base import Relayout
 from gateway.pool.jobs import Job
 from gateway.pool.layout import LayoutError
 from gateway.runtime import Runtime
@@ -33,24 +35,38 @@ from gateway.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
-def relayout_at_push(rt: Runtime, job: Job, engine_mode: str, method: str) -> None:
-    """While the engines are paused with the new weights: the policy's relayout, if any,
-    started (its instances retired now, its job run once the push resumes). What became
-    of it is on the weight-update job's plan (``relayout``)."""
+def propose_at_push(rt: Runtime, engine_mode: str, method: str) -> Relayout | None:
+    """While the engines are paused with the new weights: the policy's relayout, if it
+    has one that changes the layout; the instances it retires take no call from now on,
+    so the calls the push aborted go on elsewhere once the gate opens."""
     pool = rt.pool
-    hook = getattr(rt.dispatcher.scheduler.policy, "at_pause", None)
+    scheduler = rt.dispatcher.scheduler
+    hook = getattr(scheduler.policy, "at_pause", None)
     if (pool is None or pool.static or hook is None or method != "reload"
             or engine_mode != "abort-and-continue"):
-        return
-    scheduler = rt.dispatcher.scheduler
+        return None
     snap = scheduler.snapshot()
     try:
-        change = hook(snap)
+        change: Relayout | None = hook(snap)
     except Exception:  # a planner bug must not fail the push
         log.exception("policy %s failed to plan at the weight push", scheduler.policy.name)
-        return
-    if change is None or not change.changes(snap):
-        return
+        return None
+    if change is None or not change.changes(snap) or \
+            not set(change.retire) <= set(pool.instances):
+        return None
+    for iid in change.retire:
+        inst = pool.instances[iid]
+        if inst.state is ServerState.READY:
+            inst.set_state(ServerState.DRAINING)
+    return change
+
+
+def apply_at_push(rt: Runtime, job: Job, change: Relayout) -> None:
+    """After the engines resumed: the relayout job that drains, stops and replaces the
+    retired instances (named on the weight-update job's ``plan.relayout``); if the pool
+    refuses it, the retired instances serve again."""
+    pool = rt.pool
+    assert pool is not None
     note: dict[str, Any] = {"retire": list(change.retire), "launch": list(change.launch),
                             "reason": change.reason}
     relayout: Job | None = None
@@ -58,18 +74,16 @@ def relayout_at_push(rt: Runtime, job: Job, engine_mode: str, method: str) -> No
         relayout = pool.relayout(change.retire, change.launch, change.reason, at_push=True)
         outcome = f"applying as job {relayout.id}"
         job.plan["relayout"] = {**note, "job": relayout.id}
+        rt.dispatcher.scheduler.relayouts += 1
     except LayoutError as exc:
         outcome = f"not applied: {exc}"
         job.plan["relayout"] = {**note, "refused": str(exc)}
+        for iid in change.retire:
+            inst = pool.instances.get(iid)
+            if inst is not None and inst.state is ServerState.DRAINING:
+                inst.set_state(ServerState.READY)
     rt.relayouts.record(time.time(), change.retire, change.launch, change.reason,
                         job=relayout, refused=None if relayout is not None else outcome)
     rt.events.emit("relayout", f"at the weight push, policy proposes retiring "
                    f"{list(change.retire)} for TP {list(change.launch)} ({change.reason}); "
                    f"{outcome}", retire=list(change.retire), launch=list(change.launch))
-    if relayout is None:
-        return
-    for iid in change.retire:  # before the gate opens: no call goes back to them
-        inst = pool.instances.get(iid)
-        if inst is not None and inst.state is ServerState.READY:
-            inst.set_state(ServerState.DRAINING)
-    scheduler.relayouts += 1

@@ -11,6 +11,7 @@ record, the old instances stopped.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ class RelayoutAtPush:
     """The gateway's policy, but at a weight push it asks for one TP2 in place of every
     instance it finds."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, launch: tuple[int, ...] = (2,)) -> None:
         self.inner = inner
+        self.launch = launch
         self.asked = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -38,7 +40,7 @@ class RelayoutAtPush:
 
     def at_pause(self, snap: Snapshot) -> Relayout | None:
         self.asked += 1
-        return Relayout(tuple(i.id for i in snap.instances), (2,), "test: one TP2 at the push")
+        return Relayout(tuple(i.id for i in snap.instances), self.launch, "test, at the push")
 
 
 async def _call(c: httpx.AsyncClient, tid: str, stream: bool) -> tuple[int, list[str]]:
@@ -55,7 +57,6 @@ async def _call(c: httpx.AsyncClient, tid: str, stream: bool) -> tuple[int, list
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                import json
                 for ch in json.loads(line[6:]).get("choices") or []:
                     if ch.get("finish_reason"):
                         finishes.append(ch["finish_reason"])
@@ -106,3 +107,32 @@ async def test_a_relayout_at_a_push_moves_the_aborted_calls_to_the_new_instances
 
 async def _set_policy(scheduler: Any, policy: Any) -> None:
     scheduler.set_policy(policy)
+
+
+async def test_a_relayout_the_pool_refuses_leaves_the_instances_serving(
+        pool_gateway: PoolGateway, tmp_path: Path) -> None:
+    """A TP4 on a pool of two GPUs cannot be placed: the push goes on as without it, the
+    two TP1s serve again and finish the calls, and the job says why."""
+    with pool_gateway(sim_spec(gpus=2, speed=10, layout=[{"tp": 1, "count": 2}])) as gw:
+        async with client(gw) as c:
+            await ready_pool(c)
+            scheduler = gw.rt.dispatcher.scheduler
+            gw.loop.run(_set_policy(scheduler, RelayoutAtPush(scheduler.policy, (4,))))
+            calls = [asyncio.create_task(_call(c, f"r{i}", stream=i % 2 == 1))
+                     for i in range(2)]
+            await asyncio.sleep(0.5)
+            r = await c.post("/admin/weight-update", headers=ADMIN, json={
+                "version": "1", "method": "reload",
+                "weights_path": checkpoint(tmp_path, "step-1")})
+            update = await wait_job(c, r.json()["job"], 60)
+            assert update["status"] == "succeeded", update
+            assert "refused" in update["plan"]["relayout"]
+            results = await asyncio.gather(*calls)
+            pool = (await c.get("/admin/pool", headers=ADMIN)).json()
+            assert [(i["id"], i["state"]) for i in pool["instances"]] == [
+                ("tp1-g0", "ready"), ("tp1-g1", "ready")]
+            for i in range(2):
+                (call,) = (await c.get(f"/trajectories/r{i}", headers=ADMIN)).json()["calls"]
+                assert len(call["completion_ids"]) == TOKENS
+                assert [seg[2] for seg in call["weight_segments"]] == ["0", "1"]
+    assert all(finishes == ["length"] for _, finishes in results)

@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from backends.sim.clock import WallClock
+from backends.sim.driver import SimEngine
 from backends.sim.engine import EngineCore
 from backends.sim.profiles import LoraCost, load_profile
 from backends.sim.request import SimRequest
@@ -90,3 +92,28 @@ async def test_a_load_holds_the_engine_between_two_batches(tmp_path: Path) -> No
         assert took >= load_s / speed
         assert held - alone >= 0.8 * load_s / speed
         assert (await http.get("/sim/stats")).json()["held_s"] == pytest.approx(load_s)
+
+
+async def test_a_pause_during_a_load_holds_the_engine_after_it() -> None:
+    """A pause that comes while a load holds the loop: no batch runs after the load
+    until the resume (the loop looks again once it has the engine)."""
+    core = EngineCore(P14)
+    engine = SimEngine(core, WallClock(10.0), tick_s=0.2)
+    loop = asyncio.create_task(engine.run())
+    try:
+        handle = await engine.submit(SimRequest("r", list(range(100)), 2000, ignore_eos=True,
+                                                output_ids=list(range(2000))))
+        await asyncio.sleep(0.05)
+        load = asyncio.create_task(engine.hold(2.0))  # 0.2 s of real time
+        await asyncio.sleep(0.03)  # the loop waits for the engine behind the load
+        engine.pause()
+        await engine.settled()
+        before = handle.num_generated
+        await asyncio.sleep(0.4)
+        assert load.done() and handle.num_generated == before
+        engine.resume()
+        await asyncio.sleep(0.1)
+        assert handle.num_generated > before
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
