@@ -32,7 +32,7 @@ from gateway.metrics import EventLog, GatewayMetrics, gauge
 from gateway.mismatch import MismatchBoard, mismatch_limits
 from gateway.policies.base import Migrate, Relayout
 from gateway.policies.registry import get_policy
-from gateway.pool.jobs import JobBook
+from gateway.pool.jobs import Job, JobBook
 from gateway.pool.layout import LayoutError
 from gateway.pool.manager import PoolManager, open_pool
 from gateway.pool.monitor import Monitor
@@ -195,6 +195,28 @@ def trace_metrics(writer: TraceWriter) -> Iterator[Metric]:
                   "to disk while the database is unreachable", writer.spool_bytes)
 
 
+def apply_relayout(rt: Runtime, change: Relayout, *, at_push: bool = False
+                   ) -> tuple[Job | None, str]:
+    """A policy's relayout handed to the managed pool (``at_push``: by the weight update
+    that asks, :mod:`gateway.weights.relayout`), recorded for ``/status`` and announced:
+    the job applying it, or None, and what became of it."""
+    job, outcome = None, "no managed pool to apply it"
+    if rt.pool is not None:
+        try:
+            job = rt.pool.relayout(change.retire, change.launch, change.reason,
+                                   at_push=at_push)
+            outcome = f"applying as job {job.id}"
+        except LayoutError as exc:
+            outcome = f"not applied: {exc}"
+    rt.relayouts.record(time.time(), change.retire, change.launch, change.reason,
+                        job=job, refused=None if job is not None else outcome)
+    rt.events.emit("relayout", f"{'at the weight push, ' if at_push else ''}policy proposes "
+                   f"retiring {list(change.retire)} for TP {list(change.launch)} "
+                   f"({change.reason}); {outcome}",
+                   retire=list(change.retire), launch=list(change.launch))
+    return job, outcome
+
+
 def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
     """Connect the scheduler's decisions to the resources that carry them out."""
     tasks: set[asyncio.Task[bool]] = set()
@@ -217,18 +239,7 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
         task.add_done_callback(tasks.discard)
 
     async def relayout(change: Relayout) -> None:
-        job, outcome = None, "no managed pool to apply it"
-        if rt.pool is not None:
-            try:
-                job = rt.pool.relayout(change.retire, change.launch, change.reason)
-                outcome = f"applying as job {job.id}"
-            except LayoutError as exc:
-                outcome = f"not applied: {exc}"
-        rt.relayouts.record(time.time(), change.retire, change.launch, change.reason,
-                            job=job, refused=None if job is not None else outcome)
-        rt.events.emit("relayout", f"policy proposes retiring {list(change.retire)} for TP "
-                       f"{list(change.launch)} ({change.reason}); {outcome}",
-                       retire=list(change.retire), launch=list(change.launch))
+        apply_relayout(rt, change)
 
     def fault(stage: str) -> None:
         rt.metrics.scheduler_faults.labels(stage).inc()

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import zlib
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -87,21 +89,17 @@ def routed_experts(token_ids: list[int], start: int, shape: MoeShape,
     e = shape.num_experts
     first = (hl % np.uint64(e)).astype(np.int64)
     # k distinct experts: a start and a stride coprime with the expert count
-    stride = _coprime_strides(e)[((hl >> np.uint64(32)) % np.uint64(len(_coprime_strides(e))))
-                                 .astype(np.int64)]
+    strides = _coprime_strides(e)
+    stride = strides[((hl >> np.uint64(32)) % np.uint64(len(strides))).astype(np.int64)]
     ks = np.arange(shape.top_k, dtype=np.int64)
     ids = (first[..., None] + stride[..., None] * ks) % e
     return ids.astype(shape.dtype)
 
 
-_STRIDES: dict[int, np.ndarray] = {}
-
-
+@cache
 def _coprime_strides(e: int) -> np.ndarray:
-    if e not in _STRIDES:
-        _STRIDES[e] = np.array([s for s in range(1, max(2, e)) if np.gcd(s, e) == 1]
-                               or [1], dtype=np.int64)
-    return _STRIDES[e]
+    return np.array([s for s in range(1, max(2, e)) if math.gcd(s, e) == 1] or [1],
+                    dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)

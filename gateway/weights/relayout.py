@@ -23,14 +23,12 @@ now can load them; pushed weights have no path to start from) on a managed pool.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from backends.base import ServerState
 from gateway.policies.base import Relayout
 from gateway.pool.jobs import Job
-from gateway.pool.layout import LayoutError
-from gateway.runtime import Runtime
+from gateway.runtime import Runtime, apply_relayout
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +63,16 @@ def apply_at_push(rt: Runtime, job: Job, change: Relayout) -> None:
     """After the engines resumed: the relayout job that drains, stops and replaces the
     retired instances (named on the weight-update job's ``plan.relayout``); if the pool
     refuses it, the retired instances serve again."""
-    pool = rt.pool
-    assert pool is not None
     note: dict[str, Any] = {"retire": list(change.retire), "launch": list(change.launch),
                             "reason": change.reason}
-    relayout: Job | None = None
-    try:
-        relayout = pool.relayout(change.retire, change.launch, change.reason, at_push=True)
-        outcome = f"applying as job {relayout.id}"
+    relayout, outcome = apply_relayout(rt, change, at_push=True)
+    if relayout is not None:
         job.plan["relayout"] = {**note, "job": relayout.id}
         rt.dispatcher.scheduler.relayouts += 1
-    except LayoutError as exc:
-        outcome = f"not applied: {exc}"
-        job.plan["relayout"] = {**note, "refused": str(exc)}
-        for iid in change.retire:
-            inst = pool.instances.get(iid)
-            if inst is not None and inst.state is ServerState.DRAINING:
-                inst.set_state(ServerState.READY)
-    rt.relayouts.record(time.time(), change.retire, change.launch, change.reason,
-                        job=relayout, refused=None if relayout is not None else outcome)
-    rt.events.emit("relayout", f"at the weight push, policy proposes retiring "
-                   f"{list(change.retire)} for TP {list(change.launch)} ({change.reason}); "
-                   f"{outcome}", retire=list(change.retire), launch=list(change.launch))
+        return
+    job.plan["relayout"] = {**note, "refused": outcome}
+    assert rt.pool is not None
+    for iid in change.retire:
+        inst = rt.pool.instances.get(iid)
+        if inst is not None and inst.state is ServerState.DRAINING:
+            inst.set_state(ServerState.READY)
