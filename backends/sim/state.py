@@ -221,7 +221,8 @@ class SimState:
             self._seen_by_id.pop(self.seen[0]["id"], None)
         entry = {"id": rid, "model": body.model, "priority": body.priority,
                  "prompt_tokens": prompt_len, "max_tokens": max_tokens, "n": body.n,
-                 "stream": body.stream, "ignore_eos": body.ignore_eos, "weight_spans": []}
+                 "stream": body.stream, "ignore_eos": body.ignore_eos, "weight_spans": [],
+                 "routed_experts_prompt_start": body.routed_experts_prompt_start}
         self.seen.append(entry)
         self._seen_by_id[rid] = entry
 

@@ -204,8 +204,27 @@ def store_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
         t = doc["targets"][key]
         lines.append(f"| {label} | {_f(t['value'])} | {_met(t)} |")
     lines.append("")
+    if "routes" in doc:
+        lines += _routes_lines(doc["routes"])
     lines += [f"![{k}]({v})" for k, v in plots.items()]
     return "\n".join(lines) + "\n"
+
+
+def _routes_lines(r: dict[str, Any]) -> list[str]:
+    """The writer without and with routed experts (``bench store --routes``)."""
+    out = [f"Routed experts ({r['router']}: {r['layers']} layers x top {r['top_k']} of "
+           f"{r['experts']}, {r['raw_bytes_per_token']} B per token raw), the writer on "
+           f"{r['trajectories']} trajectories, runs alternated on fresh databases:", "",
+           "| run | routes | calls/s | tokens/s | bytes in calls |", "|---|---|---|---|---|"]
+    for i, (plain, routed) in enumerate(zip(r["runs"]["without"], r["runs"]["with"],
+                                            strict=True)):
+        for name, run in (("without", plain), ("with", routed)):
+            out.append(f"| {i + 1} | {name} | {run['calls_per_s']:.0f} | "
+                       f"{run['tokens_per_s']:.0f} | {run['calls_bytes']} |")
+    out += ["", f"Rate with routes / without: {', '.join(f'{x:.3f}' for x in r['rate_ratio'])}"
+            f" (mean {r['rate_ratio_mean']:.3f}); routes stored: "
+            f"{_f(r['routes_bytes_per_token'])} B per token.", ""]
+    return out
 
 
 def store_plots(doc: dict[str, Any], out: Path) -> dict[str, str]:

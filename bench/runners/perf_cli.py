@@ -168,6 +168,11 @@ def store(
     pg_admin: Annotated[str, typer.Option(help="Postgres DSN to create the run's DBs")]
     = "postgresql://postgres@127.0.0.1:5432/postgres",
     out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/store"),
+    routes: Annotated[str | None, typer.Option(
+        help="also measure the writer without and with this router's routed experts on "
+             "every call (qwen3-30b-a3b, qwen3-235b-a22b, gpt-oss-120b, glm-4.5-air)")] = None,
+    routes_trajectories: Annotated[int, typer.Option(
+        help="trajectories of that measurement")] = 40,
     record_to: RecordTo = None,
 ) -> None:
     """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
@@ -177,7 +182,13 @@ def store(
     opts = StoreOptions(writer_trajectories=writer_trajectories,
                         e2e_trajectories=trajectories, turns=turns, concurrency=concurrency,
                         server_cpus=server_cpus or None, side_cpus=side_cpus or None,
-                        pg_admin=pg_admin, out=out)
+                        pg_admin=pg_admin, out=out, routes=routes,
+                        routes_trajectories=routes_trajectories)
+    if routes is not None:
+        from backends.sim.routes import MOE_SHAPES
+
+        if routes not in MOE_SHAPES:
+            raise typer.BadParameter(f"not one of {sorted(MOE_SHAPES)}", param_hint="--routes")
     if linear_turns:
         opts.linear_turns = list(linear_turns)
     console = Console()

@@ -14,6 +14,12 @@ Three measurements, each on a fresh database:
 - **linearity**: trajectories of 10, 20, 40 and 80 turns through the gateway; bytes of
   each trajectory's rows (``pg_column_size``, TOAST included) against its length, with a
   fitted exponent (1 = linear; storing full prompts would approach 2).
+- **routes** (``--routes ROUTER``, MoE routing replay): the writer measurement on fewer
+  trajectories, without and with routed experts of that router's shape on every call
+  (the positions the gateway asks for: each turn's new prompt tokens and completion,
+  random expert ids as incompressible as the simulated router's), alternated
+  ``routes_repeats`` times on fresh databases: the rate ratio, and the routes' bytes per
+  token as Postgres holds them.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ class StoreOptions:
     pg_admin: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     seed: int = 1
     out: Path = Path("artifacts/bench/store")
+    routes: str | None = None  # a router of backends.sim.routes.MOE_SHAPES
+    routes_trajectories: int = 40
+    routes_repeats: int = 2
 
 
 def observation_sizes(rng: np.random.Generator, turns: int) -> list[int]:
@@ -101,13 +110,29 @@ def per_token(sizes: dict[str, int]) -> float | None:
 
 
 # ---------------------------------------------------------------- writer, directly
-def synthetic_records(opts: StoreOptions) -> list[Any]:
-    """Call records as the gateway builds them for swe-like trajectories."""
+def _routes_piece(rng: np.random.Generator, start: int, end: int, layers: int, top_k: int,
+                  experts: int) -> list[Any]:
+    """The engine's answer for positions ``start .. end``: ``[start, base64 .npy]``."""
+    import base64
+    import io
+
+    ids = rng.integers(0, experts, size=(end - start, layers, top_k), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.save(buf, ids, allow_pickle=False)
+    return [start, base64.b64encode(buf.getvalue()).decode()]
+
+
+def synthetic_records(opts: StoreOptions, trajectories: int | None = None,
+                      routes: str | None = None) -> list[Any]:
+    """Call records as the gateway builds them for swe-like trajectories; with
+    ``routes`` (a router's name), the routed experts it would ask each turn for."""
+    from backends.sim.routes import MOE_SHAPES
     from gateway.store.records import CallRecord
 
     rng = np.random.default_rng(opts.seed)
+    shape = MOE_SHAPES[routes] if routes else None
     out: list[CallRecord] = []
-    for t in range(opts.writer_trajectories):
+    for t in range(opts.writer_trajectories if trajectories is None else trajectories):
         length = 0
         for seq, obs in enumerate(observation_sizes(rng, opts.turns)):
             new = SYSTEM_TOKENS + TASK_TOKENS if seq == 0 else obs + 6
@@ -123,18 +148,24 @@ def synthetic_records(opts: StoreOptions) -> list[Any]:
                 prompt_tokens=length + new, completion_tokens=len(comp),
                 request_messages=[{"role": "tool", "content": text_of(delta)}],
                 completion_text=text_of(comp)))
+            if shape is not None:  # from the previous turn's last token (never forwarded)
+                out[-1].routes = [_routes_piece(
+                    rng, max(0, length - 1), length + new + len(comp) - 1,
+                    shape.num_layers, shape.top_k, shape.num_experts)]
             length += new + len(comp)
     return out
 
 
-async def writer_rate(url: str, opts: StoreOptions, say: Progress) -> dict[str, Any]:
+async def writer_rate(url: str, opts: StoreOptions, say: Progress,
+                      records: list[Any] | None = None) -> dict[str, Any]:
     from gateway.config import TraceSettings
     from gateway.store.db import make_engine, make_sessionmaker, upgrade
     from gateway.store.writer import TraceWriter
 
     await asyncio.to_thread(upgrade, url)
-    say("writer: building records")
-    records = synthetic_records(opts)
+    if records is None:
+        say("writer: building records")
+        records = synthetic_records(opts)
     engine = make_engine(url)
     writer = TraceWriter(make_sessionmaker(engine), TraceSettings())
     writer.start()
@@ -268,9 +299,51 @@ def run_store(opts: StoreOptions, say: Progress, command: str) -> dict[str, Any]
         plan = [(f"e2e-{i}", opts.turns, i) for i in range(opts.e2e_trajectories)]
         doc["end_to_end"], _ = through_gateway(plan, opts, say, Path(tmp), "e2e")
         doc["linearity"] = linearity(opts, say, Path(tmp))
+    if opts.routes:
+        doc["routes"] = routes_rate(opts, say)
     doc["wall_s"] = time.time() - started
     doc["targets"] = store_targets(doc)
     return doc
+
+
+async def routes_bytes(url: str) -> int:
+    import asyncpg
+
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        return int(await conn.fetchval("SELECT coalesce(sum(pg_column_size(routes)), 0) "
+                                       "FROM calls"))
+    finally:
+        await conn.close()
+
+
+def routes_rate(opts: StoreOptions, say: Progress) -> dict[str, Any]:
+    """The writer without and with routed experts, alternated on fresh databases."""
+    assert opts.routes is not None
+    from backends.sim.routes import MOE_SHAPES
+
+    shape = MOE_SHAPES[opts.routes]
+    say(f"routes: building records ({opts.routes_trajectories} trajectories, twice)")
+    plain = synthetic_records(opts, opts.routes_trajectories)
+    routed = synthetic_records(opts, opts.routes_trajectories, opts.routes)
+    runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    for i in range(opts.routes_repeats):
+        for name, records in (("without", plain), ("with", routed)):
+            with postgres_db(opts.pg_admin, "rg_bench_store_routes") as db:
+                say(f"routes: run {i + 1}/{opts.routes_repeats}, {name} routes")
+                run = asyncio.run(writer_rate(db, opts, say, records))
+                run["routes_bytes"] = asyncio.run(routes_bytes(db))
+                runs[name].append(run)
+    ratios = [w["calls_per_s"] / o["calls_per_s"]
+              for o, w in zip(runs["without"], runs["with"], strict=True)]
+    tokens = runs["with"][0]["tokens"]
+    per_token = runs["with"][0]["routes_bytes"] / tokens if tokens else None
+    return {"router": opts.routes, "layers": shape.num_layers, "top_k": shape.top_k,
+            "experts": shape.num_experts, "trajectories": opts.routes_trajectories,
+            "runs": runs, "rate_ratio": ratios, "rate_ratio_mean": float(np.mean(ratios)),
+            "routes_bytes_per_token": per_token,
+            "raw_bytes_per_token": shape.num_layers * shape.top_k
+            * np.dtype(shape.dtype).itemsize}
 
 
 def store_targets(doc: dict[str, Any]) -> dict[str, Any]:

@@ -121,3 +121,37 @@ def sample_routes(parts: list[tuple[int, np.ndarray]], length: int, layers: int,
         if end > start:
             out[start:end] = r[:end - start]
     return out
+
+
+def routes_of(sample: Any) -> np.ndarray | None:
+    """A sample's routed experts (its ``routed_experts``, recorded by the gateway from the
+    engine's answers): ``(len(token_ids), layers, top_k)`` int32, :data:`UNKNOWN` where no
+    route is known; None when none of its calls recorded routes (a dense model)."""
+    field = getattr(sample, "routed_experts", None)
+    if field is None:
+        return None
+    arr = decode_routes(field).astype(np.int32)
+    if len(arr) != len(sample.token_ids):
+        raise ValueError(f"routes for {len(arr)} positions, the sample has "
+                         f"{len(sample.token_ids)} tokens")
+    return arr
+
+
+def batch_routes(samples: list[Any], length: int | None = None) -> np.ndarray:
+    """Samples' routes as one ``(batch, positions, layers, top_k)`` int32 array, padded
+    on the right with :data:`UNKNOWN` to ``length`` (default: the longest): the per-token
+    layout the R3 implementations of verl (Megatron router replay) and SkyRL take, each
+    token's row of ``top_k`` expert ids per MoE layer. A sample without routes is all
+    :data:`UNKNOWN` (its forward keeps the live router)."""
+    per = [routes_of(s) for s in samples]
+    shapes = {r.shape[1:] for r in per if r is not None}
+    if len(shapes) != 1:
+        raise ValueError("no sample has routes" if not shapes else
+                         f"samples of routers of different shapes: {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    n = max(len(s.token_ids) for s in samples) if length is None else length
+    out = np.full((len(samples), n, layers, top_k), UNKNOWN, dtype=np.int32)
+    for i, r in enumerate(per):
+        if r is not None:
+            out[i, :min(n, len(r))] = r[:n]
+    return out

@@ -18,6 +18,7 @@ from gateway.proxy.capture import Capture
 from gateway.proxy.doors import Translation
 from gateway.runtime import Runtime
 from gateway.store.records import CallRecord
+from gateway.store.routes import coverage
 from gateway.trajectories.branches import Continuation, words
 from gateway.trajectories.state import TrajectoryState, TurnFacts
 from gateway.trajectories.tools import after_last_assistant
@@ -172,6 +173,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
         rec.branch, rec.parent_branch = placed.branch, placed.parent
     rec.kept_len, rec.requested_model = ctx.kept_len, ctx.requested_model
     rec.constrained = ctx.constrained
+    rec.routes = cap.routes or None
     _attach_text(rt, ctx, rec)
     rt.writer.submit(rec)
     _observe(rt, ctx, rec)
@@ -186,7 +188,8 @@ def _turn_facts(ctx: CallContext) -> TurnFacts:
     # drift; an edited or dropped turn is a real change of history (a branch, no mismatch)
     cont = ctx.continues
     return TurnFacts(expected=cont.branch if cont and cont.echo_complete else None,
-                     digests=ctx.digests, said=words("".join(cap.text), calls))
+                     digests=ctx.digests, said=words("".join(cap.text), calls),
+                     routes=coverage(cap.routes) if cap.routes else None)
 
 
 def weight_segments(first: str, later: list[tuple[int, str]], total: int

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 INJECTED_KEYS = ("token_ids", "prompt_token_ids")
+#: the request field of vLLM's routed experts (``--enable-return-routed-experts``): the
+#: first position whose routes the answer carries (:mod:`gateway.proxy.routes`)
+ROUTES_START = "routed_experts_prompt_start"
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,8 @@ class ClientAsked:
     token_ids: bool
     logprobs: bool
     usage: bool = True  # a streamed call's usage chunk (``stream_options.include_usage``)
+    #: the client chose the first position of the routed experts itself: they are its
+    routes: bool = False
 
 
 def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
@@ -44,7 +49,8 @@ def inject(body: dict[str, Any], *, chat: bool) -> ClientAsked:
         asked_usage = options.get("include_usage") is True
         if not asked_usage:
             body["stream_options"] = {**options, "include_usage": True}
-    return ClientAsked(token_ids=asked_ids, logprobs=asked_lp, usage=asked_usage)
+    return ClientAsked(token_ids=asked_ids, logprobs=asked_lp, usage=asked_usage,
+                       routes=ROUTES_START in body)
 
 
 @dataclass(slots=True)
@@ -54,6 +60,9 @@ class ChoiceCapture:
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    #: routed experts, one ``[first position, vLLM's base64 .npy]`` per upstream answer
+    #: that carried them (a call continued across a weight update has several)
+    routes: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -67,6 +76,9 @@ class Capture:
     usage: dict[str, Any] | None = None
     chunks: int = 0
     fast: int = 0  # of ``chunks``, those captured by the fast path (gateway.proxy.token_runs)
+    #: the first position the routes of the answer being read start at (the request's
+    #: ``routed_experts_prompt_start``)
+    routes_start: int = 0
 
     def choice(self, index: int) -> ChoiceCapture:
         cap = self.choices.get(index)
@@ -122,6 +134,13 @@ class Capture:
             modified = True
         if "prompt_token_ids" in ch and self._take_prompt(ch):
             modified = True
+        if "routed_experts" in ch:  # non-streamed answers only (vLLM streams carry none)
+            routes = ch["routed_experts"]
+            if isinstance(routes, str):
+                cap.routes.append([self.routes_start, routes])
+            if not self.asked.routes:
+                del ch["routed_experts"]
+                modified = True
         lp = ch.get("logprobs")
         if isinstance(lp, dict):
             _collect_logprobs(lp, cap.logprobs, chat=self.chat)

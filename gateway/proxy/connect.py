@@ -14,6 +14,7 @@ import time
 
 from gateway.dispatch.backends import CircuitBreaker
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
+from gateway.proxy import routes
 from gateway.proxy.calls import CallContext
 from gateway.proxy.lifecycle import dispatched, requeue
 from gateway.proxy.tokens import PromptPlanner
@@ -84,8 +85,12 @@ async def connect(rt: Runtime, breaker: CircuitBreaker, ctx: CallContext,
 async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
     cont = ctx.continues
     usable = cont is not None and cont.echo_complete
-    ctx.kept_len = await planner.plan(
+    planned = await planner.plan(
         ctx.body, url, size=ctx.size,
         record=cont.sequence.tolist() if usable and cont else None,
         turn_end=cont.turn_end if cont else 0)
+    ctx.kept_len = planned.kept
+    # routed experts: the branch's are the prompt's first ones when the prompt extends it
+    held = cont.routes_end if cont is not None and planned.extends else 0
+    ctx.capture.routes_start = routes.ask(ctx.body, held, client_chose=ctx.capture.asked.routes)
 

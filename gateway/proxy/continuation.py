@@ -37,11 +37,13 @@ import orjson
 from backends.base import ServerState
 from gateway.errors import UpstreamError
 from gateway.live_calls import continuable
+from gateway.proxy import routes
 from gateway.proxy.calls import CallContext
 from gateway.proxy.lifecycle import move
 from gateway.proxy.sse import SSEDecoder
 from gateway.proxy.upstream import UPSTREAM_HEADERS, UpstreamBroken, UpstreamResponse, open_upstream
 from gateway.runtime import Runtime
+from gateway.store.routes import coverage
 
 #: Sampling fields carried over to the continuation unchanged.
 CARRIED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -93,6 +95,8 @@ def continuation_body(ctx: CallContext) -> dict[str, Any] | None:
         out["logprobs"] = body.get("logprobs", 0)
     if ctx.stream:
         out["stream_options"] = {"include_usage": True}
+    held = coverage(ctx.capture.completion(0).routes)
+    ctx.capture.routes_start = routes.ask(out, held[1] if held else 0, client_chose=False)
     return out
 
 

@@ -28,6 +28,7 @@ from gateway.dispatch.backends import Backend, CircuitBreaker, backend_at_fault
 from gateway.envelopes import openai_error_body
 from gateway.errors import GatewayError, RecordingUnavailable, UpstreamError
 from gateway.failure_log import refusals_logged
+from gateway.proxy import routes
 from gateway.proxy.admission import Admission
 from gateway.proxy.aliases import resolve_model
 from gateway.proxy.bodies import (
@@ -256,6 +257,8 @@ class Proxy:
                 requested_model=requested, size=len(raw), constrained=constraint_of(body),
                 model=model, served=served,
             )
+            if ctx.capture.asked.routes:  # the client's own routed_experts_prompt_start
+                ctx.capture.routes_start = routes.ask(body, 0, client_chose=True)
             if endpoint.chat:
                 ctx.digests = digest_messages(body["messages"], _render_context(body))
                 ctx.continues = state.tree.continuation(ctx.digests, body["messages"])

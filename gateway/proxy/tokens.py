@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -146,6 +146,15 @@ def needs_count(body: dict[str, Any], size: int, max_model_len: int | None) -> b
     return limit + bound > max_model_len
 
 
+class Planned(NamedTuple):
+    """What :meth:`PromptPlanner.plan` did: prompt tokens taken from the record (None: the
+    request runs as rendered), and whether the prompt the engine runs extends the record
+    (the routes the branch holds are then the new prompt's first ones)."""
+
+    kept: int | None
+    extends: bool
+
+
 class PromptPlanner:
     """Runs before a chat call goes upstream (once, on the first backend it is sent to):
     token in where the harness re-rendered the model's turn, and the max_tokens clamp."""
@@ -159,15 +168,16 @@ class PromptPlanner:
         self.unjoined = 0  # calls that continued a branch but could not be joined to it
 
     async def plan(self, body: dict[str, Any], base_url: str, *, size: int,
-                   record: list[int] | None, turn_end: int) -> int | None:
+                   record: list[int] | None, turn_end: int) -> Planned:
         """Rewrite ``body`` in place; the number of prompt tokens taken from the record
-        (``record`` given: the request continues a branch whose turn it echoed)."""
+        (``record`` given: the request continues a branch whose turn it echoed), and
+        whether the prompt the engine runs starts with the record."""
         model = str(body.get("model"))
         known = self._context.get(model)
         use_record = record is not None and self._settings.token_in
         clamp = self._settings.clamp_max_tokens and needs_count(body, size, known)
         if not use_record and not clamp:
-            return None
+            return Planned(None, False)
         tok = Tokenizer(self._session, base_url, body, self._settings)
         prompt: list[int] | None = None
         if use_record:
@@ -187,9 +197,10 @@ class PromptPlanner:
             if counted is not None:
                 clamp_max_tokens(body, len(counted), tok.max_model_len)
         if prompt is None:
-            return None
+            extends = bool(record) and full is not None and full[:len(record or ())] == record
+            return Planned(None, extends)
         params = body.get("kv_transfer_params")
         body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}),
                                       "prompt_token_ids": prompt}
         self.kept += 1
-        return len(record or ())
+        return Planned(len(record or ()), True)

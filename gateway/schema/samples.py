@@ -64,6 +64,10 @@ class Sample:
     fork_position: int = 0  # tokens taken from the parent (trained there unless main)
     main: bool = True  # the task's conversation (gateway/store/samples.py), trained whole
     num_branches: int = 1
+    #: MoE routing replay: the experts each position was routed to, base64 of a ``.npy``
+    #: int16 ``(len(token_ids), layers, top_k)``, -1 where no route is known (the last
+    #: token, positions the engine did not report); None when no call recorded any
+    routed_experts: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ trees (``export --branches tree``), a row per trajectory."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,9 @@ SAMPLE_SCHEMA = pa.schema([
     ("parent_branch", pa.int32()),
     ("fork_position", pa.int32()),
     ("is_main", pa.bool_()),
+    # MoE routing replay: the sample's ``routed_experts`` as ``.npy`` bytes (int16
+    # ``(positions, layers, top_k)``, -1 unknown; ``np.load(io.BytesIO(value))``)
+    ("routed_experts", pa.binary()),
 ])
 
 
@@ -43,6 +47,8 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "metadata": orjson.dumps(s.metadata).decode() if s.metadata is not None else None,
         "branch": s.branch, "parent_branch": s.parent_branch,
         "fork_position": s.fork_position, "is_main": s.main,
+        "routed_experts": base64.b64decode(s.routed_experts)
+        if s.routed_experts is not None else None,
     }
 
 

@@ -22,21 +22,24 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.store.codec import pack_floats, pack_ids
 from gateway.store.models import Call, Trajectory
 from gateway.store.records import CallRecord
+from gateway.store.routes import merge as merge_routes
 
 
 def _ts(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, tz=UTC)
 
 
-_CALL_COLUMNS = [f.name for f in fields(CallRecord) if f.name != "group_id"]
+_CALL_COLUMNS = [f.name for f in fields(CallRecord) if f.name != "group_id"] + ["routes_start"]
 
 
 def call_row(rec: CallRecord) -> dict[str, Any]:
-    row = {k: getattr(rec, k) for k in _CALL_COLUMNS}
+    row = {k: getattr(rec, k, None) for k in _CALL_COLUMNS}
     row["started_at"] = _ts(rec.started_at)
     row["prompt_delta"] = pack_ids(rec.prompt_delta)
     row["completion_ids"] = pack_ids(rec.completion_ids)
     row["completion_logprobs"] = pack_floats(rec.completion_logprobs)
+    merged = merge_routes(rec.routes) if rec.routes else None
+    row["routes_start"], row["routes"] = merged if merged is not None else (None, None)
     return row
 
 

@@ -112,3 +112,8 @@ class Call(Base):
     requested_model: Mapped[str | None] = mapped_column(String(256))
     #: a forced tool call or structured output: its logprobs are of a masked distribution
     constrained: Mapped[str | None] = mapped_column(String(32))
+    # routed experts (MoE routing replay): a ``.npy`` of (positions, layers, top_k) expert
+    # ids, uint8 up to 256 experts, from position ``routes_start`` of the call's prompt
+    # and completion (gateway/proxy/routes.py)
+    routes_start: Mapped[int | None] = mapped_column(Integer)
+    routes: Mapped[bytes | None] = mapped_column(LargeBinary)

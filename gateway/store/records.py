@@ -48,3 +48,6 @@ class CallRecord:
     requested_model: str | None = None
     #: the kind of constraint its sampling ran under (gateway/proxy/constraints.py)
     constrained: str | None = None
+    #: routed experts as the engine sent them: ``[[first position, base64 .npy], ...]``
+    #: (gateway/proxy/routes.py); merged into one array when the row is written
+    routes: list[list[Any]] | None = None

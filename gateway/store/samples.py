@@ -24,9 +24,13 @@ what the routes answer and the trainer client reads.
 
 from __future__ import annotations
 
+import base64
+import io
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from gateway.schema.samples import CallSpan, Mismatch, Sample
 from gateway.store.codec import unpack_floats, unpack_ids
@@ -34,6 +38,10 @@ from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
 __all__ = ["CallSpan", "Mismatch", "Sample", "build_sample", "build_samples", "has_calls_for",
            "staleness"]
+
+
+def _truncate_routes(parts: list[tuple[int, np.ndarray]], length: int) -> None:
+    parts[:] = [(start, arr[:length - start]) for start, arr in parts if start < length]
 
 
 def _truncate(sample: Sample, length: int) -> None:
@@ -112,18 +120,51 @@ BRANCH_CHOICES = ("all", "main", "longest")
 @dataclass(slots=True)
 class BranchBuild:
     """A sample being built, with what its loss mask is decided from at the end: which
-    of its positions the model generated, and which branch appended each."""
+    of its positions the model generated, and which branch appended each; and the routed
+    experts its calls recorded, as ``(first position, array)`` parts in call order."""
 
     sample: Sample
     generated: bytearray = field(default_factory=bytearray)
     origin: array[int] = field(default_factory=lambda: array("i"))
     last_seq: int = -1
+    routes: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    routes_model: str | None = None
 
 
 def _fork_from(built: BranchBuild, parent: BranchBuild, position: int) -> None:
     _fork(built.sample, parent.sample, position)
     built.generated = parent.generated[:position]
     built.origin = parent.origin[:position]
+    built.routes, built.routes_model = list(parent.routes), parent.routes_model
+    _truncate_routes(built.routes, position)
+
+
+def _call_routes(call: Call) -> np.ndarray | None:
+    if call.routes is None or call.routes_start is None:
+        return None
+    try:
+        arr = np.load(io.BytesIO(call.routes), allow_pickle=False)
+    except (ValueError, OSError):
+        return None
+    return arr if arr.ndim == 3 else None
+
+
+def routes_field(parts: Sequence[tuple[int, np.ndarray]], length: int) -> str | None:
+    """A sample's ``routed_experts`` (:class:`Sample`): the parts laid on its positions,
+    an earlier call's route kept where a later one recomputed the position (the route
+    the token was generated or first read under)."""
+    shapes = {arr.shape[1:] for _, arr in parts if len(arr)}
+    if len(shapes) != 1:  # none, or calls of routers of other shapes: not one model's
+        return None
+    layers, top_k = shapes.pop()
+    out = np.full((length, layers, top_k), -1, dtype=np.int16)
+    for start, arr in reversed(parts):
+        end = min(length, start + len(arr))
+        if end > start:
+            out[start:end] = arr[:end - start]
+    buf = io.BytesIO()
+    np.save(buf, out, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _add_call(built: BranchBuild, call: Call, trains: bool = True) -> None:
@@ -131,7 +172,14 @@ def _add_call(built: BranchBuild, call: Call, trains: bool = True) -> None:
     False (another model's tokens, in a per-model sample: context)."""
     if call.prompt_offset < len(built.sample.token_ids):  # a legacy cut (``_truncate``)
         del built.generated[call.prompt_offset:], built.origin[call.prompt_offset:]
+        _truncate_routes(built.routes, call.prompt_offset)
     _append_call(built.sample, call)
+    routes = _call_routes(call) if trains else None  # another policy routes otherwise
+    if routes is not None:
+        assert call.routes_start is not None
+        if built.routes_model != call.model:  # one model's routes per sample
+            built.routes, built.routes_model = [], call.model
+        built.routes.append((call.routes_start, routes))
     span = built.sample.calls[-1]
     built.generated += bytes(span.completion_start - len(built.generated))  # its prompt
     built.generated += (b"\x01" if trains else b"\x00") * (span.completion_end
@@ -245,6 +293,8 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
     for b in ordered:
         b.sample.main = b is main
         b.sample.num_branches = len(ordered)
+        if b.routes:
+            b.sample.routed_experts = routes_field(b.routes, len(b.sample.token_ids))
     return ordered, main
 
 

@@ -107,6 +107,7 @@ class TurnFacts:
     expected: int | None = None  # the branch its messages continued
     digests: tuple[bytes, ...] = ()  # its request messages (gateway.trajectories.branches)
     said: Counter[str] | None = None  # the words of the turn the model produced
+    routes: tuple[int, int] | None = None  # positions whose routed experts it recorded
 
 
 @dataclass(slots=True)

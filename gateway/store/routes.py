@@ -1,0 +1,94 @@
+"""Routed experts as stored: a call's pieces merged into one array, and their coverage.
+
+A call keeps what its engine answered as ``[first position, base64 .npy]`` pieces
+(:mod:`gateway.proxy.routes`); the trace writer merges them into one ``.npy`` of
+``(positions, layers, top_k)`` expert ids (:func:`merge`), stored in ``calls.routes`` from
+position ``calls.routes_start`` of the call's prompt and completion.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: base64 characters enough for any ``.npy`` header this module reads (v1: 128 bytes)
+_HEAD_CHARS = 344
+
+
+def header(data: str) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """The shape and dtype of vLLM's base64 ``.npy`` without decoding its body; None when
+    it is not a 3-d array of unsigned expert ids."""
+    try:
+        raw = base64.b64decode(data[:_HEAD_CHARS - _HEAD_CHARS % 4])
+        buf = io.BytesIO(raw)
+        version = np.lib.format.read_magic(buf)
+        if version != (1, 0):
+            return None
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+    except (ValueError, binascii.Error):
+        return None
+    if fortran or len(shape) != 3 or dtype.kind != "u":
+        return None
+    return shape, dtype
+
+
+def coverage(pieces: Sequence[Sequence[Any]]) -> tuple[int, int] | None:
+    """``(start, end)``: the positions the pieces cover without a gap from the lowest
+    start (None without a readable piece)."""
+    spans = []
+    for start, data in pieces:
+        head = header(data)
+        if head is not None:
+            spans.append((int(start), int(start) + head[0][0]))
+    if not spans:
+        return None
+    spans.sort()
+    lo, hi = spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            break
+        hi = max(hi, e)
+    return lo, hi
+
+
+def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
+    """One array from a call's pieces: ``(first position, .npy bytes)`` of the positions
+    covered without a gap from the lowest start (a later piece's rows win where pieces
+    overlap: they are the same context's routes). None when no piece decodes."""
+    if len(pieces) == 1:  # the usual call: the engine's bytes as they are
+        start, data = pieces[0]
+        if header(data) is None:
+            return None
+        try:
+            return int(start), base64.b64decode(data, validate=True)
+        except (ValueError, binascii.Error):
+            return None
+    arrays: list[tuple[int, np.ndarray]] = []
+    for start, data in pieces:
+        try:
+            arr = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+        except (ValueError, binascii.Error, OSError):
+            continue
+        if arr.ndim == 3 and arr.dtype.kind == "u":
+            arrays.append((int(start), arr))
+    if not arrays:
+        return None
+    arrays.sort(key=lambda p: p[0])
+    lo, first = arrays[0]
+    shape = first.shape[1:]
+    end = lo + len(first)
+    parts = [first]
+    for s, arr in arrays[1:]:
+        if s > end or arr.shape[1:] != shape:
+            break
+        if s + len(arr) > end:
+            parts.append(arr[end - s:].astype(first.dtype, copy=False))
+            end = s + len(arr)
+    out = io.BytesIO()
+    np.save(out, np.concatenate(parts) if len(parts) > 1 else first, allow_pickle=False)
+    return lo, out.getvalue()

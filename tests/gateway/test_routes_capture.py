@@ -1,0 +1,160 @@
+"""Routed experts recorded through the gateway (MoE routing replay, issue 47).
+
+A simulated engine started with routes on (``--enable-return-routed-experts``, the
+Qwen3-30B-A3B router) answers every non-streamed call with the experts of the positions
+asked for. Over a four-turn trajectory (non-streamed, streamed, non-streamed, and a turn
+that re-renders history so it cannot be joined), the gateway must:
+
+- ask each turn only from the first position its branch does not hold
+  (``routed_experts_prompt_start``), and leave the field out when it holds none;
+- strip the routes from what the harness sees (it never asked for them);
+- give the sample one route row per position that equals what the engine routes that
+  context to, -1 only where nothing reported one (the last token);
+- store each call's routes as bytes, one byte per expert id.
+
+The same trajectory through an engine with routes off sends the field never and has no
+routes in its sample.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from backends.sim.routes import MOE_SHAPES, routed_experts
+from gateway.client.routing import UNKNOWN, batch_routes, routes_of
+from gateway.client.types import sample_from_json
+from tests.gateway.conftest import GatewayFactory
+from tests.servers import LoopThread
+
+MODEL = "qwen3-14b"
+ROUTER = MOE_SHAPES["qwen3-30b-a3b"]
+
+
+@pytest.fixture(scope="module")
+def engines(loop_thread: LoopThread) -> Iterator[list[str]]:
+    """One engine with routes on, one without."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    cm = start_sim_servers([
+        SimServerConfig(model=MODEL, speed=50, seed=0, output_len_median=20,
+                        enable_return_routed_experts=True, moe=ROUTER),
+        SimServerConfig(model=MODEL, speed=50, seed=0, output_len_median=20)])
+    urls = loop_thread.run(cm.__aenter__())
+    yield urls
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+def _turns(http: httpx.Client, tid: str) -> list[dict[str, Any]]:
+    """Four turns of one trajectory; each answer as the harness saw it."""
+    headers = {"x-trajectory-id": tid}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "list the files"}]
+    seen = []
+    for turn, stream in enumerate((False, True, False, False)):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": stream}
+        if stream:
+            text = []
+            with http.stream("POST", "/v1/chat/completions", json=body,
+                             headers=headers) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        assert "routed_experts" not in line
+                        chunk = httpx.Response(200, content=line[6:]).json()
+                        text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+            content = "".join(text)
+            seen.append({"stream": True})
+        else:
+            r = http.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            seen.append(answer)
+            content = answer["choices"][0]["message"]["content"]
+        if turn == 2:  # the harness rewrites its history: a new branch, nothing held
+            messages = [{"role": "system", "content": "Be brief, please."},
+                        *messages[1:]]
+        messages += [{"role": "assistant", "content": content},
+                     {"role": "user", "content": f"and now step {turn + 2}"}]
+    return seen
+
+
+def _engine_requests(http: httpx.Client, url: str, ids: list[str]) -> list[dict[str, Any]]:
+    seen = http.get(f"{url}/sim/stats").json()["requests_seen"]
+    return [s for s in seen if s["id"] in {f"chatcmpl-{i}" for i in ids}]
+
+
+def _decode(field: str) -> np.ndarray:
+    arr: np.ndarray = np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
+    return arr
+
+
+def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sample(
+        gateway_at: GatewayFactory, engines: list[str], tmp_path: Path) -> None:
+    db = tmp_path / "traces.db"
+    tid = f"moe-{uuid.uuid4().hex[:8]}"
+    with gateway_at(f"sqlite+aiosqlite:///{db}", engines[:1]) as gw, \
+            httpx.Client(base_url=gw, timeout=30) as http:
+        answers = _turns(http, tid)
+        for a in answers:
+            if not a.get("stream"):
+                assert "routed_experts" not in a["choices"][0]  # the harness never asked
+        http.post(f"/trajectories/{tid}/finish", json={"reward": 1.0})
+        calls = http.get(f"/trajectories/{tid}", params={"include_text": False}).json()["calls"]
+        samples = http.get(f"/trajectories/{tid}/samples").json()["data"]
+        asked = _engine_requests(http, engines[0], [c["id"] for c in calls])
+
+    assert len(calls) == 4 and len(asked) == 4
+    lengths = [c["prompt_len"] + len(c["completion_ids"]) for c in calls]
+    starts = [a["routed_experts_prompt_start"] for a in asked]
+    # turn 1 holds nothing; turn 2 (streamed: vLLM returns no routes on streams) asks
+    # from where turn 1's end (its last token was never forwarded); so does turn 3, since
+    # turn 2 added none; turn 4 opened a branch of its own and holds nothing
+    assert starts == [0, lengths[0] - 1, lengths[0] - 1, 0], (starts, lengths)
+
+    assert calls[3]["branch"] != calls[2]["branch"] and len(samples) == 2
+    for s in samples:
+        assert _decode(s["routed_experts"]).dtype == np.int16
+        routes = routes_of(sample_from_json(s))  # as the trainer's client reads them
+        ids = s["token_ids"]
+        assert routes is not None
+        assert routes.shape == (len(ids), ROUTER.num_layers, ROUTER.top_k)
+        truth = routed_experts(ids, 0, ROUTER, "default|")
+        assert np.array_equal(routes[:-1], truth), "a route differs from the engine's"
+        assert (routes[-1] == UNKNOWN).all()  # the last token was never forwarded
+    batch = batch_routes([sample_from_json(s) for s in samples])
+    longest = max(len(s["token_ids"]) for s in samples)
+    assert batch.shape == (2, longest, ROUTER.num_layers, ROUTER.top_k)
+
+    with sqlite3.connect(db) as conn:
+        stored = dict(conn.execute("SELECT id, length(routes) FROM calls").fetchall())
+    row_bytes = ROUTER.num_layers * ROUTER.top_k  # one byte per expert id (128 experts)
+    positions = [lengths[0] - 1, 0, lengths[2] - 1 - starts[2], lengths[3] - 1]
+    for c, n in zip(calls, positions, strict=True):
+        if n == 0:
+            assert stored[c["id"]] is None
+        else:  # the .npy header (128 bytes) and the ids
+            assert stored[c["id"]] == 128 + n * row_bytes
+
+
+def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
+        gateway_at: GatewayFactory, engines: list[str], tmp_path: Path) -> None:
+    tid = f"dense-{uuid.uuid4().hex[:8]}"
+    with gateway_at(f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", engines[1:]) as gw, \
+            httpx.Client(base_url=gw, timeout=30) as http:
+        _turns(http, tid)
+        calls = http.get(f"/trajectories/{tid}").json()["calls"]
+        samples = http.get(f"/trajectories/{tid}/samples").json()["data"]
+        asked = _engine_requests(http, engines[1], [c["id"] for c in calls])
+    assert [a["routed_experts_prompt_start"] for a in asked] == [0, 0, 0, 0]
+    assert all(s["routed_experts"] is None for s in samples)

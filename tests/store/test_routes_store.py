@@ -1,0 +1,127 @@
+"""Routed experts in the trace store (SQLite and Postgres): a call's pieces merged into one
+array, stored as bytes, laid on the sample's positions, exported to Parquet, and
+carried through the spool.
+
+The calls of one trajectory, as the gateway records them: turn 0 asked from position 0;
+turn 1 was continued across a weight update (two pieces: the aborted request's, then the
+continuation's from where the first ended); turn 2 left the sequence (a legacy cut at
+position 4 on branch 0), so the routes past the cut are the later call's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from backends.sim.routes import MoeShape, routed_experts
+from gateway.config import TraceSettings
+from gateway.store import queries
+from gateway.store.db import make_engine, make_sessionmaker
+from gateway.store.export import export_samples
+from gateway.store.records import CallRecord
+from gateway.store.routes import coverage, merge
+from gateway.store.samples import build_sample
+from gateway.store.spool import Spool
+from gateway.store.writer import TraceWriter
+
+SHAPE = MoeShape(3, 16, 2)
+
+
+def _b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _routes(tokens: list[int], start: int, end: int | None = None) -> str:
+    """The engine's answer for ``tokens`` from ``start`` (up to ``end`` positions)."""
+    arr = routed_experts(tokens, start, SHAPE)
+    return _b64(arr if end is None else arr[:end - start])
+
+
+def _rec(traj: str, seq: int, offset: int, delta: list[int], completion: list[int],
+         routes: list[list[object]] | None) -> CallRecord:
+    return CallRecord(
+        id=f"{traj}-{seq}", trajectory_id=traj, group_id=None, seq=seq, endpoint="chat",
+        model="m", weight_version="v1", started_at=time.time() + seq, prompt_offset=offset,
+        prompt_delta=delta, prompt_len=offset + len(delta), completion_ids=completion,
+        completion_logprobs=[-0.5] * len(completion), routes=routes)
+
+
+def test_pieces_merge_without_gaps_and_report_their_coverage() -> None:
+    toks = list(range(100, 130))
+    whole = routed_experts(toks, 0, SHAPE)
+    pieces: list[list[object]] = [[10, _routes(toks, 10, 20)], [0, _routes(toks, 0, 12)]]
+    assert coverage(pieces) == (0, 20)
+    merged = merge(pieces)
+    assert merged is not None and merged[0] == 0
+    assert np.array_equal(np.load(io.BytesIO(merged[1])), whole[:20])
+    gap: list[list[object]] = [[0, _routes(toks, 0, 5)], [8, _routes(toks, 8, 12)]]
+    assert coverage(gap) == (0, 5)  # what lies past a gap is not held
+    merged = merge(gap)
+    assert merged is not None and np.array_equal(np.load(io.BytesIO(merged[1])), whole[:5])
+    assert coverage([[0, "not base64 of an array"]]) is None
+    assert merge([[0, base64.b64encode(b"junk").decode()]]) is None
+
+
+async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
+                                                                 tmp_path: Path) -> None:
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    writer = TraceWriter(sm, TraceSettings(batch_size=2, flush_interval_s=0.01))
+    writer.start()
+    tid = f"r-{uuid.uuid4().hex[:8]}"
+    t0 = [1, 2, 3, 10, 11]  # prompt [1, 2, 3], completion [10, 11]
+    t1 = [*t0, 4, 5, 12, 13, 14]  # continued after the engine had forwarded up to 13
+    t2 = [1, 2, 3, 10, 99, 7, 13, 14]  # cut at 4 (the harness re-rendered history)
+    try:
+        for rec in (
+            _rec(tid, 0, 0, [1, 2, 3], [10, 11], [[0, _routes(t0, 0)]]),
+            _rec(tid, 1, 5, [4, 5], [12, 13, 14],
+                 [[4, _routes(t1, 4, 8)], [8, _routes(t1, 8)]]),
+            _rec(tid, 2, 4, [99, 7], [13, 14], [[0, _routes(t2, 0)]]),
+        ):
+            assert writer.submit(rec)
+        assert await writer.drain(10)
+        async with sm() as session, session.begin():
+            await queries.finish_trajectory(session, trajectory_id=tid, group_id=None,
+                                            reward=1.0, metadata=None, now=time.time())
+        async with sm() as session:
+            traj = await queries.get_trajectory(session, trajectory_id=tid)
+            calls = await queries.get_calls(session, trajectory_id=tid)
+        assert traj is not None
+        row_bytes = SHAPE.num_layers * SHAPE.top_k  # uint8 ids: 16 experts
+        assert [(c.routes_start, len(c.routes or b"")) for c in calls] == [
+            (0, 128 + 4 * row_bytes), (4, 128 + 5 * row_bytes), (0, 128 + 7 * row_bytes)]
+        sample = build_sample(traj, calls)
+        assert sample.token_ids == t2
+        assert sample.routed_experts is not None
+        got = np.load(io.BytesIO(base64.b64decode(sample.routed_experts)))
+        assert got.shape == (8, 3, 2) and got.dtype == np.int16
+        # positions 0-3 from turn 0, the rest from turn 2 (turn 1's were cut)
+        assert np.array_equal(got[:4], routed_experts(t0, 0, SHAPE)[:4])
+        assert np.array_equal(got[:-1], routed_experts(t2, 0, SHAPE))
+        assert (got[-1] == -1).all()
+
+        out = tmp_path / "samples.parquet"
+        assert await export_samples(db_url, out, fmt="parquet", progress=False) >= 1
+        row = next(r for r in pq.read_table(out).to_pylist() if r["trajectory_id"] == tid)
+        assert np.array_equal(np.load(io.BytesIO(row["routed_experts"])), got)
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+def test_the_spool_carries_routes_as_the_engine_sent_them(tmp_path: Path) -> None:
+    toks = [5, 6, 7, 8]
+    rec = _rec("spooled", 0, 0, [5, 6], [7, 8], [[0, _routes(toks, 0)]])
+    with Spool(tmp_path / "spool", 1 << 20) as spool:
+        assert spool.append([rec]).kept == 1
+        back, _ = spool.read(10)
+    assert back[0].routes == rec.routes
