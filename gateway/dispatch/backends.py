@@ -49,6 +49,9 @@ class Backend:
     #: the weight label the engine itself reported (``GET /weight_info``) when it was
     #: admitted or last updated; its calls are stamped with it (None: not known)
     weight_version: str | None = None
+    #: whether its answers carry routed experts (a MoE engine started with
+    #: ``--enable-return-routed-experts``), as last seen (None: not seen yet)
+    returns_routes: bool | None = None
 
     @property
     def breaker_state(self) -> str:

@@ -174,6 +174,8 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
     rec.kept_len, rec.requested_model = ctx.kept_len, ctx.requested_model
     rec.constrained = ctx.constrained
     rec.routes = cap.routes or None
+    if cap.routes:
+        ctx.lease.backend.returns_routes = True
     _attach_text(rt, ctx, rec)
     rt.writer.submit(rec)
     _observe(rt, ctx, rec)

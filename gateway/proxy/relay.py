@@ -374,6 +374,8 @@ class Proxy:
                         out = door.feed(out)
                     if out:
                         yield out
+            if routes.wants_fill(ctx):  # before the response ends: the record is whole
+                await routes.fill(self.rt, ctx)
         except GatewayError as exc:
             error = exc
             if ctx.lease is not None:

@@ -14,6 +14,14 @@ update asks from the end of what its call has so far. The field is sent only whe
 start is above 0 and the branch holds routes, so a dense model (or an engine without the
 flag) never sees it: capture costs nothing there.
 
+Streamed answers carry no routes (vLLM's streaming paths never set them). For a streamed
+call on an engine that returns routes, :func:`fill` asks the same engine, before the
+stream ends for the client, for the routes of the call's whole sequence from the same
+start: a prefill-only token-in request (one token generated, then dropped) whose prefix
+the engine has cached, sent only while the engine still holds the weights that made
+the call's tokens. The last completion token, which the call itself never forwarded,
+gets its route there too. An engine whose answer carries none is not asked again.
+
 A call keeps what it received as ``[start, base64]`` pieces (no decoding on the request
 path); the trace writer merges them into one ``.npy`` (:func:`gateway.store.routes.merge`)
 stored in ``calls.routes`` from ``calls.routes_start``; the samples align them with the tokens
@@ -22,9 +30,22 @@ stored in ``calls.routes`` from ``calls.routes_start``; the samples align them w
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+import aiohttp
+import orjson
+
+from gateway.proxy.calls import CallContext
 from gateway.proxy.capture import ROUTES_START
+from gateway.proxy.upstream import UPSTREAM_HEADERS
+from gateway.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+#: how long a stream's end waits for its routes (then it ends without them)
+FILL_TIMEOUT_S = 10.0
 
 
 def ask(body: dict[str, Any], start: int, *, client_chose: bool) -> int:
@@ -38,3 +59,65 @@ def ask(body: dict[str, Any], start: int, *, client_chose: bool) -> int:
     else:
         body.pop(ROUTES_START, None)
     return max(0, start)
+
+
+def wants_fill(ctx: CallContext) -> bool:
+    """Whether a streamed call that ended whole should ask its engine for routes: the
+    engine returns them (or has not been seen to yet) and the client did not choose."""
+    lease = ctx.lease
+    return (ctx.stream and lease is not None and lease.backend.returns_routes is not False
+            and not ctx.capture.asked.routes and ctx.capture.prompt_ids is not None
+            and ctx.capture.generated_all() and len(ctx.capture.choices) == 1
+            and not ctx.version_starts())  # one that spanned a weight update: the engine
+    # would route its earlier tokens under the new weights
+
+
+def _same_weights(rt: Runtime, ctx: CallContext, version: str) -> bool:
+    """Whether the call's engine still serves the weights that made its last tokens."""
+    if ctx.served and ctx.body.get("model") != ctx.served:
+        return True  # a LoRA adapter: its name pins its weights (unloaded: a 404)
+    assert ctx.lease is not None
+    return (ctx.lease.backend.weight_version or rt.version_of(ctx.model or ctx.served)) \
+        == version
+
+
+async def fill(rt: Runtime, ctx: CallContext) -> bool:
+    """Ask a streamed call's engine for the routes of its sequence (module doc); True when
+    they were added to the call's capture. Never raises for the engine's sake: a call
+    without routes is still a whole call."""
+    assert ctx.lease is not None
+    backend = ctx.lease.backend
+    version = ctx.weight_version
+    if not _same_weights(rt, ctx, version):
+        return False  # the engine moved on to other weights: its routes would be theirs
+    cap = ctx.capture.completion(0)
+    start = ctx.capture.routes_start
+    body: dict[str, Any] = {
+        "model": ctx.body["model"], "prompt": list(ctx.capture.prompt_ids or ()) + cap.token_ids,
+        "max_tokens": 1, "request_id": f"{ctx.id}-routes"}
+    if start > 0:
+        body[ROUTES_START] = start
+    if "priority" in ctx.body:
+        body["priority"] = ctx.body["priority"]
+    try:
+        async with asyncio.timeout(FILL_TIMEOUT_S), rt.session.post(
+                backend.url + "/v1/completions", data=orjson.dumps(body),
+                headers=UPSTREAM_HEADERS) as resp:
+            answer = orjson.loads(await resp.read()) if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        log.info("call %s: its engine %s gave no routes for the stream (%s)", ctx.id,
+                 backend.id, type(exc).__name__)
+        return False
+    if answer is None:
+        return False
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    field = choices[0].get("routed_experts") if choices and isinstance(choices[0], dict) \
+        else None
+    if not isinstance(field, str):
+        backend.returns_routes = False  # a dense model, or an engine without the flag
+        return False
+    if not _same_weights(rt, ctx, version):
+        return False  # weights changed while it ran
+    backend.returns_routes = True
+    cap.routes.append([start, field])
+    return True

@@ -7,12 +7,15 @@ that re-renders history so it cannot be joined), the gateway must:
 
 - ask each turn only from the first position its branch does not hold
   (``routed_experts_prompt_start``), and leave the field out when it holds none;
+- for the streamed turn (vLLM streams carry no routes), ask the same engine before the
+  stream ends with one prefill-only request from the same start;
 - strip the routes from what the harness sees (it never asked for them);
 - give the sample one route row per position that equals what the engine routes that
   context to, -1 only where nothing reported one (the last token);
 - store each call's routes as bytes, one byte per expert id.
 
-The same trajectory through an engine with routes off sends the field never and has no
+The same trajectory through an engine with routes off sends the field never, is asked
+for the stream's routes once (its answer has none, so it is not asked again) and has no
 routes in its sample.
 """
 
@@ -90,8 +93,9 @@ def _turns(http: httpx.Client, tid: str) -> list[dict[str, Any]]:
 
 
 def _engine_requests(http: httpx.Client, url: str, ids: list[str]) -> list[dict[str, Any]]:
-    seen = http.get(f"{url}/sim/stats").json()["requests_seen"]
-    return [s for s in seen if s["id"] in {f"chatcmpl-{i}" for i in ids}]
+    """The engine's requests for the calls ``ids``: each call's, then its routes' (if any)."""
+    seen = {s["id"]: s for s in http.get(f"{url}/sim/stats").json()["requests_seen"]}
+    return [seen[k] for i in ids for k in (f"chatcmpl-{i}", f"cmpl-{i}-routes") if k in seen]
 
 
 def _decode(field: str) -> np.ndarray:
@@ -114,13 +118,16 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
         samples = http.get(f"/trajectories/{tid}/samples").json()["data"]
         asked = _engine_requests(http, engines[0], [c["id"] for c in calls])
 
-    assert len(calls) == 4 and len(asked) == 4
+    assert len(calls) == 4 and len(asked) == 5
+    assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes" and asked[2]["max_tokens"] == 1
     lengths = [c["prompt_len"] + len(c["completion_ids"]) for c in calls]
     starts = [a["routed_experts_prompt_start"] for a in asked]
-    # turn 1 holds nothing; turn 2 (streamed: vLLM returns no routes on streams) asks
-    # from where turn 1's end (its last token was never forwarded); so does turn 3, since
-    # turn 2 added none; turn 4 opened a branch of its own and holds nothing
-    assert starts == [0, lengths[0] - 1, lengths[0] - 1, 0], (starts, lengths)
+    # turn 1 holds nothing; turn 2 asks from where turn 1's routes end (its last token was
+    # never forwarded), and so does its routes' request (the stream carried none), which
+    # covers turn 2 whole, its last token too; turn 3 asks from there; turn 4 opened a
+    # branch of its own and holds nothing
+    l1, l2 = lengths[0], lengths[1]
+    assert starts == [0, l1 - 1, l1 - 1, l2, 0], (starts, lengths)
 
     assert calls[3]["branch"] != calls[2]["branch"] and len(samples) == 2
     for s in samples:
@@ -139,12 +146,9 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
     with sqlite3.connect(db) as conn:
         stored = dict(conn.execute("SELECT id, length(routes) FROM calls").fetchall())
     row_bytes = ROUTER.num_layers * ROUTER.top_k  # one byte per expert id (128 experts)
-    positions = [lengths[0] - 1, 0, lengths[2] - 1 - starts[2], lengths[3] - 1]
-    for c, n in zip(calls, positions, strict=True):
-        if n == 0:
-            assert stored[c["id"]] is None
-        else:  # the .npy header (128 bytes) and the ids
-            assert stored[c["id"]] == 128 + n * row_bytes
+    positions = [l1 - 1, l2 - (l1 - 1), lengths[2] - 1 - l2, lengths[3] - 1]
+    for c, n in zip(calls, positions, strict=True):  # the .npy header (128 bytes), the ids
+        assert stored[c["id"]] == 128 + n * row_bytes
 
 
 def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
@@ -156,5 +160,10 @@ def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
         calls = http.get(f"/trajectories/{tid}").json()["calls"]
         samples = http.get(f"/trajectories/{tid}/samples").json()["data"]
         asked = _engine_requests(http, engines[1], [c["id"] for c in calls])
-    assert [a["routed_experts_prompt_start"] for a in asked] == [0, 0, 0, 0]
+        _turns(http, f"{tid}-again")  # its engine is known not to route: not asked
+        again = http.get(f"/trajectories/{tid}-again").json()["calls"]
+        asked_again = _engine_requests(http, engines[1], [c["id"] for c in again])
+    assert [a["routed_experts_prompt_start"] for a in asked] == [0, 0, 0, 0, 0]
+    assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes"  # the one probe
+    assert len(asked_again) == 4
     assert all(s["routed_experts"] is None for s in samples)
