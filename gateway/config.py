@@ -217,6 +217,10 @@ class CaptureSettings(BaseModel):
         "typed decode and encode (gateway/proxy/token_runs.py) instead of event by event; "
         "off: every event takes the general path (to compare, or if an engine's stream "
         "should confuse it)")
+    routes_new_only: bool = Field(
+        True, description="ask a mixture-of-experts engine for routed experts only from the "
+        "first position the trajectory's record lacks (docs/moe.md); off: every call asks "
+        "from position 0 (to measure what asking only new positions saves)")
 
 
 class ShardSettings(BaseModel):

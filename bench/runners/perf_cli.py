@@ -317,3 +317,40 @@ def relay(
     json_out.write_text(json.dumps(doc, indent=1))
     console.print(relay_markdown(doc))
     console.print(f"results: {json_out}")
+
+
+def routes(
+    router: Annotated[str, typer.Option(
+        help="the engine's router: qwen3-30b-a3b, qwen3-235b-a22b, gpt-oss-120b, "
+             "glm-4.5-air, tiny-moe")] = "qwen3-30b-a3b",
+    trajectories: Annotated[int, typer.Option(min=1, help="trajectories per run")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="turns per trajectory")] = 10,
+    concurrency: Annotated[int, typer.Option(min=1, help="trajectories at once")] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of every mode, alternated")] = 2,
+    speed: Annotated[float, typer.Option(help="the simulated engines' time compression")]
+    = 100.0,
+    server_cpus: Annotated[str, typer.Option(help="taskset CPUs of the gateway")] = "0",
+    side_cpus: Annotated[str, typer.Option(help="CPUs of the engines and the client")] = "1",
+    pg_admin: Annotated[str, typer.Option(help="Postgres DSN to create the run's DBs")]
+    = "postgresql://postgres@127.0.0.1:5432/postgres",
+    out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/routes"),
+) -> None:
+    """What recording routed experts adds to a call: latency and gateway CPU, dense vs
+    routes asked from where the record ends vs from 0, streamed and not (docs/moe.md)."""
+    from backends.sim.routes import MOE_SHAPES
+    from bench.runners.routes import RoutesOptions, routes_markdown, run_routes
+
+    if router not in MOE_SHAPES:
+        raise typer.BadParameter(f"not one of {sorted(MOE_SHAPES)}", param_hint="--router")
+    opts = RoutesOptions(router=router, trajectories=trajectories, turns=turns,
+                         concurrency=concurrency, repeats=repeats, speed=speed,
+                         server_cpus=server_cpus or None, side_cpus=side_cpus or None,
+                         pg_admin=pg_admin, out=out)
+    console = Console()
+    prog, say = _progress(console)
+    with prog:
+        doc = run_routes(opts, say, _command("routes"))
+    (out / "routes.json").write_text(json.dumps(doc, indent=2))
+    md = routes_markdown(doc)
+    (out / "routes.md").write_text(f"# bench routes\n\n{md}")
+    console.print(md)

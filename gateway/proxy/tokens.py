@@ -164,6 +164,7 @@ class PromptPlanner:
         self._settings = settings
         self._context: dict[str, int] = {}  # served model -> its max_model_len, once seen
         self._closing: dict[str, list[int] | None] = {}  # served model -> its turn closing
+        self.routes_new_only = settings.routes_new_only
         self.kept = 0  # calls whose prompt came partly from the record
         self.unjoined = 0  # calls that continued a branch but could not be joined to it
 

@@ -21,7 +21,7 @@ def test_store_smoke(tmp_path: Path):
     cmd = [sys.executable, "-m", "gateway", "bench", "store", "--writer-trajectories", "6",
            "--trajectories", "3", "--turns", "3", "--concurrency", "3", "--linear-turns", "2",
            "--linear-turns", "4", "--linear-turns", "8", "--out", str(tmp_path / "out"),
-           "--record", str(bench_md)]
+           "--record", str(bench_md), "--routes", "tiny-moe", "--routes-trajectories", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     doc = json.loads((tmp_path / "out" / "store.json").read_text())
@@ -34,6 +34,10 @@ def test_store_smoke(tmp_path: Path):
     assert [r["turns"] for r in lin["trajectories"]] == [2, 4, 8]
     assert 0.5 < lin["exponent_bytes_vs_tokens"] < 1.5
     assert lin["exponent_full_prompts_vs_tokens"] > lin["exponent_bytes_vs_tokens"]
+    routes = doc["routes"]  # tiny-moe: 2 layers x top 2, one byte per id
+    assert routes["raw_bytes_per_token"] == 4 and len(routes["rate_ratio"]) == 2
+    assert 4 <= routes["routes_bytes_per_token"] < 5  # the ids, and a header per call
+    assert all(r["calls"] == 6 for runs in routes["runs"].values() for r in runs)
     text = bench_md.read_text()
     assert "## bench sim\n\nkept as is" in text and "## bench store" in text
     assert (tmp_path / "docs" / "benchmarks" / "store" / "store.png").exists()
