@@ -108,7 +108,9 @@ async def fill(rt: Runtime, ctx: CallContext) -> bool:
         log.info("call %s: its engine %s gave no routes for the stream (%s)", ctx.id,
                  backend.id, type(exc).__name__)
         return False
-    if answer is None:
+    if answer is None:  # refused: an engine not yet seen to route is taken not to
+        if backend.returns_routes is None:
+            backend.returns_routes = False
         return False
     choices = answer.get("choices") if isinstance(answer, dict) else None
     field = choices[0].get("routed_experts") if choices and isinstance(choices[0], dict) \
