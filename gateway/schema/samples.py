@@ -110,6 +110,9 @@ class SampleTree:
     branches: list[TreeBranch] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
     max_staleness: int | None = None
+    #: MoE routing replay: each node's routed experts, as :class:`Sample`'s (one row per
+    #: node, -1 unknown); None when no call recorded any
+    routed_experts: str | None = None
 
     def path(self, leaf: int) -> list[int]:
         """The node indices from a root to ``leaf``: one branch's sequence."""

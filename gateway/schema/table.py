@@ -73,6 +73,7 @@ TREE_SCHEMA = pa.schema([
     ("main_branch", pa.int32()),
     ("max_staleness", pa.int32()),
     ("metadata", pa.string()),
+    ("routed_experts", pa.binary()),  # one row per node, as the samples' column
 ])
 
 
@@ -90,6 +91,8 @@ def tree_record(t: SampleTree) -> dict[str, Any]:
         "main_branch": next((b.branch for b in t.branches if b.main), None),
         "max_staleness": t.max_staleness,
         "metadata": orjson.dumps(t.metadata).decode() if t.metadata is not None else None,
+        "routed_experts": base64.b64decode(t.routed_experts)
+        if t.routed_experts is not None else None,
     }
 
 

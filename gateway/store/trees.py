@@ -14,11 +14,34 @@ that appended a position and the position (a fork shares its parent's positions)
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
+
+import numpy as np
 
 from gateway.schema.samples import SampleTree, TreeBranch
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
-from gateway.store.samples import build_branches, staleness
+from gateway.store.samples import BranchBuild, build_branches, staleness
+
+
+def _branch_routes(ordered: Sequence[BranchBuild]) -> dict[int, np.ndarray]:
+    """Each branch's routed experts (by branch id), when they are of one router shape."""
+    out = {b.sample.branch: np.load(io.BytesIO(base64.b64decode(b.sample.routed_experts)))
+           for b in ordered if b.sample.routed_experts is not None}
+    return out if len({a.shape[1:] for a in out.values()}) == 1 else {}
+
+
+def _node_routes(sources: Sequence[tuple[np.ndarray | None, int]],
+                 shape: tuple[int, ...]) -> str:
+    """A tree's ``routed_experts``: each node's row from the branch that holds it first."""
+    out = np.full((len(sources), *shape), -1, dtype=np.int16)
+    for i, (arr, p) in enumerate(sources):
+        if arr is not None:
+            out[i] = arr[p]
+    buf = io.BytesIO()
+    np.save(buf, out, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
@@ -33,13 +56,17 @@ def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | 
     tree = SampleTree(trajectory.id, trajectory.group_id, first.reward, attempt=first.attempt,
                       metadata=first.metadata)
     nodes: dict[tuple[int, int], int] = {}
+    routes = _branch_routes(ordered)
+    sources: list[tuple[np.ndarray | None, int]] = []  # each node's routes: (array, row)
     for b in ordered:
         s, leaf = b.sample, -1
+        mine = routes.get(s.branch)
         for p, token in enumerate(s.token_ids):
             key = (b.origin[p], p)
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = len(tree.token_ids)
+                sources.append((mine, p))
                 tree.token_ids.append(token)
                 tree.parents.append(leaf)
                 tree.positions.append(p)
@@ -49,6 +76,8 @@ def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | 
             leaf = node
         tree.branches.append(TreeBranch(s.branch, s.parent_branch, leaf, len(s.token_ids),
                                         b is main))
+    if routes:
+        tree.routed_experts = _node_routes(sources, next(iter(routes.values())).shape[1:])
     tree.max_staleness = staleness(
         [v for v, m in zip(tree.weight_versions, tree.loss_mask, strict=True) if m],
         current_version)

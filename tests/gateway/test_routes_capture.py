@@ -116,7 +116,20 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
         http.post(f"/trajectories/{tid}/finish", json={"reward": 1.0})
         calls = http.get(f"/trajectories/{tid}", params={"include_text": False}).json()["calls"]
         samples = http.get(f"/trajectories/{tid}/samples").json()["data"]
+        tree = http.get(f"/trajectories/{tid}/tree").json()
         asked = _engine_requests(http, engines[0], [c["id"] for c in calls])
+
+    # the tree export: each node's route, on every branch's path, is the engine's
+    nodes = _decode(tree["routed_experts"])
+    assert len(nodes) == len(tree["token_ids"])
+    for b in tree["branches"]:
+        path, leaf = [], b["leaf"]
+        while leaf >= 0:
+            path.append(leaf)
+            leaf = tree["parents"][leaf]
+        path.reverse()
+        tokens = [tree["token_ids"][i] for i in path]
+        assert np.array_equal(nodes[path[:-1]], routed_experts(tokens, 0, ROUTER, "default|"))
 
     assert len(calls) == 4 and len(asked) == 5
     assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes" and asked[2]["max_tokens"] == 1
