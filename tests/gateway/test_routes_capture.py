@@ -180,3 +180,59 @@ def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
     assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes"  # the one probe
     assert len(asked_again) == 4
     assert all(s["routed_experts"] is None for s in samples)
+
+
+@pytest.fixture(scope="module")
+def slow_routed(loop_thread: LoopThread) -> Iterator[str]:
+    """One engine with routes on, slow enough (5x) that an answer spans a pause."""
+    from backends.sim.runner import start_sim_servers
+    from backends.sim.state import SimServerConfig
+
+    cm = start_sim_servers([SimServerConfig(speed=5, seed=0, tick_real_s=0.005,
+                                            enable_return_routed_experts=True, moe=ROUTER)])
+    (url,) = loop_thread.run(cm.__aenter__())
+    yield url
+    loop_thread.run(cm.__aexit__(None, None, None))
+
+
+async def test_a_call_continued_across_a_weight_update_keeps_each_routes_weights(
+        gateway_at: GatewayFactory, slow_routed: str, sqlite_url: str) -> None:
+    """A non-streamed call aborted by a weight update and continued token in: its routes
+    are the first request's (old weights) up to where it stopped, then the
+    continuation's (new weights), asked from where the first ended; the sample holds
+    both, as the engine routed each position under the weights of the time."""
+    import asyncio
+
+    from tests.gateway.slow_engines import ADMIN, HARNESS, KEY, N, generating
+
+    with gateway_at(sqlite_url, [slow_routed], admin_token="tok", api_keys=[KEY]) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
+            await admin.put("/admin/weight-version", json={"version": "0"})
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                    "max_tokens": N, "ignore_eos": True}
+            task = asyncio.create_task(http.post("/v1/chat/completions", json=body,
+                                                 headers={"x-trajectory-id": "spans"}))
+            await generating([slow_routed], 1)
+            r = (await admin.post("/admin/pause", json={"mode": "abort-and-continue"})).json()
+            assert r["ok"], r
+            await asyncio.sleep(0.2)
+            assert (await admin.post("/admin/resume", json={"weight_version": "t1"})).json()["ok"]
+            answer = await task
+            assert answer.status_code == 200 and "routed_experts" not in answer.text
+            (call,) = (await admin.get("/trajectories/spans")).json()["calls"]
+            sample = (await admin.get("/trajectories/spans/sample")).json()
+            seen = (await http.get(f"{slow_routed}/sim/stats")).json()["requests_seen"]
+    first, later = [s for s in seen if s["id"] in (f"chatcmpl-{call['id']}",
+                                                   f"cmpl-{call['id']}")]
+    (_, n, old), = first["weight_spans"]
+    (_, _, new), = later["weight_spans"]
+    assert old != new and 0 < n < N
+    prompt = call["prompt_len"]
+    assert later["routed_experts_prompt_start"] == prompt + n - 1  # where the first ended
+    ids = sample["token_ids"]
+    routes = _decode(sample["routed_experts"])
+    cut = prompt + n - 1
+    assert np.array_equal(routes[:cut], routed_experts(ids, 0, ROUTER, f"{old}|")[:cut])
+    assert np.array_equal(routes[cut:-1], routed_experts(ids, 0, ROUTER, f"{new}|")[cut:])
+    assert not np.array_equal(routes[cut:-1], routed_experts(ids, 0, ROUTER, f"{old}|")[cut:])
