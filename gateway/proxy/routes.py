@@ -20,7 +20,9 @@ stream ends for the client, for the routes of the call's whole sequence from the
 start: a prefill-only token-in request (one token generated, then dropped) whose prefix
 the engine has cached, sent only while the engine still holds the weights that made
 the call's tokens. The last completion token, which the call itself never forwarded,
-gets its route there too. An engine whose answer carries none is not asked again.
+gets its route there too. An engine not yet seen to return routes is asked by one stream
+at a time (the probe); one whose answer carries none, or that refuses, is not asked again;
+an engine paused for a weight update is not asked.
 
 A call keeps what it received as ``[start, base64]`` pieces (no decoding on the request
 path); the trace writer merges them into one ``.npy`` (:func:`gateway.store.routes.merge`)
@@ -88,8 +90,12 @@ async def fill(rt: Runtime, ctx: CallContext) -> bool:
     assert ctx.lease is not None
     backend = ctx.lease.backend
     version = ctx.weight_version
+    if rt.dispatcher.gate.paused or backend.id in rt.live_calls.paused:
+        return False  # a weight update is on: the engine would answer on the new weights
     if not _same_weights(rt, ctx, version):
         return False  # the engine moved on to other weights: its routes would be theirs
+    if backend.returns_routes is None:  # the first ask is the probe: one at a time
+        backend.returns_routes = False
     cap = ctx.capture.completion(0)
     start = ctx.capture.routes_start
     body: dict[str, Any] = {
@@ -108,9 +114,7 @@ async def fill(rt: Runtime, ctx: CallContext) -> bool:
         log.info("call %s: its engine %s gave no routes for the stream (%s)", ctx.id,
                  backend.id, type(exc).__name__)
         return False
-    if answer is None:  # refused: an engine not yet seen to route is taken not to
-        if backend.returns_routes is None:
-            backend.returns_routes = False
+    if answer is None:  # refused (an engine not yet seen to route stays taken not to)
         return False
     choices = answer.get("choices") if isinstance(answer, dict) else None
     field = choices[0].get("routed_experts") if choices and isinstance(choices[0], dict) \
