@@ -222,7 +222,9 @@ class SimState:
         entry = {"id": rid, "model": body.model, "priority": body.priority,
                  "prompt_tokens": prompt_len, "max_tokens": max_tokens, "n": body.n,
                  "stream": body.stream, "ignore_eos": body.ignore_eos, "weight_spans": [],
-                 "routed_experts_prompt_start": body.routed_experts_prompt_start}
+                 # None when the request left the field out (its default, 0, applies)
+                 "routed_experts_prompt_start": body.routed_experts_prompt_start
+                 if "routed_experts_prompt_start" in body.model_fields_set else None}
         self.seen.append(entry)
         self._seen_by_id[rid] = entry
 

@@ -121,7 +121,8 @@ def _positions(engine: str, before: int) -> tuple[int, int]:
 
     seen = httpx.get(f"{engine}/sim/stats", timeout=30).json()["requests_seen"][before:]
     return len(seen), sum(
-        max(0, r["prompt_tokens"] + r["max_tokens"] - 1 - r["routed_experts_prompt_start"])
+        max(0, r["prompt_tokens"] + r["max_tokens"] - 1
+            - (r["routed_experts_prompt_start"] or 0))
         for r in seen if not r["stream"])
 
 

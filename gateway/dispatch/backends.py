@@ -52,6 +52,7 @@ class Backend:
     #: whether its answers carry routed experts (a MoE engine started with
     #: ``--enable-return-routed-experts``), as last seen (None: not seen yet)
     returns_routes: bool | None = None
+    routes_probe: bool = False  # a stream's routes request is finding that out
 
     @property
     def breaker_state(self) -> str:

@@ -62,6 +62,9 @@ class CallContext:
     served: str = ""
     constrained: str | None = None  # gateway/proxy/constraints.py
     size: int = 0  # the request's bytes as received
+    #: when its last token arrived, where the call went on after it (a stream's routes
+    #: request, gateway/proxy/routes.py): its LLM time ends there
+    generated_at: float | None = None
 
     def view(self) -> CallView:
         st = self.state
@@ -135,7 +138,8 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
     status = _status(error)
     running = ctx.lease.backend.in_flight  # this call included, before it is released
     ctx.lease.release(ok=status != "error" if backend_ok is None else backend_ok)
-    now = time.monotonic()
+    ended = time.monotonic()
+    now = ctx.generated_at or ended  # the LLM's part ends at its last token
     dispatched = ctx.dispatched_at or now
     cap = ctx.capture.completion(0)
     placed = rt.tracker.call_finished(
@@ -158,7 +162,7 @@ def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,
         finish_reason=cap.finish_reason and _fit(cap.finish_reason, "finish_reason"),
         error=_describe(error), queued_ms=(dispatched - ctx.arrived) * 1000,
         ttft_ms=(ctx.first_byte - dispatched) * 1000 if ctx.first_byte and ctx.stream else None,
-        total_ms=(now - ctx.arrived) * 1000,
+        total_ms=(ended - ctx.arrived) * 1000,
         prompt_len=len(ctx.capture.prompt_ids or ()),
         completion_ids=cap.token_ids,
         completion_logprobs=cap.logprobs if len(cap.logprobs) == len(cap.token_ids) else None,
@@ -191,7 +195,8 @@ def _turn_facts(ctx: CallContext) -> TurnFacts:
     cont = ctx.continues
     return TurnFacts(expected=cont.branch if cont and cont.echo_complete else None,
                      digests=ctx.digests, said=words("".join(cap.text), calls),
-                     routes=coverage(cap.routes) if cap.routes else None)
+                     routes=coverage(cap.routes) if cap.routes else None,
+                     model=ctx.model or ctx.served)
 
 
 def weight_segments(first: str, later: list[tuple[int, str]], total: int

@@ -134,10 +134,9 @@ class Capture:
             modified = True
         if "prompt_token_ids" in ch and self._take_prompt(ch):
             modified = True
-        if "routed_experts" in ch:  # non-streamed answers only (vLLM streams carry none)
-            routes = ch["routed_experts"]
-            if isinstance(routes, str):
-                cap.routes.append([self.routes_start, routes])
+        routes = ch.get("routed_experts")  # non-streamed answers only (streams carry none)
+        if isinstance(routes, str) and routes:
+            cap.routes.append([self.routes_start, routes])
             if not self.asked.routes:
                 del ch["routed_experts"]
                 modified = True

@@ -91,7 +91,7 @@ async def _plan(planner: PromptPlanner, ctx: CallContext, url: str) -> None:
         turn_end=cont.turn_end if cont else 0)
     ctx.kept_len = planned.kept
     # routed experts: the branch's are the prompt's first ones when the prompt extends it
-    held = cont.routes_end if cont is not None and planned.extends \
-        and planner.routes_new_only else 0
+    held = cont.routes_end.get(ctx.model or ctx.served, 0) if cont is not None \
+        and planned.extends and planner.routes_new_only else 0
     ctx.capture.routes_start = routes.ask(ctx.body, held, client_chose=ctx.capture.asked.routes)
 

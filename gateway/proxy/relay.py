@@ -375,6 +375,8 @@ class Proxy:
                     if out:
                         yield out
             if routes.wants_fill(ctx):  # before the response ends: the record is whole
+                ctx.generated_at = time.monotonic()
+                upstream.close()
                 await routes.fill(self.rt, ctx)
         except GatewayError as exc:
             error = exc

@@ -16,13 +16,13 @@ flag) never sees it: capture costs nothing there.
 
 Streamed answers carry no routes (vLLM's streaming paths never set them). For a streamed
 call on an engine that returns routes, :func:`fill` asks the same engine, before the
-stream ends for the client, for the routes of the call's whole sequence from the same
-start: a prefill-only token-in request (one token generated, then dropped) whose prefix
-the engine has cached, sent only while the engine still holds the weights that made
-the call's tokens. The last completion token, which the call itself never forwarded,
-gets its route there too. An engine not yet seen to return routes is asked by one stream
-at a time (the probe); one whose answer carries none, or that refuses, is not asked again;
-an engine paused for a weight update is not asked.
+stream ends for the client, for the routes of the call's sequence from the same start: a
+prefill-only token-in request (the sequence but its last token; one token generated,
+then dropped) whose prefix the engine has cached, sent only while the engine still holds
+the weights that made the call's tokens. An engine not yet seen to return routes is
+asked by one stream at a time (the probe); one that answers whole without routes is not
+asked again (a refusal or a timeout says nothing of it); an engine paused for a weight
+update is not asked.
 
 A call keeps what it received as ``[start, base64]`` pieces (no decoding on the request
 path); the trace writer merges them into one ``.npy`` (:func:`gateway.store.routes.merge`)
@@ -53,22 +53,30 @@ FILL_TIMEOUT_S = 10.0
 def ask(body: dict[str, Any], start: int, *, client_chose: bool) -> int:
     """Ask the engine for routes from ``start`` (the positions before it are held); the
     start the answer's routes will have. The client's own choice stands."""
-    if client_chose:
+    if client_chose:  # vLLM's pydantic takes "3" as 3
         value = body.get(ROUTES_START)
-        return value if isinstance(value, int) and value >= 0 else 0
-    if start > 0:
+        try:
+            return max(0, int(value))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return 0
+    if start > 0 and "truncate_prompt_tokens" not in body:  # a cut prompt may be shorter
         body[ROUTES_START] = start
-    else:
-        body.pop(ROUTES_START, None)
-    return max(0, start)
+        return start
+    body.pop(ROUTES_START, None)
+    return 0
 
 
 def wants_fill(ctx: CallContext) -> bool:
     """Whether a streamed call that ended whole should ask its engine for routes: the
-    engine returns them (or has not been seen to yet) and the client did not choose."""
+    engine returns them (or has not been seen to and no probe is out) and the client did
+    not choose."""
     lease = ctx.lease
-    return (ctx.stream and lease is not None and lease.backend.returns_routes is not False
-            and not ctx.capture.asked.routes and ctx.capture.prompt_ids is not None
+    if lease is None or not ctx.stream or ctx.capture.asked.routes:
+        return False
+    b = lease.backend
+    known = b.returns_routes is True or (b.returns_routes is None and not b.routes_probe)
+    cap = ctx.capture.completion(0)
+    return (known and ctx.capture.prompt_ids is not None and bool(cap.token_ids)
             and ctx.capture.generated_all() and len(ctx.capture.choices) == 1
             and not ctx.version_starts())  # one that spanned a weight update: the engine
     # would route its earlier tokens under the new weights
@@ -86,25 +94,43 @@ def _same_weights(rt: Runtime, ctx: CallContext, version: str) -> bool:
 async def fill(rt: Runtime, ctx: CallContext) -> bool:
     """Ask a streamed call's engine for the routes of its sequence (module doc); True when
     they were added to the call's capture. Never raises for the engine's sake: a call
-    without routes is still a whole call."""
+    without routes is still a whole call.
+
+    The request's prompt is the call's sequence but its last token, so it never exceeds
+    the context the call itself fit in, and its routes end where a non-streamed answer's
+    do (the last token's route would only matter for a token after it). The call leaves
+    the live calls first: it has nothing left for a weight update to abort or wait on."""
     assert ctx.lease is not None
+    rt.live_calls.remove(ctx.id)
     backend = ctx.lease.backend
     version = ctx.weight_version
     if rt.dispatcher.gate.paused or backend.id in rt.live_calls.paused:
         return False  # a weight update is on: the engine would answer on the new weights
     if not _same_weights(rt, ctx, version):
         return False  # the engine moved on to other weights: its routes would be theirs
-    if backend.returns_routes is None:  # the first ask is the probe: one at a time
-        backend.returns_routes = False
-    cap = ctx.capture.completion(0)
+    sequence = list(ctx.capture.prompt_ids or ()) + ctx.capture.completion(0).token_ids
     start = ctx.capture.routes_start
-    body: dict[str, Any] = {
-        "model": ctx.body["model"], "prompt": list(ctx.capture.prompt_ids or ()) + cap.token_ids,
-        "max_tokens": 1, "request_id": f"{ctx.id}-routes"}
+    if start > len(sequence) - 1:
+        return False
+    body: dict[str, Any] = {"model": ctx.body["model"], "prompt": sequence[:-1],
+                            "max_tokens": 1, "request_id": f"{ctx.id}-routes"}
     if start > 0:
         body[ROUTES_START] = start
     if "priority" in ctx.body:
         body["priority"] = ctx.body["priority"]
+    probing = backend.returns_routes is None
+    backend.routes_probe = backend.routes_probe or probing  # one probe at a time
+    try:
+        return await _ask(rt, ctx, body, start, version)
+    finally:
+        if probing:
+            backend.routes_probe = False
+
+
+async def _ask(rt: Runtime, ctx: CallContext, body: dict[str, Any], start: int,
+               version: str) -> bool:
+    assert ctx.lease is not None
+    backend = ctx.lease.backend
     try:
         async with asyncio.timeout(FILL_TIMEOUT_S), rt.session.post(
                 backend.url + "/v1/completions", data=orjson.dumps(body),
@@ -114,16 +140,17 @@ async def fill(rt: Runtime, ctx: CallContext) -> bool:
         log.info("call %s: its engine %s gave no routes for the stream (%s)", ctx.id,
                  backend.id, type(exc).__name__)
         return False
-    if answer is None:  # refused (an engine not yet seen to route stays taken not to)
-        return False
     choices = answer.get("choices") if isinstance(answer, dict) else None
-    field = choices[0].get("routed_experts") if choices and isinstance(choices[0], dict) \
-        else None
-    if not isinstance(field, str):
-        backend.returns_routes = False  # a dense model, or an engine without the flag
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        return False  # refused or malformed: tells nothing of the engine
+    field = choice.get("routed_experts")
+    if not isinstance(field, str) or not field:
+        if choice.get("finish_reason") != "abort":  # answered whole, without routes:
+            backend.returns_routes = False  # a dense model, or an engine without the flag
         return False
     if not _same_weights(rt, ctx, version):
         return False  # weights changed while it ran
     backend.returns_routes = True
-    cap.routes.append([start, field])
+    ctx.capture.completion(0).routes.append([start, field])
     return True

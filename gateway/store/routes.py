@@ -9,7 +9,6 @@ position ``calls.routes_start`` of the call's prompt and completion.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,7 @@ def header(data: str) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
         if version != (1, 0):
             return None
         shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
-    except (ValueError, binascii.Error):
+    except Exception:  # whatever the engine sent, it is not routes
         return None
     if fortran or len(shape) != 3 or dtype.kind != "u":
         return None
@@ -42,7 +41,7 @@ def coverage(pieces: Sequence[Sequence[Any]]) -> tuple[int, int] | None:
     start (None without a readable piece)."""
     spans = []
     for start, data in pieces:
-        head = header(data)
+        head = header(data) if isinstance(data, str) else None
         if head is not None:
             spans.append((int(start), int(start) + head[0][0]))
     if not spans:
@@ -58,24 +57,25 @@ def coverage(pieces: Sequence[Sequence[Any]]) -> tuple[int, int] | None:
 
 def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
     """One array from a call's pieces: ``(first position, .npy bytes)`` of the positions
-    covered without a gap from the lowest start (a later piece's rows win where pieces
-    overlap: they are the same context's routes). None when no piece decodes."""
+    covered without a gap from the lowest start (where pieces overlap, the piece that
+    starts first keeps its rows). None when no piece decodes; never raises for a piece
+    the engine sent wrong (the writer must not take it for a database fault)."""
     if len(pieces) == 1:  # the usual call: the engine's bytes as they are
         start, data = pieces[0]
-        if header(data) is None:
-            return None
         try:
+            if header(data) is None:
+                return None
             return int(start), base64.b64decode(data, validate=True)
-        except (ValueError, binascii.Error):
+        except Exception:  # a piece the engine sent wrong: none stored
             return None
     arrays: list[tuple[int, np.ndarray]] = []
     for start, data in pieces:
         try:
             arr = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
-        except (ValueError, binascii.Error, OSError):
+            if arr.ndim == 3 and arr.dtype.kind == "u":
+                arrays.append((int(start), arr))
+        except Exception:  # an undecodable piece is left out
             continue
-        if arr.ndim == 3 and arr.dtype.kind == "u":
-            arrays.append((int(start), arr))
     if not arrays:
         return None
     arrays.sort(key=lambda p: p[0])

@@ -167,19 +167,20 @@ def routes_field(parts: Sequence[tuple[int, np.ndarray]], length: int) -> str | 
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _add_call(built: BranchBuild, call: Call, trains: bool = True) -> None:
+def _add_call(built: BranchBuild, call: Call, trains: bool = True, routes: bool = True
+              ) -> None:
     """Append ``call``; its completion is generated (trainable) unless ``trains`` is
     False (another model's tokens, in a per-model sample: context)."""
     if call.prompt_offset < len(built.sample.token_ids):  # a legacy cut (``_truncate``)
         del built.generated[call.prompt_offset:], built.origin[call.prompt_offset:]
         _truncate_routes(built.routes, call.prompt_offset)
     _append_call(built.sample, call)
-    routes = _call_routes(call) if trains else None  # another policy routes otherwise
-    if routes is not None:
+    found = _call_routes(call) if trains and routes else None  # another policy routes
+    if found is not None:  # otherwise
         assert call.routes_start is not None
         if built.routes_model != call.model:  # one model's routes per sample
             built.routes, built.routes_model = [], call.model
-        built.routes.append((call.routes_start, routes))
+        built.routes.append((call.routes_start, found))
     span = built.sample.calls[-1]
     built.generated += bytes(span.completion_start - len(built.generated))  # its prompt
     built.generated += (b"\x01" if trains else b"\x00") * (span.completion_end
@@ -246,7 +247,7 @@ def _own(branches: Sequence[BranchBuild], main: BranchBuild) -> None:
 
 def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
                    attempt: int | None = None, record: TrajectoryAttempt | None = None,
-                   model: str | None = None
+                   model: str | None = None, routes: bool = True
                    ) -> tuple[list[BranchBuild], BranchBuild | None]:
     """Every branch of one attempt (successful calls, in order; by default the latest
     attempt), built with its loss mask decided (:func:`_own`), by branch id; and the main
@@ -256,7 +257,8 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
     verifier). Only the branches with a call for ``model`` are built into samples, each
     in full (a fork keeps the tokens it shares with another model's branch), and only
     ``model``'s generated tokens are trained; the main one is ``model``'s conversation the
-    trajectory ended on."""
+    trajectory ended on. ``routes``: False leaves routed experts out (who only needs the
+    tokens)."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
@@ -281,7 +283,7 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
                 if call.mismatch_pos is not None:  # drift: the harness's re-rendering
                     this.sample.mismatches.append(Mismatch(call.seq, call.mismatch_pos,
                                                            len(parent.sample.token_ids)))
-        _add_call(this, call, model is None or call.model == model)
+        _add_call(this, call, model is None or call.model == model, routes)
         if model is None or call.model == model:
             mine.add(branch)
     if not mine:
@@ -301,7 +303,7 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
 def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
                   record: TrajectoryAttempt | None = None,
                   current_version: str | None = None, branches: str = "all",
-                  model: str | None = None) -> list[Sample]:
+                  model: str | None = None, routes: bool = True) -> list[Sample]:
     """The training samples of one attempt of a trajectory, one per branch
     (:func:`build_branches`). ``branches``: ``all`` (by branch id; every generated token
     trained in exactly one), ``main`` (the task's conversation, :func:`_main`, trained
@@ -312,7 +314,7 @@ def build_samples(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int
     tokens) is measured against ``current_version`` (default: the newest version there).
     ``model``: one policy's samples (:func:`build_branches`)."""
     ordered, main = build_branches(trajectory, calls, attempt=attempt, record=record,
-                                   model=model)
+                                   model=model, routes=routes)
     out = [b.sample for b in ordered]
     for s in out:
         s.max_staleness = staleness(

@@ -24,7 +24,7 @@ import hashlib
 import re
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,8 +126,9 @@ class Branch:
     messages: tuple[bytes, ...] = ()
     #: the words of the model's last turn, which a harness's echo of it must contain
     said: Counter[str] | None = None
-    #: its first positions whose routed experts the record holds (MoE routing replay)
-    routes_end: int = 0
+    #: by model: its first positions whose routed experts the record holds of that model
+    #: (MoE routing replay; two policies on a branch route its tokens each their own way)
+    routes_end: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,8 @@ class Continuation:
     turn_end: int
     sequence: array[int]
     echo_complete: bool  # the rendering contains every word the model said
-    routes_end: int = 0  # the branch's first positions whose routed experts are held
+    #: by model, the branch's first positions whose routed experts are held
+    routes_end: Mapping[str, int] = field(default_factory=dict)
 
 
 def _common_prefix(a: array[int], b: array[int]) -> int:
@@ -198,21 +200,24 @@ class Tree:
                 and messages[end].get("role") == "assistant":
             end += 1
         if end == start or end == len(messages):
-            return Continuation(best.id, start, end, best.sequence, False, best.routes_end)
+            return Continuation(best.id, start, end, best.sequence, False,
+                                dict(best.routes_end))
         said = best.said or Counter()
         complete = not (said - echoed_words(messages[start:end]))
-        return Continuation(best.id, start, end, best.sequence, complete, best.routes_end)
+        return Continuation(best.id, start, end, best.sequence, complete,
+                            dict(best.routes_end))
 
     def place(self, prompt: Sequence[int], completion: Sequence[int], *,
               expected: int | None = None, digests: tuple[bytes, ...] = (),
               said: Counter[str] | None = None,
-              routes: tuple[int, int] | None = None) -> Placement:
+              routes: tuple[int, int] | None = None, model: str = "") -> Placement:
         """Put a finished call in the tree and make its branch the main one.
 
         ``expected``: the branch the call's messages continued (a divergence from it is a
         mismatch: re-rendered history the gateway could not replace with the record).
         ``routes``: the positions ``[start, end)`` whose routed experts the call
-        recorded; the branch holds routes for its first positions without a gap."""
+        recorded (of ``model``); the branch holds ``model``'s routes for its first
+        positions without a gap."""
         ids = array("i", prompt)
         target: Branch | None = None
         for b in self.branches.values():
@@ -222,17 +227,18 @@ class Tree:
                 target = b
         if target is not None:
             offset, parent, mismatch = len(target.sequence), None, None
-            held = target.routes_end
         else:
             parent, offset = self._fork_point(ids, expected)
             mismatch = offset if parent is not None and parent == expected else None
             target = Branch(self.count, parent)
             self.count += 1
             self.branches[target.id] = target
-            held = min(offset, self.branches[parent].routes_end) if parent is not None else 0
+            if parent is not None:  # what the parent held up to the fork
+                target.routes_end = {m: min(offset, end) for m, end
+                                     in self.branches[parent].routes_end.items()}
+        held = target.routes_end.get(model, 0)
         if routes is not None and routes[0] <= held:
-            held = max(held, routes[1])
-        target.routes_end = min(held, len(ids) + len(completion))
+            target.routes_end[model] = min(max(held, routes[1]), len(ids) + len(completion))
         seq = ids
         seq.extend(completion)
         target.sequence, target.messages, target.said = seq, digests, said

@@ -285,7 +285,7 @@ def _state_of(point: queries.RestorePoint) -> TrajectoryState:
         state.backend_id, state.model = calls[-1].backend_id, calls[-1].model
         for call in sorted(calls, key=lambda c: c.seq, reverse=True):
             state.first_versions[call.model] = call.weight_version
-    samples = build_samples(traj, calls, attempt=point.attempt)
+    samples = build_samples(traj, calls, attempt=point.attempt, routes=False)
     state.mismatches = sum(len(s.mismatches) for s in samples)
     # the branch of the last call adopted last: the live tree's current branch again
     for s in sorted(samples, key=lambda s: s.calls[-1].seq if s.calls else -1):

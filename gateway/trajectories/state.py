@@ -108,6 +108,7 @@ class TurnFacts:
     digests: tuple[bytes, ...] = ()  # its request messages (gateway.trajectories.branches)
     said: Counter[str] | None = None  # the words of the turn the model produced
     routes: tuple[int, int] | None = None  # positions whose routed experts it recorded
+    model: str = ""  # the model (policy) it ran for: whose routes those are
 
 
 @dataclass(slots=True)

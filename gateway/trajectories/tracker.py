@@ -271,7 +271,8 @@ class Tracker:
         state.prompt_tokens += len(prompt)
         facts = turn or TurnFacts()
         placed = state.tree.place(prompt, completion, expected=facts.expected,
-                                  digests=facts.digests, said=facts.said, routes=facts.routes)
+                                  digests=facts.digests, said=facts.said, routes=facts.routes,
+                                  model=facts.model)
         if placed.mismatch_pos is not None:
             state.mismatches += 1
         return placed

@@ -134,13 +134,14 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
     assert len(calls) == 4 and len(asked) == 5
     assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes" and asked[2]["max_tokens"] == 1
     lengths = [c["prompt_len"] + len(c["completion_ids"]) for c in calls]
-    starts = [a["routed_experts_prompt_start"] for a in asked]
+    starts = [a["routed_experts_prompt_start"] for a in asked]  # None: not sent
     # turn 1 holds nothing; turn 2 asks from where turn 1's routes end (its last token was
     # never forwarded), and so does its routes' request (the stream carried none), which
-    # covers turn 2 whole, its last token too; turn 3 asks from there; turn 4 opened a
-    # branch of its own and holds nothing
+    # covers turn 2 but its last token, as a non-streamed answer would; turn 3 asks from
+    # there; turn 4 opened a branch of its own and holds nothing
     l1, l2 = lengths[0], lengths[1]
-    assert starts == [0, l1 - 1, l1 - 1, l2, 0], (starts, lengths)
+    assert starts == [None, l1 - 1, l1 - 1, l2 - 1, None], (starts, lengths)
+    assert asked[2]["prompt_tokens"] == l2 - 1  # the sequence but its last token
 
     assert calls[3]["branch"] != calls[2]["branch"] and len(samples) == 2
     for s in samples:
@@ -159,7 +160,7 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
     with sqlite3.connect(db) as conn:
         stored = dict(conn.execute("SELECT id, length(routes) FROM calls").fetchall())
     row_bytes = ROUTER.num_layers * ROUTER.top_k  # one byte per expert id (128 experts)
-    positions = [l1 - 1, l2 - (l1 - 1), lengths[2] - 1 - l2, lengths[3] - 1]
+    positions = [l1 - 1, l2 - l1, lengths[2] - l2, lengths[3] - 1]
     for c, n in zip(calls, positions, strict=True):  # the .npy header (128 bytes), the ids
         assert stored[c["id"]] == 128 + n * row_bytes
 
@@ -176,7 +177,7 @@ def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
         _turns(http, f"{tid}-again")  # its engine is known not to route: not asked
         again = http.get(f"/trajectories/{tid}-again").json()["calls"]
         asked_again = _engine_requests(http, engines[1], [c["id"] for c in again])
-    assert [a["routed_experts_prompt_start"] for a in asked] == [0, 0, 0, 0, 0]
+    assert [a["routed_experts_prompt_start"] for a in asked] == [None] * 5  # never sent
     assert asked[2]["id"] == f"cmpl-{calls[1]['id']}-routes"  # the one probe
     assert len(asked_again) == 4
     assert all(s["routed_experts"] is None for s in samples)

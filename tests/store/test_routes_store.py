@@ -39,9 +39,10 @@ def _b64(arr: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _routes(tokens: list[int], start: int, end: int | None = None) -> str:
-    """The engine's answer for ``tokens`` from ``start`` (up to ``end`` positions)."""
-    arr = routed_experts(tokens, start, SHAPE)
+def _routes(tokens: list[int], start: int, end: int | None = None, salt: str = "") -> str:
+    """The engine's answer for ``tokens`` from ``start`` (up to ``end`` positions), under
+    the weights ``salt`` names."""
+    arr = routed_experts(tokens, start, SHAPE, salt)
     return _b64(arr if end is None else arr[:end - start])
 
 
@@ -68,6 +69,31 @@ def test_pieces_merge_without_gaps_and_report_their_coverage() -> None:
     assert merged is not None and np.array_equal(np.load(io.BytesIO(merged[1])), whole[:5])
     assert coverage([[0, "not base64 of an array"]]) is None
     assert merge([[0, base64.b64encode(b"junk").decode()]]) is None
+    # whatever an engine sent, merging never raises (the writer would take it for a
+    # database fault and retry the batch for ever)
+    for bad in ("", "x", None, 7, base64.b64encode(b"\x93NUMPY").decode()):
+        assert merge([[0, bad]]) is None
+        assert merge([[0, _routes(toks, 0, 5)], [5, bad]]) is not None
+        assert coverage([[0, bad]]) is None
+
+
+def test_a_branch_holds_routes_per_model() -> None:
+    """Two policies on one branch route its tokens each their own way: what one holds
+    says nothing of the other's, and a fork holds what its parent held up to it."""
+    from gateway.trajectories.branches import Tree
+
+    tree = Tree()
+    tree.place([1, 2, 3], [4, 5], routes=(0, 4), model="solver")
+    tree.place([1, 2, 3, 4, 5, 6], [7], model="verifier")  # no routes of its own
+    (branch,) = tree.branches.values()
+    assert branch.routes_end == {"solver": 4}
+    tree.place([1, 2, 3, 4, 5, 6, 7, 8], [9], routes=(0, 9), model="verifier")
+    assert branch.routes_end == {"solver": 4, "verifier": 9}
+    tree.place([1, 2, 9], [10], model="solver")  # a fork at position 2
+    fork = tree.branches[1]
+    assert fork.parent == 0 and fork.routes_end == {"solver": 2, "verifier": 2}
+    tree.place([1, 2, 3, 4, 5, 6, 7, 8, 9, 11], [12], routes=(6, 11), model="solver")
+    assert branch.routes_end["solver"] == 4  # a gap (4-6) holds nothing past it
 
 
 async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
@@ -85,7 +111,9 @@ async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
             _rec(tid, 0, 0, [1, 2, 3], [10, 11], [[0, _routes(t0, 0)]]),
             _rec(tid, 1, 5, [4, 5], [12, 13, 14],
                  [[4, _routes(t1, 4, 8)], [8, _routes(t1, 8)]]),
-            _rec(tid, 2, 4, [99, 7], [13, 14], [[0, _routes(t2, 0)]]),
+            # turn 2 asked from 0, under other weights: where it overlaps turn 0 (the
+            # first 4 positions) the routes the tokens were first read under are kept
+            _rec(tid, 2, 4, [99, 7], [13, 14], [[0, _routes(t2, 0, salt="v2|")]]),
         ):
             assert writer.submit(rec)
         assert await writer.drain(10)
@@ -106,7 +134,8 @@ async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
         assert got.shape == (8, 3, 2) and got.dtype == np.int16
         # positions 0-3 from turn 0, the rest from turn 2 (turn 1's were cut)
         assert np.array_equal(got[:4], routed_experts(t0, 0, SHAPE)[:4])
-        assert np.array_equal(got[:-1], routed_experts(t2, 0, SHAPE))
+        assert not np.array_equal(got[:4], routed_experts(t2, 0, SHAPE, "v2|")[:4])
+        assert np.array_equal(got[4:-1], routed_experts(t2, 0, SHAPE, "v2|")[4:])
         assert (got[-1] == -1).all()
 
         out = tmp_path / "samples.parquet"
@@ -125,3 +154,18 @@ def test_the_spool_carries_routes_as_the_engine_sent_them(tmp_path: Path) -> Non
         assert spool.append([rec]).kept == 1
         back, _ = spool.read(10)
     assert back[0].routes == rec.routes
+
+
+def test_a_spool_written_before_routes_still_reads(tmp_path: Path) -> None:
+    """A line a gateway without routes wrote (no ``routes`` key) is a record without them."""
+    import dataclasses
+
+    import orjson
+
+    old = dataclasses.asdict(_rec("old", 0, 0, [1, 2], [3], None))
+    del old["routes"]
+    path = tmp_path / "spool"
+    path.write_bytes(orjson.dumps(old) + b"\n")
+    with Spool(path, 1 << 20) as spool:
+        back, _ = spool.read(10)
+    assert len(back) == 1 and back[0].routes is None and back[0].completion_ids == [3]
