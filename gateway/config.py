@@ -51,6 +51,11 @@ class TraceSettings(BaseModel):
         "past queue_size + overflow_size records the gateway refuses model calls (503 "
         "recording_unavailable) rather than answer calls it cannot record")
     batch_size: int = Field(500, ge=1)
+    routes_backlog: int = Field(
+        2_000, ge=0, description="records waiting to be written beyond which a new "
+        "record's routed experts (MoE routing replay, docs/moe.md) are left out, counted "
+        "in routes_dropped: routes are ~50x a call's tokens, and a writer behind on them "
+        "would hold them in memory; its tokens are kept whatever happens")
     flush_interval_s: float = 0.25
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 5.0

@@ -176,6 +176,11 @@ def trace_metrics(writer: TraceWriter) -> Iterator[Metric]:
     for reason in sorted(set(LOSS_REASONS) | set(writer.lost)):
         lost.add_metric([reason], writer.lost[reason])
     yield lost
+    routes = CounterMetricFamily("rollout_gateway_trace_routes_dropped", "Trace records "
+                                 "whose routed experts were left out (the writer behind); "
+                                 "their tokens were kept")
+    routes.add_metric([], writer.routes_dropped)
+    yield routes
     quarantined = CounterMetricFamily("rollout_gateway_trace_quarantined", "Trace records "
                                       "set aside in the quarantine file, by kind",
                                       labels=["kind"])

@@ -83,6 +83,9 @@ class TraceWriter(WriterLedger):
         self._high_water = asyncio.Event()
         self._backoff = settings.retry_backoff_s
         self._spool_log = RateLimit(ERROR_EVERY_S)
+        self._routes_log = RateLimit(ERROR_EVERY_S)
+        #: records whose routed experts were left out because the writer was behind
+        self.routes_dropped = 0
         #: calls admitted and not yet submitted (the proxy's count): refusing new calls
         #: while memory still has room for theirs means none of them is lost
         self.calls_in_flight: Callable[[], int] = lambda: 0
@@ -138,6 +141,13 @@ class TraceWriter(WriterLedger):
         if self.memory_full:
             self.lose("memory_full", 1)
             return False
+        if record.routes and self.queue_depth >= self._settings.routes_backlog:
+            record.routes = None  # behind: the routes would pile up in memory
+            self.routes_dropped += 1
+            if self._routes_log.ready(time.monotonic()):
+                log.warning("the trace writer is %d records behind: routed experts left "
+                            "out of new records (%d so far); their tokens are kept",
+                            self.queue_depth, self.routes_dropped)
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:

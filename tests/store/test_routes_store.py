@@ -169,3 +169,31 @@ def test_a_spool_written_before_routes_still_reads(tmp_path: Path) -> None:
     with Spool(path, 1 << 20) as spool:
         back, _ = spool.read(10)
     assert len(back) == 1 and back[0].routes is None and back[0].completion_ids == [3]
+
+
+async def test_a_writer_behind_leaves_routes_out_and_keeps_the_tokens(sqlite_url: str) -> None:
+    """Routes are ~50x a call's tokens: past ``routes_backlog`` records waiting, new
+    records go in without them (counted), so a writer behind cannot fill memory with
+    routes; every record's tokens are stored."""
+    engine = make_engine(sqlite_url)
+    writer = TraceWriter(make_sessionmaker(engine),
+                         TraceSettings(routes_backlog=2, flush_interval_s=0.01))
+    toks = [5, 6, 7, 8]
+    records = [_rec(f"behind-{i}", 0, 0, [5, 6], [7, 8], [[0, _routes(toks, 0)]])
+               for i in range(5)]
+    try:
+        for rec in records:  # not started: the records wait
+            assert writer.submit(rec)
+        assert writer.routes_dropped == 3
+        assert [r.routes is not None for r in records] == [True, True, False, False, False]
+        writer.start()
+        assert await writer.drain(10) and writer.written == 5
+        async with make_sessionmaker(engine)() as session:
+            stored = {c.trajectory_id: c for r in records for c in
+                      await queries.get_calls(session, trajectory_id=r.trajectory_id)}
+        assert [stored[r.trajectory_id].routes is not None for r in records] == [
+            True, True, False, False, False]
+        assert all(stored[r.trajectory_id].completion_ids for r in records)
+    finally:
+        await writer.close()
+        await engine.dispose()
