@@ -279,15 +279,24 @@ class GatewayRolloutWorker:
         samples = list(batch.samples.samples)
         groups = {gid: i for i, gid in enumerate(batch.groups)}
         base = index * (len(groups) + 1)
+        skipped = []  # no generated token (every call of it failed): nothing to train
         for s, adv in zip(samples, group_advantages(samples), strict=True):
+            if not any(s.loss_mask):
+                skipped.append(s.trajectory_id)
+                continue
             self.rollout_buffer.put(to_rollout_sample(
                 s, adv, base + groups.get(s.group_id or "", 0)))
+        if skipped:
+            log.warning("gateway batch %d: %d samples without a generated token left out "
+                        "(their rewards still count in their groups' baselines): %s",
+                        index, len(skipped), ", ".join(skipped))
         rewards = [s.reward or 0.0 for s in samples]
         summary = {"batch": index, "version": batch.version, "samples": len(samples),
                    "trajectories": [s.trajectory_id for s in samples], "rewards": rewards,
                    "success": statistics.fmean(rewards) if rewards else 0.0,
                    "lag_tokens": {str(k): v for k, v in sorted(batch.lag_tokens.items())},
-                   "restarts": batch.restarts, "aborted": batch.aborted}
+                   "restarts": batch.restarts, "aborted": batch.aborted,
+                   "skipped": skipped}
         self.batches.append(summary)
         self.metrics_queue.put({"gateway/success": summary["success"],
                                 "gateway/max_staleness": float(batch.max_staleness),
