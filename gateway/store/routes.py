@@ -92,3 +92,16 @@ def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
     out = io.BytesIO()
     np.save(out, np.concatenate(parts) if len(parts) > 1 else first, allow_pickle=False)
     return lo, out.getvalue()
+
+
+def to_field(arr: np.ndarray) -> str:
+    """An array as the samples' ``routed_experts`` field: base64 of its ``.npy``."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def from_field(field: str) -> np.ndarray:
+    """The array of a ``routed_experts`` field (:func:`to_field`)."""
+    arr: np.ndarray = np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
+    return arr

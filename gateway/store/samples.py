@@ -24,7 +24,6 @@ what the routes answer and the trainer client reads.
 
 from __future__ import annotations
 
-import base64
 import io
 from array import array
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import numpy as np
 from gateway.schema.samples import CallSpan, Mismatch, Sample
 from gateway.store.codec import unpack_floats, unpack_ids
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
+from gateway.store.routes import to_field
 
 __all__ = ["CallSpan", "Mismatch", "Sample", "build_sample", "build_samples", "has_calls_for",
            "staleness"]
@@ -162,9 +162,7 @@ def routes_field(parts: Sequence[tuple[int, np.ndarray]], length: int) -> str | 
         end = min(length, start + len(arr))
         if end > start:
             out[start:end] = arr[:end - start]
-    buf = io.BytesIO()
-    np.save(buf, out, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+    return to_field(out)
 
 
 def _add_call(built: BranchBuild, call: Call, trains: bool = True, routes: bool = True

@@ -14,20 +14,19 @@ that appended a position and the position (a fork shares its parent's positions)
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Sequence
 
 import numpy as np
 
 from gateway.schema.samples import SampleTree, TreeBranch
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
+from gateway.store.routes import from_field, to_field
 from gateway.store.samples import BranchBuild, build_branches, staleness
 
 
 def _branch_routes(ordered: Sequence[BranchBuild]) -> dict[int, np.ndarray]:
     """Each branch's routed experts (by branch id), when they are of one router shape."""
-    out = {b.sample.branch: np.load(io.BytesIO(base64.b64decode(b.sample.routed_experts)))
+    out = {b.sample.branch: from_field(b.sample.routed_experts)
            for b in ordered if b.sample.routed_experts is not None}
     return out if len({a.shape[1:] for a in out.values()}) == 1 else {}
 
@@ -39,9 +38,7 @@ def _node_routes(sources: Sequence[tuple[np.ndarray | None, int]],
     for i, (arr, p) in enumerate(sources):
         if arr is not None:
             out[i] = arr[p]
-    buf = io.BytesIO()
-    np.save(buf, out, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+    return to_field(out)
 
 
 def build_tree(trajectory: Trajectory, calls: Sequence[Call], *, attempt: int | None = None,
