@@ -77,6 +77,13 @@ class TokenizeBody(BaseModel):
     continue_final_message: bool = False
 
 
+class DetokenizeBody(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text (one string for the list)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)

@@ -30,6 +30,7 @@ from backends.sim.protocol import (
     APIError,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     TokenizeBody,
     json_response,
     parse_body,
@@ -123,7 +124,8 @@ def _tool_choice(sim: SimState, body: ChatBody) -> tuple[Any, ToolCall | None]:
         return "none", None
     offered = {(t.get("function") or {}).get("name") for t in body.tools or ()
                if isinstance(t, dict)}
-    return "required", step if isinstance(step, ToolCall) and step.name in offered else None
+    calls = step if isinstance(step, tuple) else (step,) if isinstance(step, ToolCall) else ()
+    return "required", next((c for c in calls if c.name in offered), None)
 
 
 @router.post("/v1/chat/completions")
@@ -201,6 +203,21 @@ async def tokenize(request: Request) -> Response:
     ids = sim.tok.encode(text)
     return json_response({"count": len(ids), "max_model_len": sim.config.context_len,
                           "tokens": ids, "token_strs": None})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    """vLLM's ``/detokenize``: the text of a list of ids (special tokens included)."""
+    sim = sim_of(request)
+    body = await parse_body(request, DetokenizeBody)
+    if body.model is not None:
+        sim.check_model(body.model)
+    vocab = sim.tok.vocab_size
+    bad = next((x for x in body.tokens if not 0 <= x < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of vocabulary (size {vocab})",
+                       param="tokens")
+    return json_response({"prompt": sim.tok.decode(body.tokens)})
 
 
 def _completion_prompts(sim: SimState, prompt: Any) -> list[list[int]]:

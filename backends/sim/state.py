@@ -66,10 +66,11 @@ class SimServerConfig:
     #: end of the script it answers with text. None: ``tool_call_prob`` decides. A
     #: :class:`ToolCall` entry calls that tool with exactly those arguments when the
     #: request offers it (an agent CLI that runs what it is told, e.g. a shell command),
-    #: and any tool otherwise. A scripted tool turn is the call alone, with no words
-    #: before it, so a harness that treats text as its final answer (pydantic-ai's
-    #: ``run_stream``) follows the script.
-    tool_script: tuple[bool | ToolCall, ...] | None = None
+    #: and any tool otherwise; a tuple of them, the first the request offers (one server
+    #: for several harnesses, each with its own tool names). A scripted tool turn is the
+    #: call alone, with no words before it, so a harness that treats text as its final
+    #: answer (pydantic-ai's ``run_stream``) follows the script.
+    tool_script: tuple[bool | ToolCall | tuple[ToolCall, ...], ...] | None = None
     tick_real_s: float = 0.01
     #: Use these constants instead of looking up (model, gpu, tp) (fits, what-if runs).
     latency: LatencyProfile | None = None

@@ -179,3 +179,21 @@ async def test_the_context_is_the_models_unless_given() -> None:
         ok = await http.post(f"{found[1]}/v1/chat/completions",
                              json={**body, "max_tokens": 100_000})
         assert ok.status_code == 200, ok.text
+
+
+async def test_detokenize_answers_as_vllm_does(urls: list[str]) -> None:
+    """vLLM's ``POST /detokenize``: one string for the list (special tokens kept), 400 in
+    OpenAI's envelope for an id past the vocabulary, 404 for another model."""
+    async with httpx.AsyncClient(base_url=urls[0]) as http:
+        ids = (await http.post("/tokenize", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "fix the bug"}]})
+               ).json()["tokens"]
+        whole = (await http.post("/detokenize", json={"model": MODEL, "tokens": ids})).json()
+        pieces = [(await http.post("/detokenize", json={"tokens": [i]})).json()["prompt"]
+                  for i in ids]
+        bad = await http.post("/detokenize", json={"tokens": [2**31 - 1]})
+        other = await http.post("/detokenize", json={"model": "nope", "tokens": ids})
+    assert whole["prompt"].startswith("<|im_start|>user\nfix the bug<|im_end|>")
+    assert "".join(pieces) == whole["prompt"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert other.status_code == 404
