@@ -21,6 +21,7 @@ from gateway.api import (
     status,
     training,
     trajectories,
+    viewer,
     web,
 )
 from gateway.api.browser import BrowserGuard
@@ -87,7 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.server.cors_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
-    for module in (openai, count_tokens, gemini, trajectories, groups, training, admin,
-                   staleness, policy, status, web):
+    for module in (openai, count_tokens, gemini, trajectories, viewer, groups, training,
+                   admin, staleness, policy, status, web):
         app.include_router(module.router)
     return app

@@ -43,6 +43,7 @@ from gateway.store.ledger import LOSS_REASONS
 from gateway.store.quarantine import KINDS
 from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
+from gateway.token_text import TokenText
 from gateway.trajectories.expiry import Expiry
 from gateway.trajectories.restore import Restorer
 from gateway.trajectories.state import TrajectoryState
@@ -88,6 +89,8 @@ class Runtime:
     pool: PoolManager | None = None  # the managed pool (``settings.pool``), if any
     #: the trainers' training-inference mismatch reports (``POST /training/mismatch``)
     mismatch: MismatchBoard = field(default_factory=lambda: MismatchBoard(MismatchLimits()))
+    #: token pieces the viewer shows, decoded by the engines (``GET .../view``)
+    token_text: TokenText = field(default_factory=TokenText)
 
     def version_of(self, model: str) -> str:
         """The weight version a call for ``model`` (a served model or a LoRA family) is

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOP = ["serve", "migrate", "export", "sim-backend", "front", "haproxy-config", "demo", "bench"]
 BENCH = ["sim", "steps", "soak", "overhead", "store", "headroom", "live", "vllm-cpu",
          "record", "tail", "page", "grid", "gpu-scan", "learn", "loop", "split", "relay",
-         "routes"]
+         "routes", "viewer"]
 
 
 def _names(group: object) -> list[str]:

@@ -81,7 +81,7 @@ class KeyRequest(BaseModel):
                                  "Either way a call naming another group is 403")
 
 
-def _live(rt: Runtime, trajectory_id: str) -> LiveView | None:
+def live_view(rt: Runtime, trajectory_id: str) -> LiveView | None:
     st = rt.tracker.get(trajectory_id)
     if st is None:
         return None
@@ -123,23 +123,39 @@ def _want_text(request: Request, include_text: bool) -> bool:
     return include_text
 
 
-@router.get("", summary="List trajectories")
+@router.get("", summary="List or search trajectories")
 async def list_trajectories(
     group_id: str | None = Query(None, max_length=128),
     finished: bool | None = None,
+    q: str | None = Query(None, max_length=128, description="the id contains this "
+                          "(case-insensitive)"),
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    min_tokens: int | None = Query(None, ge=0, description="completion tokens over its "
+                                   "calls, at least"),
+    max_tokens: int | None = Query(None, ge=0),
+    weight_version: str | None = Query(None, max_length=128, description="a call of it "
+                                       "ran on this weight version"),
+    model: str | None = Query(None, max_length=256, description="a call of it asked for "
+                              "this model (a policy)"),
+    order: queries.Order = Query("created", description="-x: descending"),
     limit: int = Query(100, ge=1, le=10_000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
     rt: Runtime = Depends(get_rt),
 ) -> TrajectoryPage:
+    where = queries.TrajectoryFilter(
+        group_id=group_id, finished=finished, id_contains=q, min_reward=min_reward,
+        max_reward=max_reward, min_tokens=min_tokens, max_tokens=max_tokens,
+        weight_version=weight_version, model=model, order=order)
     await rt.writer.drain(DRAIN_TIMEOUT_S)
     async with rt.sessionmaker() as session:
-        rows = await queries.list_trajectories(
-            session, group_id=group_id, finished=finished, limit=limit, offset=offset)
+        rows = await queries.list_trajectories(session, where=where, limit=limit,
+                                               offset=offset)
     data = [TrajectoryInfo(
         id=r.trajectory.id, group_id=r.trajectory.group_id,
         created_at=r.trajectory.created_at, finished_at=r.trajectory.finished_at,
         reward=r.trajectory.reward, calls=r.calls, completion_tokens=r.completion_tokens,
-        live=_live(rt, r.trajectory.id),
+        live=live_view(rt, r.trajectory.id),
     ) for r in rows]
     return TrajectoryPage(data=data, limit=limit, offset=offset)
 
@@ -173,7 +189,7 @@ async def get_trajectory(
     return TrajectoryDetail(
         id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
         created_at=traj.created_at, finished_at=traj.finished_at, reward=traj.reward,
-        metadata=traj.meta, live=_live(rt, traj.id),
+        metadata=traj.meta, live=live_view(rt, traj.id),
         calls=[_call_trace(c, text=text) for c in calls])
 
 
@@ -206,7 +222,7 @@ async def finish(
 async def live(trajectory_id: str, rt: Runtime = Depends(get_rt)) -> LiveView:
     """Cheap (memory only): a sharded gateway's front asks each shard who holds an id."""
     validate_id(trajectory_id)
-    view = _live(rt, trajectory_id)
+    view = live_view(rt, trajectory_id)
     if view is None:
         raise NotFound(f"this gateway does not track trajectory {trajectory_id!r}")
     return view
@@ -251,7 +267,7 @@ async def mint_key(request: Request, trajectory_id: str,
 _ATTEMPT = Query(None, ge=0, le=2**31 - 1)
 
 
-async def _attempt(rt: Runtime, trajectory_id: str, attempt: int | None
+async def load_attempt(rt: Runtime, trajectory_id: str, attempt: int | None
                    ) -> tuple[Trajectory, Sequence[Call], TrajectoryAttempt | None]:
     """:func:`_load`, and the record of ``attempt`` when it is not the latest."""
     traj, calls = await _load(rt, trajectory_id, attempt)
@@ -272,7 +288,7 @@ def _check_staleness(trajectory_id: str, stale: int, bound: int | None) -> None:
 async def _samples(rt: Runtime, trajectory_id: str, attempt: int | None, branches: str,
                    current_version: str | None, max_staleness: int | None,
                    model: str | None) -> list[Sample]:
-    traj, calls, record = await _attempt(rt, trajectory_id, attempt)
+    traj, calls, record = await load_attempt(rt, trajectory_id, attempt)
     if not has_calls_for(calls, model):
         raise NotFound(f"trajectory {trajectory_id!r} has no call for model {model!r} "
                        f"(models: {sorted({c.model for c in calls})})", param="model")
@@ -334,7 +350,7 @@ async def tree(
     model: str | None = MODEL,
     rt: Runtime = Depends(get_rt),
 ) -> SampleTree:
-    traj, calls, record = await _attempt(rt, trajectory_id, attempt)
+    traj, calls, record = await load_attempt(rt, trajectory_id, attempt)
     built = build_tree(traj, calls, attempt=attempt, record=record,
                        current_version=versus(rt, current_version, model), model=model)
     _check_staleness(trajectory_id, built.max_staleness or 0, max_staleness)

@@ -59,6 +59,13 @@ async def page() -> Response:
     return _file("index.html")
 
 
+@router.get("/view/{path:path}", include_in_schema=False)
+async def viewer_page(path: str) -> Response:
+    """The trajectory viewer (``/view/trajectories/{id}``, ``/view/groups/{id}``,
+    ``/view/search``): one page, which reads its data with the caller's token."""
+    return _file("viewer.html")
+
+
 @router.get("/static/{name}", include_in_schema=False)
 async def asset(name: str) -> Response:
     return _file(name)

@@ -149,6 +149,11 @@ def _status_routes(app: FastAPI) -> None:
         return Response(path.read_bytes(), media_type="text/html; charset=utf-8",
                         headers=PAGE_HEADERS)
 
+    @app.get("/view/{path:path}")
+    async def viewer_page(path: str) -> Response:
+        return Response(asset_path("viewer.html").read_bytes(),
+                        media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
     @app.get("/static/{name}")
     async def asset(name: str) -> Response:
         from gateway.api.web import ASSET_TYPES
@@ -208,6 +213,26 @@ def _trajectory_routes(app: FastAPI) -> None:
                         "after 0 s", f"after {wait:g} s")
                 return as_response(answer)
             await asyncio.sleep(POLL_S)
+
+    @app.get("/groups/{group_id}/view")
+    async def group_view(request: Request, group_id: str) -> Response:
+        """The store's answer (shard 0), each member's live phase from the shard that
+        tracks it."""
+        if (denied := _denied(request)) is not None:
+            return denied
+        front = front_of(request)
+        await front.flush()
+        answers = await front.every("GET", f"/groups/{group_id}/view",
+                                    headers=forwarded_headers(request),
+                                    params=request.query_params)
+        if not answers[0].ok:
+            return as_response(answers[0])
+        view = dict(answers[0].body)
+        phases = [{m["id"]: m.get("phase") for m in a.body.get("members", [])}
+                  for a in answers if a.ok and isinstance(a.body, dict)]
+        view["members"] = [{**m, "phase": next((p[m["id"]] for p in phases if p.get(m["id"])),
+                                               None)} for m in view.get("members", [])]
+        return JSONResponse(view)
 
     @app.api_route("/trajectories/{trajectory_id}", methods=["GET"])
     async def one(request: Request, trajectory_id: str) -> Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -22,14 +22,35 @@ class TrajectorySummary:
     last_call_at: datetime | None
 
 
+#: what ``GET /trajectories`` may be ordered by (``-`` first: descending)
+Order = Literal["created", "-created", "reward", "-reward", "tokens", "-tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryFilter:
+    """What a trajectory search asks for; None everywhere lists every trajectory."""
+
+    group_id: str | None = None
+    finished: bool | None = None
+    id_contains: str | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    min_tokens: int | None = None  # completion tokens over the trajectory's calls
+    max_tokens: int | None = None
+    weight_version: str | None = None  # a call of it ran on this version
+    model: str | None = None  # a call of it asked for this policy
+    order: Order = "created"
+
+
+def _like(text: str) -> str:
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
 async def list_trajectories(
-    session: AsyncSession,
-    *,
-    group_id: str | None = None,
-    finished: bool | None = None,
-    limit: int = 100,
+    session: AsyncSession, *, where: TrajectoryFilter | None = None, limit: int = 100,
     offset: int = 0,
 ) -> list[TrajectorySummary]:
+    f = where or TrajectoryFilter()
     stats = (
         select(
             Call.trajectory_id,
@@ -40,15 +61,33 @@ async def list_trajectories(
         .group_by(Call.trajectory_id)
         .subquery()
     )
+    tokens = func.coalesce(stats.c.completion_tokens, 0)
     stmt = select(Trajectory, stats.c.calls, stats.c.completion_tokens, stats.c.last_call_at)
     stmt = stmt.outerjoin(stats, stats.c.trajectory_id == Trajectory.id)
-    if group_id is not None:
-        stmt = stmt.where(Trajectory.group_id == group_id)
-    if finished is not None:
+    if f.group_id is not None:
+        stmt = stmt.where(Trajectory.group_id == f.group_id)
+    if f.finished is not None:
         cond = Trajectory.finished_at.is_not(None)
-        stmt = stmt.where(cond if finished else ~cond)
-    stmt = stmt.order_by(Trajectory.created_at, Trajectory.id).limit(limit).offset(offset)
-    rows = (await session.execute(stmt)).all()
+        stmt = stmt.where(cond if f.finished else ~cond)
+    if f.id_contains:
+        stmt = stmt.where(Trajectory.id.ilike(_like(f.id_contains), escape="\\"))
+    if f.min_reward is not None:
+        stmt = stmt.where(Trajectory.reward >= f.min_reward)
+    if f.max_reward is not None:
+        stmt = stmt.where(Trajectory.reward <= f.max_reward)
+    if f.min_tokens is not None:
+        stmt = stmt.where(tokens >= f.min_tokens)
+    if f.max_tokens is not None:
+        stmt = stmt.where(tokens <= f.max_tokens)
+    for column, value in ((Call.weight_version, f.weight_version), (Call.model, f.model)):
+        if value is not None:
+            stmt = stmt.where(select(Call.id).where(
+                Call.trajectory_id == Trajectory.id, column == value).exists())
+    key = {"created": Trajectory.created_at, "reward": Trajectory.reward,
+           "tokens": tokens}[f.order.lstrip("-")]
+    first = key.desc() if f.order.startswith("-") else key.asc()
+    stmt = stmt.order_by(first.nulls_last(), Trajectory.created_at, Trajectory.id)
+    rows = (await session.execute(stmt.limit(limit).offset(offset))).all()
     return [TrajectorySummary(t, c or 0, int(tok or 0), last) for t, c, tok, last in rows]
 
 

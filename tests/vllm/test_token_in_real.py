@@ -81,8 +81,35 @@ async def _agent(c: httpx.AsyncClient, traj: str) -> None:
             messages.append({"role": "user", "content": "And tomorrow?"})
 
 
+async def _viewer_reads_it_as_the_tokenizer_does(c: httpx.AsyncClient, trajs: list[str],
+                                                 model_dir: Path) -> None:
+    """The viewer's pieces come from this vLLM's /detokenize: each id's is the model's own
+    tokenizer's decoding of it, and its token-in spans are the replies the engine ran from
+    the record (the previous call's generated ids)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    spans = 0
+    for traj in trajs:
+        view = (await c.get(f"/trajectories/{traj}/view")).json()
+        tk = view["tokens"]
+        assert tk["pieces_note"] is None
+        pieces = {int(k): v for k, v in tk["pieces"].items()}
+        assert set(pieces) == set(tk["token_ids"])
+        assert all(pieces[i] == tok.decode([i]) for i in pieces)
+        calls = {x["seq"]: x for x in view["calls"]}
+        by_seq = {x[0]: x for x in tk["calls"]}
+        for start, end, seq in tk["token_in"]:
+            assert calls[seq]["kept_len"] is not None and calls[seq]["kept_len"] >= end
+            prev = max(s for s in by_seq if s < seq)
+            assert start == by_seq[prev][2]  # the previous call's reply, as generated
+            assert all(tk["loss_mask"][start:end])
+        spans += len(tk["token_in"])
+    assert spans >= len(trajs)
+
+
 async def test_tool_agent_keeps_every_generated_token_on_real_vllm(
-        tp1_server: LaunchedInstance, tmp_path: Path) -> None:
+        tp1_server: LaunchedInstance, tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'tin.db'}",
                         backends=[tp1_server.url], traces=TraceSettings(flush_interval_s=0.05))
     port = free_port()
@@ -111,6 +138,7 @@ async def test_tool_agent_keeps_every_generated_token_on_real_vllm(
                 kept += len(own)
             # the forced calls are re-rendered inside <tool_call> tags: token in was needed
             assert calls_kept >= len(trajs)
+            await _viewer_reads_it_as_the_tokenizer_does(c, trajs, tiny_model_dir)
             print(f"real vLLM tool agents: {kept}/{generated} generated tokens under loss "
                   f"mask 1 ({kept / generated:.0%}), {calls_kept} calls ran on the record")
     finally:
