@@ -4,7 +4,6 @@
 "use strict";
 
 (() => {
-  const SVG_NS = "http://www.w3.org/2000/svg";
   const TOKEN_KEY = "rollout-gateway.admin-token";
   const PHASES = ["generating", "queued", "tool", "finished"];
   const $ = (id) => document.getElementById(id);
@@ -12,46 +11,13 @@
   let staleTimer = null;
 
   // ---------- small helpers ----------
-  function el(tag, attrs = {}, text) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-    if (text !== undefined) node.textContent = text;
-    return node;
-  }
-  function svg(tag, attrs = {}, text) {
-    const node = document.createElementNS(SVG_NS, tag);
-    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
-    if (text !== undefined) node.textContent = text;
-    return node;
-  }
+  const { el, svg, num, dur, niceStep } = window.RG;
   function setText(id, text) {
     const node = $(id);
     if (node && node.textContent !== text) node.textContent = text;
   }
-  function num(n, digits = 1) {
-    if (n === null || n === undefined || Number.isNaN(n)) return "–";
-    const a = Math.abs(n);
-    if (a >= 1e9) return (n / 1e9).toFixed(digits) + "G";
-    if (a >= 1e6) return (n / 1e6).toFixed(digits) + "M";
-    if (a >= 1e4) return (n / 1e3).toFixed(digits) + "k";
-    if (a >= 100 || Number.isInteger(n)) return Math.round(n).toLocaleString("en-US");
-    return n.toFixed(digits);
-  }
-  function dur(s) {
-    if (s === null || s === undefined) return "–";
-    if (s < 1) return Math.round(s * 1000) + " ms";
-    if (s < 60) return s.toFixed(s < 10 ? 2 : 1) + " s";
-    if (s < 3600) return Math.floor(s / 60) + "m " + String(Math.round(s % 60)).padStart(2, "0") + "s";
-    return Math.floor(s / 3600) + "h " + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
-  }
   function pct(x) { return x === null || x === undefined ? "–" : (100 * x).toFixed(x < 0.1 ? 1 : 0) + "%"; }
   function clock(ts) { return new Date(ts * 1000).toLocaleTimeString("en-GB", { hour12: false }); }
-  function niceStep(span, ticks) {
-    const raw = span / Math.max(1, ticks);
-    const mag = Math.pow(10, Math.floor(Math.log10(raw || 1)));
-    const norm = raw / mag;
-    return (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 5 ? 5 : 10) * mag;
-  }
   function chartBox(id, height) {
     const host = $(id);
     const width = Math.max(240, host.clientWidth || 600);
@@ -212,8 +178,10 @@
     const rows = Object.entries(models).map(([name, m]) => {
       const tr = el("tr", { "data-model": name });
       const t = m.trajectories || {};
+      const cell = el("td");  // its trajectories in the viewer
+      cell.append(el("a", { href: "/view/search?model=" + encodeURIComponent(name) }, name));
       tr.append(
-        el("td", {}, name),
+        cell,
         el("td", {}, m.base ?? "—"),
         el("td", { class: "version" }, String(m.version)),
         el("td", {}, m.adapter ?? "—"),
@@ -472,6 +440,7 @@
   async function openTrajectory(id) {
     const dialog = $("traj-dialog");
     setText("traj-title", "Trajectory " + id);
+    $("traj-open").href = "/view/trajectories/" + encodeURIComponent(id);
     $("traj-calls").tBodies[0].replaceChildren();
     $("traj-text").replaceChildren();
     setText("traj-note", "Loading…");
@@ -519,6 +488,12 @@
   // ---------- start ----------
   document.addEventListener("DOMContentLoaded", () => {
     wireAdmin();
+    // the page's policy allows no form to be submitted (form-action 'none'): go there
+    $("quick-search").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const q = $("quick-q").value.trim();
+      location.href = "/view/search" + (q ? "?q=" + encodeURIComponent(q) : "");
+    });
     $("traj-close").addEventListener("click", () => $("traj-dialog").close());
     fetch("/status").then((r) => r.json()).then((s) => { if (!latest) render(s); }).catch(() => {});
     connect();

@@ -354,3 +354,31 @@ def routes(
     md = routes_markdown(doc)
     (out / "routes.md").write_text(f"# bench routes\n\n{md}")
     console.print(md)
+
+
+def viewer(
+    calls: Annotated[int, typer.Option(min=1, help="calls in the trajectory")] = 200,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="new prompt tokens a call")] = 250,
+    completion_tokens: Annotated[int, typer.Option(min=1, help="generated tokens a call")]
+    = 250,
+    repeats: Annotated[int, typer.Option(min=1, help="page loads of each mode, alternated")]
+    = 3,
+    chromium: Annotated[str, typer.Option(help="the Chromium binary (Debian's)")]
+    = "/usr/bin/chromium",
+    out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/viewer"),
+) -> None:
+    """A long trajectory (100k tokens, 200 calls by default) in the trajectory viewer, in
+    headless Chromium: drawn block by block against every token at once (docs/status-page.md)."""
+    from bench.runners.viewer import ViewerOptions, run_viewer, viewer_markdown
+
+    opts = ViewerOptions(calls=calls, prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens, repeats=repeats,
+                         chromium=chromium, out=out)
+    console = Console()
+    prog, say = _progress(console)
+    with prog:
+        doc = run_viewer(opts, say, _command("viewer"))
+    (out / "viewer.json").write_text(json.dumps(doc, indent=2))
+    md = viewer_markdown(doc)
+    (out / "viewer.md").write_text(f"# bench viewer\n\n{md}")
+    console.print(md)

@@ -1,7 +1,9 @@
 """One status page over every shard, in real headless Chromium: the front serves the page,
 its merged ``/status`` and stream; the pool table lists every shard's instances, a
-trajectory opens from the Gantt (the front finds its shard), and an admin action taken on
-the page reaches every shard."""
+trajectory opens from the Gantt (the front finds its shard), an admin action taken on
+the page reaches every shard, and the trajectory viewer works through the front: its
+search box finds the trajectories every shard recorded, a trajectory page draws the
+sample of whichever shard ran it, a group page holds members of both shards."""
 
 from __future__ import annotations
 
@@ -48,5 +50,18 @@ def test_one_page_over_every_shard(browser: Any, sim_servers: list[str],  # noqa
         worker.join(120)
         shards = httpx.get(f"{url}/status", timeout=30).json()["shards"]
         assert [s["weight_version"] for s in shards] == ["21", "21"]
+
+        page.fill("#quick-q", "grp-")
+        page.click("#quick-search button")
+        expect(page.locator("#search-table tbody tr")).to_have_count(8, timeout=15_000)
+        owners = {t: httpx.get(f"{url}/trajectories/{t}/view", timeout=30).status_code
+                  for ts in ids.values() for t in ts}
+        assert set(owners.values()) == {200}
+        page.locator("#search-table a", has_text="grp-1-1").click()
+        expect(page.locator("#tokens .t").first).to_be_visible(timeout=15_000)
+        assert "task of grp-1" in (page.locator("#tokens").text_content() or "")
+        page.click("#traj-facts a")  # its group
+        expect(page.locator("#group-table tbody tr")).to_have_count(2, timeout=15_000)
+        page.screenshot(path=str(ARTIFACTS / "viewer-sharded-group.png"), full_page=True)
         page.close()
     assert not errors, errors
