@@ -146,6 +146,13 @@ def test_a_recorded_batch_reads_page_by_page(browser: Any, recorded: dict[str, A
     expect(page.locator("#tokens .t").first).to_be_visible()
     assert "title" in (page.locator("#tokens").text_content() or "").lower()
     _layout(page, "trajectory-opencode-title")
+    # its agent re-rendered the tool call it made: the next call ran it from the record
+    page.locator("#branch-tree .branch", has_text="main").first.click()
+    expect(page.locator("#tokens-title")).to_contain_text("(main)")
+    page.locator("#draw-all").check()
+    expect(page.locator("#tokens .t.ti").first).to_be_attached(timeout=10_000)
+    assert page.locator("#tokens .t").count() == int(
+        page.locator("#tokens-summary").inner_text().split(" tokens")[0].replace(",", ""))
 
     # mini-swe-agent: the replies it dropped are branches, its conversation the main one
     page.goto(f"{gw}/view/trajectories/{ids['mini-b']}")
@@ -217,3 +224,45 @@ def test_the_committed_screenshots_exist() -> None:
     for name in ("search", "trajectory-claude", "trajectory-opencode-title",
                  "trajectory-mini-swe-agent", "group"):
         assert (docs / f"viewer-{name}.png").is_file(), name
+
+
+def test_weight_versions_and_routed_experts_on_the_page(
+        browser: Any, loop_thread: LoopThread,  # noqa: F811
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A trajectory whose calls ran on two weight versions, on an engine that returns
+    routed experts: the version marker sits where the version changes, and a hover over a
+    token shows its experts per layer."""
+    from playwright.sync_api import expect
+
+    from backends.sim.routes import MOE_SHAPES
+
+    cfg = SimServerConfig(model=MODEL, speed=50, seed=4, output_len_median=12,
+                          enable_return_routed_experts=True, moe=MOE_SHAPES["tiny-moe"])
+    with logged_gateway(loop_thread, tmp_path_factory, cfg) as (gw, _), \
+            httpx.Client(base_url=gw, timeout=30) as http:
+        traj = "versions-" + uuid.uuid4().hex[:6]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "count the files"}]
+        for turn in range(3):
+            if turn == 2:
+                http.put("/admin/weight-version", json={"version": "5"}).raise_for_status()
+            r = http.post(f"/t/{traj}/v1/chat/completions", json={
+                "model": MODEL, "messages": messages, "max_tokens": 10, "ignore_eos": True})
+            r.raise_for_status()
+            messages += [{"role": "assistant",
+                          "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"there are {turn} more"}]
+        errors: list[str] = []
+        page = _page(browser, errors)
+        page.goto(f"{gw}/view/trajectories/{traj}")
+        marker = page.locator("#tokens .vb")
+        expect(marker).to_have_count(1, timeout=10_000)
+        expect(marker).to_have_text("v5")
+        following = marker.evaluate("m => m.nextElementSibling.dataset.i")
+        view = http.get(f"/trajectories/{traj}/view").json()["tokens"]
+        assert [int(following), "5"] == view["versions"][-1][::2]  # the run's start
+        page.locator("#tokens .t.tr").first.hover()
+        expect(page.locator("#tip .routes")).to_contain_text("L0:", timeout=10_000)
+        layers = page.locator("#tip .routes").inner_text().count("\nL")
+        assert layers == MOE_SHAPES["tiny-moe"].num_layers
+        page.close()
+    assert not errors, errors
