@@ -214,7 +214,8 @@ async def _run(opts: DemoOptions, console: Console, specs: list[TrajectorySpec],
                db_url: str, http: httpx.AsyncClient, clock: WallClock | None,
                set_time_scale: Callable[[float], None]) -> BatchResult:
     await wait_routable(http, gw, opts.instances)
-    console.print(f"status page: [link]{gw}/[/]   traces: {db_url}")
+    console.print(f"status page: [link]{gw}/[/]   trajectory viewer: [link]{gw}/view/search[/]"
+                  f"   traces: {db_url}")
     cfg = HarnessConfig(gateway_url=gw, model=opts.model, speed=opts.speed, seed=opts.seed,
                         stream=opts.stream, clock=clock)
     governor = Governor(clock, on_speed=set_time_scale) if clock else None
@@ -256,7 +257,7 @@ async def _run(opts: DemoOptions, console: Console, specs: list[TrajectorySpec],
     console.print(f"recorded trace of {first}: {len(sample['calls'])} calls, "
                   f"{len(sample['token_ids'])} tokens ({sum(sample['loss_mask'])} "
                   f"generated), mismatches: {len(sample['mismatches'])}  "
-                  f"-> {gw}/trajectories/{first}/sample")
+                  f"-> {gw}/trajectories/{first}/sample, read in {gw}/view/trajectories/{first}")
     if opts.keep:
         console.print(f"serving at {gw} (Ctrl-C to stop)")
         await asyncio.Event().wait()
