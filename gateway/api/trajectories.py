@@ -61,8 +61,18 @@ class FinishRequest(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     reward: float | None = None
+    #: each policy's own reward by model name, for a trajectory whose calls were of
+    #: several (a solver and a verifier): ``?model=`` samples of one carry its own
+    rewards: dict[str, float] | None = Field(None, max_length=64)
     metadata: dict[str, Any] | None = None
     group_id: str | None = Field(None, max_length=128)
+
+    @field_validator("rewards")
+    @classmethod
+    def _names(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and any(not 1 <= len(k) <= 256 for k in value):
+            raise ValueError("a rewards key is a model name: 1-256 characters")
+        return value
 
     @field_validator("metadata")
     @classmethod
@@ -189,7 +199,7 @@ async def get_trajectory(
     return TrajectoryDetail(
         id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
         created_at=traj.created_at, finished_at=traj.finished_at, reward=traj.reward,
-        metadata=traj.meta, live=live_view(rt, traj.id),
+        rewards=traj.rewards, metadata=traj.meta, live=live_view(rt, traj.id),
         calls=[_call_trace(c, text=text) for c in calls])
 
 
@@ -209,12 +219,14 @@ async def finish(
     async with rt.sessionmaker() as session, session.begin():
         traj = await queries.finish_trajectory(
             session, trajectory_id=trajectory_id, group_id=group, reward=body.reward,
-            metadata=body.metadata, now=now, attempt=live.attempt if live else None)
+            metadata=body.metadata, now=now, attempt=live.attempt if live else None,
+            rewards=body.rewards)
     if live is not None and live.finished_at is None:
         rt.tracker.finish(trajectory_id, body.reward, now)
         rt.dispatcher.scheduler.trajectory_finished(live)
     return FinishedTrajectory(id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
-                              reward=traj.reward, finished_at=traj.finished_at)
+                              reward=traj.reward, finished_at=traj.finished_at,
+                              rewards=traj.rewards)
 
 
 @router.get("/{trajectory_id}/live", summary="The gateway's live view of the trajectory "

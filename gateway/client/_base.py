@@ -8,7 +8,7 @@ cannot drift apart in paths or shapes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -133,8 +133,11 @@ class Endpoints:
 
     @staticmethod
     def finish(trajectory_id: str, reward: float | None, *, metadata: dict[str, Any] | None,
-               group_id: str | None) -> Request[TrajectoryInfo]:
+               group_id: str | None, rewards: Mapping[str, float] | None = None
+               ) -> Request[TrajectoryInfo]:
         body: dict[str, Any] = {"reward": reward}
+        if rewards is not None:
+            body["rewards"] = dict(rewards)
         if metadata is not None:
             body["metadata"] = metadata
         if group_id is not None:

@@ -113,9 +113,10 @@ class AsyncRolloutClient:
 
     async def finish(self, trajectory_id: str, reward: float | None = None, *,
                      metadata: dict[str, Any] | None = None,
-                     group_id: str | None = None) -> TrajectoryInfo:
+                     group_id: str | None = None,
+                     rewards: Mapping[str, float] | None = None) -> TrajectoryInfo:
         return await self._send(Endpoints.finish(trajectory_id, reward, metadata=metadata,
-                                                 group_id=group_id))
+                                                 group_id=group_id, rewards=rewards))
 
     async def finish_many(self, rewards: Mapping[str, float | None], *,
                           group_id: str | None = None) -> list[TrajectoryInfo]:

@@ -113,10 +113,13 @@ class RolloutClient:
 
     def finish(self, trajectory_id: str, reward: float | None = None, *,
                metadata: dict[str, Any] | None = None,
-               group_id: str | None = None) -> TrajectoryInfo:
-        """Mark a trajectory finished with its reward (idempotent: the last call wins)."""
+               group_id: str | None = None,
+               rewards: Mapping[str, float] | None = None) -> TrajectoryInfo:
+        """Mark a trajectory finished with its reward (idempotent: the last call wins);
+        ``rewards``: each policy's own by model name, where its calls were of several
+        (a solver and a verifier): the samples of one policy carry its own."""
         return self._send(Endpoints.finish(trajectory_id, reward, metadata=metadata,
-                                           group_id=group_id))
+                                           group_id=group_id, rewards=rewards))
 
     def finish_many(self, rewards: Mapping[str, float | None], *,
                     group_id: str | None = None) -> list[TrajectoryInfo]:

@@ -42,7 +42,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -91,8 +91,10 @@ class Rollout:
     api_key: str = "EMPTY"
 
 
-#: runs one trajectory and returns its reward (``None``: no score, TRL leaves it out)
-Agent = Callable[[Rollout], Awaitable[float | None]]
+#: runs one trajectory and returns its reward (``None``: no score, TRL leaves it out), or
+#: for an agent calling several policies each one's by model name (``finish``'s
+#: ``rewards``: each policy's samples carry its own)
+Agent = Callable[[Rollout], Awaitable[float | Mapping[str, float] | None]]
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -258,9 +260,13 @@ class GatewayGRPO:
                 tid = f"{group}-{k}"
                 async with gate:
                     key = await gw.mint_key(tid, group)
-                    reward = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
-                                                      tid, group, k, step, key))
-                await gw.finish(tid, reward, group_id=group)
+                    got = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
+                                                   tid, group, k, step, key))
+                if isinstance(got, Mapping):  # each policy's own
+                    await gw.finish(tid, got.get(self.policy) if self.policy else None,
+                                    group_id=group, rewards=got)
+                else:
+                    await gw.finish(tid, got, group_id=group)
 
             await asyncio.gather(*(one(r) for r in range(len(prompts))))
 

@@ -56,7 +56,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,10 +230,14 @@ class GatewayRolloutWorker:
                 seen = members.setdefault(gid, [])
                 if tid not in seen:
                     seen.append(tid)
-                return await self.agent(Rollout(
+                got = await self.agent(Rollout(
                     prompt=prompt, base_url=gw.base_url_for(tid, gid), trajectory_id=tid,
                     group_id=gid, index=seen.index(tid), step=taken,
                     api_key=await gw.mint_key(tid, gid)))
+                if isinstance(got, Mapping):
+                    raise TypeError("the async rollout worker trains one policy: its agent "
+                                    "returns one reward, not one per policy")
+                return got
 
             async with StepRunner(gw, launch, _cycle(self.prompts), batch=self.groups,
                                   group_size=self.group_size, mode=self.mode,

@@ -116,6 +116,7 @@ class TrajectoryDetail(BaseModel):
     created_at: IsoTime
     finished_at: IsoTime | None
     reward: float | None
+    rewards: dict[str, float] | None = None  # each policy's own, where the trainer gave them
     metadata: dict[str, Any] | None
     live: LiveView | None
     calls: list[CallTrace]
@@ -136,6 +137,7 @@ class FinishedTrajectory(BaseModel):
     group_id: str | None
     reward: float | None
     finished_at: IsoTime | None
+    rewards: dict[str, float] | None = None
 
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo(id=self.id, group_id=self.group_id, reward=self.reward,

@@ -48,6 +48,9 @@ class Trajectory(Base):
     finished_at: Mapped[datetime | None]
     reward: Mapped[float | None] = mapped_column(Float)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    #: each policy's own reward by model name, where its calls were of several (its
+    #: samples of that model carry it; ``reward`` is every other sample's)
+    rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # the attempt this row describes: the latest one (finished_at/reward are its own)
     attempt: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
 
@@ -65,6 +68,7 @@ class TrajectoryAttempt(Base):
     finished_at: Mapped[datetime | None]
     reward: Mapped[float | None] = mapped_column(Float)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class Call(Base):

@@ -149,10 +149,12 @@ async def finish_trajectory(
     metadata: dict[str, Any] | None,
     now: float,
     attempt: int | None = None,
+    rewards: dict[str, float] | None = None,
 ) -> Trajectory:
-    """Mark an attempt finished with a reward (default: the row's current attempt);
-    creates the row if no call was recorded yet. The attempt's own record is kept in
-    ``trajectory_attempts`` so a later reuse of the id does not lose it."""
+    """Mark an attempt finished with a reward (default: the row's current attempt), and
+    with ``rewards``, each policy's own by model name; creates the row if no call was
+    recorded yet. The attempt's own record is kept in ``trajectory_attempts`` so a later
+    reuse of the id does not lose it."""
     dialect = session.get_bind().dialect.name
     ins = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stamp = datetime.fromtimestamp(now, tz=UTC)
@@ -161,19 +163,21 @@ async def finish_trajectory(
             select(Trajectory.attempt).where(Trajectory.id == trajectory_id)) or 0
     stmt = ins(Trajectory).values(
         id=trajectory_id, group_id=group_id, created_at=stamp, finished_at=stamp,
-        reward=reward, meta=metadata, attempt=attempt,
+        reward=reward, meta=metadata, attempt=attempt, rewards=rewards,
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=["id"],
         set_={"finished_at": stamp, "reward": reward, "metadata": metadata,
-              "attempt": attempt},
+              "attempt": attempt, "rewards": rewards},
     )
     await session.execute(stmt)
     rec = ins(TrajectoryAttempt).values(trajectory_id=trajectory_id, attempt=attempt,
-                                        finished_at=stamp, reward=reward, meta=metadata)
+                                        finished_at=stamp, reward=reward, meta=metadata,
+                                        rewards=rewards)
     rec = rec.on_conflict_do_update(
         index_elements=["trajectory_id", "attempt"],
-        set_={"finished_at": stamp, "reward": reward, "metadata": metadata})
+        set_={"finished_at": stamp, "reward": reward, "metadata": metadata,
+              "rewards": rewards})
     await session.execute(rec)
     await session.flush()
     row = await session.get(Trajectory, trajectory_id, populate_existing=True)

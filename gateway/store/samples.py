@@ -255,15 +255,19 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
     verifier). Only the branches with a call for ``model`` are built into samples, each
     in full (a fork keeps the tokens it shares with another model's branch), and only
     ``model``'s generated tokens are trained; the main one is ``model``'s conversation the
-    trajectory ended on. ``routes``: False leaves routed experts out (who only needs the
-    tokens)."""
+    trajectory ended on, and the reward is ``model``'s own where the trainer gave one
+    (``rewards``), else the trajectory's. ``routes``: False leaves routed experts out
+    (who only needs the tokens)."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
-        reward, meta = trajectory.reward, trajectory.meta
+        reward, meta, rewards = trajectory.reward, trajectory.meta, trajectory.rewards
     else:
         reward = record.reward if record is not None else None
         meta = record.meta if record is not None else None
+        rewards = record.rewards if record is not None else None
+    if model is not None and rewards and model in rewards:  # the policy's own
+        reward = rewards[model]
     built: dict[int, BranchBuild] = {}
     mine: set[int] = set()  # the branches with a call for ``model`` (any, without one)
     for call in sorted(calls, key=lambda c: (c.seq, c.started_at)):

@@ -223,9 +223,12 @@ def _member(trajectory: Trajectory, calls: Sequence[Call], current: str,
         if s is not None else []
     mine = [c for c in calls if c.status == "ok" and (c.attempt or 0) == attempt
             and (model is None or c.model == model)]
+    reward = trajectory.reward
+    if model is not None and trajectory.rewards and model in trajectory.rewards:
+        reward = trajectory.rewards[model]  # the policy's own
     return GroupMember(
         id=trajectory.id, attempt=attempt, finished=trajectory.finished_at is not None,
-        reward=trajectory.reward, advantage=None, advantage_unscaled=None,
+        reward=reward, advantage=None, advantage_unscaled=None,
         calls=len(mine), branches=len(ordered) if main is not None else 0,
         length=len(s.token_ids) if s is not None else 0,
         trained=sum(s.loss_mask) if s is not None else 0,

@@ -148,6 +148,11 @@ def test_waits_listing_and_samples(gateway: GatewayFactory, sqlite_url: str) -> 
         assert table.column("trajectory_id").to_pylist() == ids
         detail = client.trajectory(ids[1])
         assert detail["group_id"] == group and len(detail["calls"]) >= 2
+        # a policy's own reward: its samples carry it, the others the trajectory's
+        model = client.trajectory(ids[0])["calls"][0]["model"]
+        client.finish(ids[0], 1.0, rewards={model: 0.5})
+        assert client.sample(ids[0], model=model).reward == 0.5
+        assert client.sample(ids[0]).reward == 1.0
 
 
 def test_gateway_errors_become_typed_exceptions(gateway: GatewayFactory,

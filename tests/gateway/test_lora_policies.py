@@ -198,3 +198,47 @@ async def test_aliases_name_families_and_unknown_models_are_refused(
             assert r.json()["adapter"] | {"path": None} == {
                 "model": "solver", "base": MODEL, "version": "2", "name": "solver@lora-2",
                 "path": None, "rank": 8}
+
+
+async def test_each_policy_samples_with_its_own_reward(
+        lora_engines: list[str], gateway_at: GatewayFactory, db_url: str) -> None:
+    """A solver and a verifier in one trajectory, finished with the trajectory's reward and
+    the verifier's own: a verifier sample carries the verifier's, a solver sample (no
+    reward of its own) and an all-models sample the trajectory's; the group fetch, the
+    prefix tree and the viewer's group page the same; a bad ``rewards`` is a 422 that
+    changes nothing."""
+    families = {"solver": MODEL, "verifier": MODEL}
+    with gateway_at(db_url, lora_engines, admin_token="tok", api_keys=[KEY],
+                    lora_models=families) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin, \
+                httpx.AsyncClient(base_url=url, timeout=60, headers=HARNESS) as http:
+            tid, gid = "two-rewards", "two-rewards-g"
+            for model in ("solver", "verifier"):
+                r = await http.post(f"/g/{gid}/t/{tid}/v1/chat/completions", json={
+                    "model": model, "max_tokens": 8, "ignore_eos": True,
+                    "messages": [{"role": "system", "content": f"You are the {model}."},
+                                 {"role": "user", "content": "What is 17 times 3?"}]})
+                assert r.status_code == 200, r.text
+            for bad in ({"": 1.0}, {"verifier": "high"}):
+                refused = await admin.post(f"/trajectories/{tid}/finish",
+                                           json={"reward": 1.0, "rewards": bad})
+                assert refused.status_code == 422, refused.text
+            assert (await admin.get(f"/trajectories/{tid}")).json()["finished_at"] is None
+            done = await admin.post(f"/trajectories/{tid}/finish", json={
+                "reward": 1.0, "rewards": {"verifier": 0.25}})
+            assert done.json()["rewards"] == {"verifier": 0.25}
+
+            async def reward(path: str, **params: str) -> Any:
+                body = (await admin.get(path, params=params)).json()
+                return body["data"][0]["reward"] if "data" in body else body["reward"]
+
+            assert await reward(f"/trajectories/{tid}/sample", model="verifier") == 0.25
+            assert await reward(f"/trajectories/{tid}/sample", model="solver") == 1.0
+            assert await reward(f"/trajectories/{tid}/sample") == 1.0
+            assert await reward(f"/groups/{gid}/samples", model="verifier") == 0.25
+            assert await reward(f"/trajectories/{tid}/tree", model="verifier") == 0.25
+            page = (await admin.get(f"/groups/{gid}/view",
+                                    params={"model": "verifier"})).json()
+            assert [m["reward"] for m in page["members"]] == [0.25]
+            detail = (await admin.get(f"/trajectories/{tid}")).json()
+            assert (detail["reward"], detail["rewards"]) == (1.0, {"verifier": 0.25})
