@@ -56,6 +56,10 @@ class TraceSettings(BaseModel):
         "record's routed experts (MoE routing replay, docs/moe.md) are left out, counted "
         "in routes_dropped: routes are ~50x a call's tokens, and a writer behind on them "
         "would hold them in memory; its tokens are kept whatever happens")
+    routes_retention_s: float | None = Field(
+        None, gt=0, description="routed experts of calls that started longer ago than this "
+        "are cleared from the store (their tokens stay; docs/moe.md, \"Retention\"); "
+        "None: kept as long as the calls")
     flush_interval_s: float = 0.25
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 5.0

@@ -41,6 +41,7 @@ from gateway.schema.mismatch import MismatchLimits
 from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.ledger import LOSS_REASONS
 from gateway.store.quarantine import KINDS
+from gateway.store.retention import RoutesRetention
 from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
 from gateway.token_text import TokenText
@@ -91,6 +92,8 @@ class Runtime:
     mismatch: MismatchBoard = field(default_factory=lambda: MismatchBoard(MismatchLimits()))
     #: token pieces the viewer shows, decoded by the engines (``GET .../view``)
     token_text: TokenText = field(default_factory=TokenText)
+    #: clears routed experts past ``traces.routes_retention_s`` (None: kept)
+    routes_retention: RoutesRetention | None = None
 
     def version_of(self, model: str) -> str:
         """The weight version a call for ``model`` (a served model or a LoRA family) is
@@ -141,7 +144,7 @@ class Runtime:
         yield from self._model_metrics()
         yield _single("rollout_gateway_trace_queue_depth", "Trace records waiting to be "
                       "written", self.writer.queue_depth)
-        yield from trace_metrics(self.writer)
+        yield from trace_metrics(self.writer, self.routes_retention)
 
     def _model_metrics(self) -> Iterator[Metric]:
         """Per model calls ask for (a served model, a LoRA family): its live trajectories
@@ -169,7 +172,8 @@ def _single(name: str, doc: str, value: float) -> Metric:
     return g
 
 
-def trace_metrics(writer: TraceWriter) -> Iterator[Metric]:
+def trace_metrics(writer: TraceWriter, retention: RoutesRetention | None = None
+                  ) -> Iterator[Metric]:
     """The trace writer's state and counters (docs/status-page.md lists them)."""
     yield _single("rollout_gateway_trace_dropped", "Trace records lost, whatever the reason "
                   "(rollout_gateway_trace_lost_total says which)", writer.dropped)
@@ -184,6 +188,11 @@ def trace_metrics(writer: TraceWriter) -> Iterator[Metric]:
                                  "their tokens were kept")
     routes.add_metric([], writer.routes_dropped)
     yield routes
+    cleared = CounterMetricFamily("rollout_gateway_trace_routes_cleared", "Calls whose "
+                                  "routed experts this process cleared past "
+                                  "traces.routes_retention_s (their tokens were kept)")
+    cleared.add_metric([], retention.dropped if retention is not None else 0)
+    yield cleared
     quarantined = CounterMetricFamily("rollout_gateway_trace_quarantined", "Trace records "
                                       "set aside in the quarantine file, by kind",
                                       labels=["kind"])
@@ -324,6 +333,11 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
         expiry = Expiry(tracker, settings.trajectories)
         expiry.start()
         stack.push_async_callback(expiry.close)
+        if settings.traces.routes_retention_s is not None:
+            rt.routes_retention = RoutesRetention(sessionmaker,
+                                                  settings.traces.routes_retention_s)
+            rt.routes_retention.start()
+            stack.push_async_callback(rt.routes_retention.close)
         wire_scheduler(rt, scheduler)
         scheduler.start()
         stack.push_async_callback(scheduler.close)

@@ -64,7 +64,8 @@ def status_body(rt: Runtime, *, with_urls: bool) -> dict[str, Any]:
         "scheduler": {"queued": sched.queue_depth, "dispatched": sched.dispatched,
                       "faults": sched.faults, "stalls": sched.stalls,
                       "stalled_for_s": round(sched.stalled_for_s, 1)},
-        "trace_writer": writer_view(rt.writer),
+        "trace_writer": writer_view(rt.writer) | {"routes_cleared": (
+            rt.routes_retention.dropped if rt.routes_retention is not None else 0)},
         "restore": {"restored": rt.restorer.restored, "failures": rt.restorer.failures,
                     "existence_queries": rt.restorer.existence_queries},
         "relayouts": rt.relayouts.summary(),

@@ -25,7 +25,7 @@ def make_settings(db_url: str, backends: list[str], **kw: object) -> Settings:
     return Settings(
         database_url=db_url, backends=backends,
         upstream=UpstreamSettings(health_interval_s=0.2, **kw.pop("upstream", {})),  # type: ignore[arg-type]
-        traces=TraceSettings(flush_interval_s=0.05), **kw,  # type: ignore[arg-type]
+        traces=kw.pop("traces", TraceSettings(flush_interval_s=0.05)), **kw,  # type: ignore[arg-type]
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import sqlite3
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,3 +238,28 @@ async def test_a_call_continued_across_a_weight_update_keeps_each_routes_weights
     assert np.array_equal(routes[:cut], routed_experts(ids, 0, ROUTER, f"{old}|")[:cut])
     assert np.array_equal(routes[cut:-1], routed_experts(ids, 0, ROUTER, f"{new}|")[cut:])
     assert not np.array_equal(routes[cut:-1], routed_experts(ids, 0, ROUTER, f"{old}|")[cut:])
+
+
+def test_a_gateway_clears_routes_past_their_retention(
+        gateway_at: GatewayFactory, engines: list[str], tmp_path: Path) -> None:
+    """``traces.routes_retention_s`` through a running gateway: a second after its calls a
+    trajectory's sample has no routes left, its tokens whole; /status and /metrics count
+    what was cleared."""
+    from gateway.config import TraceSettings
+
+    tid = f"ret-{uuid.uuid4().hex[:8]}"
+    traces = TraceSettings(flush_interval_s=0.05, routes_retention_s=1.0)
+    with gateway_at(f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", engines[:1],
+                    traces=traces) as gw, httpx.Client(base_url=gw, timeout=30) as http:
+        _turns(http, tid)
+        fresh = http.get(f"/trajectories/{tid}/sample").json()
+        assert fresh["routed_experts"] is not None
+        deadline = time.monotonic() + 15
+        while http.get("/status").json()["trace_writer"]["routes_cleared"] < 4:
+            assert time.monotonic() < deadline, "no routes cleared in 15 s"
+            time.sleep(0.2)
+        aged = http.get(f"/trajectories/{tid}/sample").json()
+        metrics = http.get("/metrics").text
+    assert aged["routed_experts"] is None
+    assert aged["token_ids"] == fresh["token_ids"] and aged["loss_mask"] == fresh["loss_mask"]
+    assert "rollout_gateway_trace_routes_cleared_total 4.0" in metrics

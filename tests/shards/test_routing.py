@@ -180,3 +180,16 @@ def test_a_pool_splits_into_gpu_blocks_and_backends_round_robin() -> None:
                                         "launcher": {"kind": "sim"}, "layout": "probe"}), 2)
     # each shard probes every degree its own four GPUs hold
     assert [[r.tp for r in parse_pool_spec(p).requests()] for p in probe] == [[2, 1, 1]] * 2
+
+
+def test_one_shard_owns_the_stores_upkeep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards share one store: shard 0 alone clears expired routes, and each shard's
+    spool is its own file."""
+    from gateway.shards.launch import RETENTION_ENV, SPOOL_ENV, ShardPlan, shard_env
+
+    monkeypatch.setenv(RETENTION_ENV, "3600")
+    monkeypatch.setenv(SPOOL_ENV, "/tmp/spool.jsonl")
+    envs = [shard_env(ShardPlan(shards=3, database_url="postgresql://x/y"), i)
+            for i in range(3)]
+    assert [e.get(RETENTION_ENV) for e in envs] == ["3600", None, None]
+    assert len({e[SPOOL_ENV] for e in envs}) == 3

@@ -197,3 +197,65 @@ async def test_a_writer_behind_leaves_routes_out_and_keeps_the_tokens(sqlite_url
     finally:
         await writer.close()
         await engine.dispose()
+
+
+async def test_routes_past_their_retention_are_cleared_and_the_tokens_kept(
+        db_url: str) -> None:
+    """Three calls an hour apart and a retention of 90 minutes: the oldest call's routes
+    go, in batches, the others' stay; every call keeps its tokens, and the sample has
+    ``-1`` on the positions whose routes went."""
+    from gateway.store.retention import RoutesRetention, drop_routes_before
+
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    writer = TraceWriter(sm, TraceSettings(batch_size=10, flush_interval_s=0.01))
+    writer.start()
+    tid = f"ret-{uuid.uuid4().hex[:8]}"
+    now = time.time()
+    t0 = [1, 2, 3, 10, 11]
+    t1 = [*t0, 4, 12, 13]
+    t2 = [*t1, 5, 14, 15]
+    try:
+        for seq, (offset, delta, completion, toks) in enumerate(
+                [(0, [1, 2, 3], [10, 11], t0), (5, [4], [12, 13], t1),
+                 (8, [5], [14, 15], t2)]):
+            rec = _rec(tid, seq, offset, delta, completion,
+                       [[offset if seq else 0, _routes(toks, offset if seq else 0)]])
+            rec.started_at = now - 3600 * (2 - seq)  # 2 h, 1 h and 0 h ago
+            assert writer.submit(rec)
+        others = [_rec(f"{tid}-{k}", 0, 0, [1, 2], [3], [[0, _routes([1, 2, 3], 0)]])
+                  for k in range(5)]
+        for rec in others:
+            rec.started_at = now - 7200
+            assert writer.submit(rec)
+        assert await writer.drain(10)
+        async with sm() as session, session.begin():
+            await queries.finish_trajectory(session, trajectory_id=tid, group_id=None,
+                                            reward=1.0, metadata=None, now=now)
+        async with sm() as session:
+            before = build_sample(await queries.get_trajectory(session, trajectory_id=tid),
+                                  await queries.get_calls(session, trajectory_id=tid))
+
+        from datetime import UTC, datetime
+        async with sm() as session, session.begin():  # a batch at a time
+            cutoff = datetime.fromtimestamp(now - 5400, tz=UTC)
+            assert await drop_routes_before(session, cutoff=cutoff, limit=4) == 4
+        retention = RoutesRetention(sm, 5400, clock=lambda: now)
+        assert await retention.step() == 2 and retention.dropped == 2  # the rest
+        assert await retention.step() == 0
+
+        async with sm() as session:
+            calls = await queries.get_calls(session, trajectory_id=tid)
+            after = build_sample(await queries.get_trajectory(session, trajectory_id=tid),
+                                 calls)
+        assert [c.routes is None for c in calls] == [True, False, False]
+        assert [c.routes_start for c in calls] == [None, 5, 8]
+        assert after.token_ids == before.token_ids == t2
+        assert after.loss_mask == before.loss_mask and after.logprobs == before.logprobs
+        was = np.load(io.BytesIO(base64.b64decode(before.routed_experts or "")))
+        now_ = np.load(io.BytesIO(base64.b64decode(after.routed_experts or "")))
+        assert (now_[:5] == -1).all() and (was[:4] >= 0).all()  # call 0's positions
+        assert np.array_equal(now_[5:], was[5:])
+    finally:
+        await writer.close()
+        await engine.dispose()
