@@ -63,6 +63,7 @@ ROUTE_ROLES: dict[tuple[str, str], Role] = {
     ("GET", "/status/stream"): Role.PUBLIC,
     ("GET", "/"): Role.PUBLIC,
     ("GET", "/static/{name}"): Role.PUBLIC,
+    ("GET", "/view"): Role.PUBLIC,
     ("GET", "/view/{path:path}"): Role.PUBLIC,
     ("GET", "/openapi.json"): Role.PUBLIC,
     ("GET", "/docs"): Role.PUBLIC,

@@ -59,8 +59,9 @@ async def page() -> Response:
     return _file("index.html")
 
 
+@router.get("/view", include_in_schema=False)
 @router.get("/view/{path:path}", include_in_schema=False)
-async def viewer_page(path: str) -> Response:
+async def viewer_page(path: str = "") -> Response:
     """The trajectory viewer (``/view/trajectories/{id}``, ``/view/groups/{id}``,
     ``/view/search``): one page, which reads its data with the caller's token."""
     return _file("viewer.html")

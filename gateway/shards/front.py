@@ -149,8 +149,9 @@ def _status_routes(app: FastAPI) -> None:
         return Response(path.read_bytes(), media_type="text/html; charset=utf-8",
                         headers=PAGE_HEADERS)
 
+    @app.get("/view")
     @app.get("/view/{path:path}")
-    async def viewer_page(path: str) -> Response:
+    async def viewer_page(path: str = "") -> Response:
         return Response(asset_path("viewer.html").read_bytes(),
                         media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
