@@ -142,16 +142,19 @@ def _batch_loss(model: Any, rows: list[tuple[list[int], list[int]]], pad: int) -
 
 def warm_start(base: Path, out: Path, *, copy_steps: int = 225, mix_steps: int = 100,
                tool_rate: float = 0.3, batch: int = 16, lr: float = 1e-3,
-               seed: int = 0) -> dict[str, Any]:
+               seed: int = 0, threads: int = 1) -> dict[str, Any]:
     """Supervised run in two phases, the model saved to ``out`` with the base's tokenizer
     and chat template. First ``copy_steps`` batches of lookups trained whole (the call
     format and the copy of the tool's answer; the tiny model needs about 150-200 such
     steps to copy), then ``mix_steps`` batches where a quarter train the first turn (a
     call in ``tool_rate`` of them, a guess in the rest) and the rest only the answer
-    after a lookup (so the copy is kept while the call rate falls). Returns what it did."""
+    after a lookup (so the copy is kept while the call rate falls). ``threads``: torch's
+    (more than the cores left free only contend: beside another busy process on two cores,
+    two threads took 241-412 s and one 60 s). Returns what it did."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -189,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--mix-steps", type=int, default=100)
     ws.add_argument("--tool-rate", type=float, default=0.3)
     ws.add_argument("--seed", type=int, default=0)
+    ws.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args(argv)
     print(json.dumps(warm_start(args.base, args.out, copy_steps=args.copy_steps,
                                 mix_steps=args.mix_steps,
-                                tool_rate=args.tool_rate, seed=args.seed)))
+                                tool_rate=args.tool_rate, seed=args.seed,
+                                threads=args.threads)))
     return 0
 
 

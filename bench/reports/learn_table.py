@@ -11,12 +11,43 @@ BENCH = "docs/benchmarks"
 LEARN = {"lookup-3seeds": "TRL's `GRPOTrainer` (the adapter), synchronous",
          "lookup-async-3seeds": "the client's `StepRunner`, async mode, staleness bound 1",
          "lookup-trl-async-3seeds": "TRL's `AsyncGRPOTrainer` (`gateway.client.trl_async`), "
-                                    "staleness bound 1"}
+                                    "staleness bound 1",
+         "lookup-trl-lora-3seeds": "TRL's `GRPOTrainer` training a LoRA adapter (peft), each "
+                                   "step's adapter loaded beside the engines' weights, no pause"}
+#: ``bench learn-two``: two policies in every trajectory
+LEARN_TWO = {"two-policies-3seeds": "Two LoRA policies in every trajectory "
+                                    "(`examples/two_policies.py`), both trained"}
 
 
 def learning_table(root: Path) -> str:
-    return "\n\n".join(_learning(name, title, root) for name, title in LEARN.items()
-                        if (root / BENCH / "learning" / f"{name}.json").exists())
+    blocks = [_learning(name, title, root) for name, title in LEARN.items()
+              if (root / BENCH / "learning" / f"{name}.json").exists()]
+    blocks += [_two(name, title, root) for name, title in LEARN_TWO.items()
+               if (root / BENCH / "learning" / f"{name}.json").exists()]
+    return "\n\n".join(blocks)
+
+
+def _two(name: str, title: str, root: Path) -> str:
+    """``bench learn-two``: each policy's success at the start and end, per seed and over
+    seeds, and the command."""
+    doc = json.loads((root / BENCH / "learning" / f"{name}.json").read_text())
+    o, policies = doc["options"], list(doc["summary"])
+    lines = [f"**{title}.** {o['seeds']} seeds, {o['steps']} steps of {o['groups']} groups x "
+             f"{o['group_size']} trajectories, rank-{o['rank']} adapters, lr {o['lr']:g}, one "
+             "vLLM CPU engine; each policy's start and end = its mean success over the first "
+             "and last 3 steps (95% t-interval over seeds).\n",
+             "| seed | " + " | ".join(f"{p} start | {p} end" for p in policies) + " |",
+             "|---|" + "---|---|" * len(policies)]
+    for seed, run in doc["seeds"].items():
+        cells = [f"{statistics.fmean(run[p]['success'][:3]):.2f} | "
+                 f"{statistics.fmean(run[p]['success'][-3:]):.2f}" for p in policies]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    lines.append("| **mean** | " + " | ".join(
+        f"**{doc['summary'][p]['start'][0]:.2f} ± {doc['summary'][p]['start'][1]:.2f}** | "
+        f"**{doc['summary'][p]['end'][0]:.2f} ± {doc['summary'][p]['end'][1]:.2f}**"
+        for p in policies) + " |")
+    lines += ["", "```sh", doc["command"], "```"]
+    return "\n".join(lines)
 
 
 def _learning(name: str, title: str, root: Path) -> str:
@@ -28,9 +59,10 @@ def _learning(name: str, title: str, root: Path) -> str:
     def pm(v: list[float], fmt: str = ".2f") -> str:
         return f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
     lines = [f"**{title}.** {o['seeds']} seeds, {o['steps']} GRPO steps of {o['groups']} groups x "
-             f"{o['group_size']} trajectories, lr {o['lr']:g}, {o['engines']} vLLM CPU "
-             f"engine(s); start and end = mean success of the first and last 3 steps "
-             "(95% t-interval over seeds).\n",
+             f"{o['group_size']} trajectories, lr {o['lr']:g}"
+             + (f", a rank-{o['lora']} adapter on {o['lora_targets']}" if o.get("lora") else "")
+             + f", {o['engines']} vLLM CPU engine(s); start and end = mean success of the "
+             "first and last 3 steps (95% t-interval over seeds).\n",
              "| seed | warm start (s) | start | end | end / start | max staleness |",
              "|---|---|---|---|---|---|"]
     for seed, run in doc["seeds"].items():

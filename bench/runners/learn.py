@@ -39,7 +39,7 @@ launcher:
   device: cpu
   extra_args: [--dtype, bfloat16, --max-model-len, "2048", --enforce-eager]
   env: {{VLLM_CPU_KVCACHE_SPACE: "1"}}
-  start_timeout_s: 300
+  start_timeout_s: 300{lora}
 layout:
   - {{tp: 1, count: {engines}}}
 restart: {{max_restarts: 3, backoff_s: 2}}
@@ -82,15 +82,21 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _serve(work: Path, python: Path, engines: int, port: int) -> subprocess.Popen[bytes]:
+def _serve(work: Path, python: Path, engines: int, port: int, lora: int,
+           model: Path | None = None, slots: int = 2, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[bytes]:
+    """The gateway over a managed pool of ``model`` (default: the tiny model); ``lora``:
+    the engines load adapters up to that rank, ``slots`` of them."""
     pool = work / "pool.yaml"
-    pool.write_text(POOL.format(engines=engines, python=python, model=work / "tiny"))
+    pool.write_text(POOL.format(
+        engines=engines, python=python, model=model or work / "tiny",
+        lora=f"\n  lora: {{max_rank: {lora}, slots: {slots}}}" if lora else ""))
     log = (work / "gateway.log").open("wb")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "rollout-gateway"), "serve", "--pool", str(pool),
          "--port", str(port), "--database-url", f"sqlite+aiosqlite:///{work / 'gw.db'}"],
         cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok"})
+        env={**os.environ, "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok", **(env or {})})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -103,6 +109,12 @@ def _serve(work: Path, python: Path, engines: int, port: int) -> subprocess.Pope
         time.sleep(2)
     os.killpg(proc.pid, signal.SIGTERM)
     raise RuntimeError(f"no engine ready in 600 s: see {log.name}")
+
+
+def _stop(gateway: subprocess.Popen[bytes]) -> None:
+    """The gateway and its pool's engines, gone."""
+    os.killpg(gateway.pid, signal.SIGTERM)
+    gateway.wait(60)
 
 
 def _run(args: list[str], log: Path, echo: str = "") -> None:
@@ -146,6 +158,10 @@ def learn(
     = "trl",
     max_staleness: Annotated[int, typer.Option(help="async: the staleness bound")] = 1,
     defect: Annotated[str, typer.Option(help="trl: none | mask-shift")] = "none",
+    lora: Annotated[int, typer.Option(help="trl: train a rank-R LoRA adapter (peft) and push "
+                                      "it instead of the weights; 0: full weights")] = 0,
+    lora_targets: Annotated[str, typer.Option(help="trl: the modules the adapter trains "
+                                              "(peft's target_modules)")] = "all-linear",
     engines: Annotated[int, typer.Option(help="vLLM CPU engines (one core each)")] = 1,
     port: Annotated[int, typer.Option(help="the gateway's port")] = 8017,
     work_dir: Annotated[Path, typer.Option(help="models, checkpoints, logs")] = Path(
@@ -158,8 +174,8 @@ def learn(
     """GRPO on the lookup task through the gateway: success per step over seeds."""
     if trainer not in ("trl", "async", "trl-async"):
         raise typer.BadParameter(f"unknown trainer {trainer!r}: trl, async or trl-async")
-    if trainer != "trl" and defect != "none":
-        raise typer.BadParameter("--defect is wired for --trainer trl only")
+    if trainer != "trl" and (defect != "none" or lora):
+        raise typer.BadParameter("--defect and --lora are wired for --trainer trl only")
     work = work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -169,8 +185,12 @@ def learn(
         ["rollout-gateway", *sys.argv[1:]]), "options": {
         "seeds": seeds, "steps": steps, "groups": groups, "group_size": group_size,
         "lr": lr, "trainer": trainer, "max_staleness": max_staleness, "defect": defect,
-        "engines": engines}, "seeds": {}}
-    gateway = _serve(work, vllm_python, engines, port)
+        "engines": engines, "lora": lora,
+        "lora_targets": lora_targets if lora else None}, "seeds": {}}
+    # a full-weight run pushes the warm start before its first step, onto engines of the
+    # tiny model; an adapter is trained on the warm start and loaded on the engines'
+    # weights, so those must be the warm start: a pool of each seed's own
+    gateway = None if lora else _serve(work, vllm_python, engines, port, lora)
     try:
         for seed in range(seeds):
             policy = work / f"policy-{seed}"
@@ -178,6 +198,8 @@ def learn(
                   "--out", str(policy), "--seed", str(seed)], work / f"warm-{seed}.log")
             warm = json.loads([line for line in (work / f"warm-{seed}.log").read_text()
                                .splitlines() if line.startswith("{")][-1])
+            if lora:
+                gateway = _serve(work, vllm_python, engines, port, lora, model=policy)
             out = work / f"grpo-{seed}.json"
             common = ["--gateway", f"http://127.0.0.1:{port}", "--model-path", str(policy),
                       "--work-dir", str(work / f"run-{seed}"), "--steps", str(steps),
@@ -185,7 +207,9 @@ def learn(
                       "--lr", str(lr), "--seed", str(seed), "--json", str(out)]
             if trainer == "trl":
                 _run(["examples/trl_grpo.py", *common, "--task", "lookup",
-                      "--defect", defect], work / f"grpo-{seed}.log", echo=f"seed {seed} ")
+                      "--defect", defect, "--lora", str(lora), "--lora-targets",
+                      lora_targets], work / f"grpo-{seed}.log",
+                     echo=f"seed {seed} ")
             else:
                 script = ("examples/async_grpo.py" if trainer == "async"
                           else "examples/trl_async_grpo.py")
@@ -199,9 +223,12 @@ def learn(
                 "max_staleness": max(s["max_staleness"] for s in run["steps"]),
                 "timings": [_timings(s) for s in run["steps"]],
                 "total_s": run["total_s"]}
+            if lora and gateway is not None:
+                _stop(gateway)
+                gateway = None
     finally:
-        os.killpg(gateway.pid, signal.SIGTERM)
-        gateway.wait(60)
+        if gateway is not None:
+            _stop(gateway)
     doc["summary"] = summarize(doc)
     doc["total_s"] = round(time.monotonic() - t0, 1)
     s = doc["summary"]
