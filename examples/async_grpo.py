@@ -41,21 +41,15 @@ from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
 from gateway.client import AsyncRolloutClient, StepBatch, StepMode, StepRunner
+from gateway.client.advantages import group_advantages
 from gateway.client.mismatch import trainer_logprobs
 from gateway.schema.samples import Sample
 
 
 def advantages(samples: list[Sample]) -> list[float]:
-    """Group-relative: each reward minus its group's mean, over the group's std."""
-    by_group: dict[str | None, list[float]] = {}
-    for s in samples:
-        by_group.setdefault(s.group_id, []).append(s.reward or 0.0)
-    out = []
-    for s in samples:
-        rs = by_group[s.group_id]
-        mean, std = statistics.fmean(rs), statistics.pstdev(rs)
-        out.append(((s.reward or 0.0) - mean) / (std + 1e-4))
-    return out
+    """Group-relative: each reward minus its group's mean, over the group's std, one
+    reward per trajectory (``gateway.client.advantages``)."""
+    return group_advantages(samples)
 
 
 def grpo_loss(model: Any, samples: list[Sample], adv: list[float], clip: float) -> Any:

@@ -260,6 +260,9 @@ class Settings(BaseSettings):
     )
 
     database_url: str = DEFAULT_SQLITE_URL
+    shard_index: int | None = Field(
+        None, ge=0, description="this process's place among a sharded gateway's shards "
+        "(set by serve --shards): the store they share has one owner of its upkeep, shard 0")
     admin_token: str | None = Field(
         None, description="the operator's bearer token: everything, the admin API included")
     trainer_token: str | None = Field(

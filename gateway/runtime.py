@@ -92,7 +92,8 @@ class Runtime:
     mismatch: MismatchBoard = field(default_factory=lambda: MismatchBoard(MismatchLimits()))
     #: token pieces the viewer shows, decoded by the engines (``GET .../view``)
     token_text: TokenText = field(default_factory=TokenText)
-    #: clears routed experts past ``traces.routes_retention_s`` (None: kept)
+    #: clears routed experts past ``traces.routes_retention_s`` (None: kept, or not the
+    #: shard that owns the store's upkeep)
     routes_retention: RoutesRetention | None = None
 
     def version_of(self, model: str) -> str:
@@ -333,7 +334,7 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
         expiry = Expiry(tracker, settings.trajectories)
         expiry.start()
         stack.push_async_callback(expiry.close)
-        if settings.traces.routes_retention_s is not None:
+        if settings.traces.routes_retention_s is not None and not settings.shard_index:
             rt.routes_retention = RoutesRetention(sessionmaker,
                                                   settings.traces.routes_retention_s)
             rt.routes_retention.start()

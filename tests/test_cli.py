@@ -17,7 +17,8 @@ from rollout_gateway.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ["serve", "migrate", "export", "sim-backend", "front", "haproxy-config", "demo", "bench"]
 BENCH = ["sim", "steps", "soak", "overhead", "store", "headroom", "live", "vllm-cpu",
-         "record", "tail", "page", "grid", "gpu-scan", "learn", "loop", "split", "relay",
+         "record", "tail", "page", "grid", "gpu-scan", "learn", "learn-two", "loop", "split",
+         "relay",
          "routes", "viewer"]
 
 

@@ -335,6 +335,8 @@
     const start = Math.floor(i / ROUTES_WINDOW) * ROUTES_WINDOW;
     if (!state.routes.has(start)) {
       const p = new URLSearchParams({ branch: String(tk.branch), attempt: String(v.attempt), start: String(start), end: String(start + ROUTES_WINDOW) });
+      const model = new URLSearchParams(location.search).get("model");
+      if (model) p.set("model", model);  // a policy's sample: its routes
       state.routes.set(start, getJSON(`/trajectories/${enc(v.id)}/routes?${p}`));
     }
     const r = await state.routes.get(start);

@@ -146,8 +146,8 @@ async def list_trajectories(
     max_tokens: int | None = Query(None, ge=0),
     weight_version: str | None = Query(None, max_length=128, description="a call of it "
                                        "ran on this weight version"),
-    model: str | None = Query(None, max_length=256, description="a call of it asked for "
-                              "this model (a policy)"),
+    model: str | None = Query(None, max_length=256, description="a call of it was "
+                              "recorded under this model (a policy; after aliases)"),
     order: queries.Order = Query("created", description="-x: descending"),
     limit: int = Query(100, ge=1, le=10_000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
@@ -171,9 +171,11 @@ async def list_trajectories(
 
 
 async def _load(rt: Runtime, trajectory_id: str, attempt: int | None = None,
-                *, every_attempt: bool = False) -> tuple[Trajectory, Sequence[Call]]:
+                *, every_attempt: bool = False, routes: bool = True
+                ) -> tuple[Trajectory, Sequence[Call]]:
     """The stored trajectory and its calls (of ``attempt``, default the latest, or of
-    every attempt), after the writer flushed what it holds."""
+    every attempt; their routed experts unread without ``routes``), after the writer
+    flushed what it holds."""
     validate_id(trajectory_id)
     await rt.writer.drain(DRAIN_TIMEOUT_S)
     async with rt.sessionmaker() as session:
@@ -184,7 +186,8 @@ async def _load(rt: Runtime, trajectory_id: str, attempt: int | None = None,
             raise NotFound(f"trajectory {trajectory_id!r} has no attempt {attempt} "
                            f"(latest is {traj.attempt})")
         which = None if every_attempt else (traj.attempt if attempt is None else attempt)
-        calls = await queries.get_calls(session, trajectory_id=trajectory_id, attempt=which)
+        calls = await queries.get_calls(session, trajectory_id=trajectory_id, attempt=which,
+                                        routes=routes)
     return traj, calls
 
 
@@ -279,10 +282,11 @@ async def mint_key(request: Request, trajectory_id: str,
 _ATTEMPT = Query(None, ge=0, le=2**31 - 1)
 
 
-async def load_attempt(rt: Runtime, trajectory_id: str, attempt: int | None
-                   ) -> tuple[Trajectory, Sequence[Call], TrajectoryAttempt | None]:
+async def load_attempt(rt: Runtime, trajectory_id: str, attempt: int | None, *,
+                       routes: bool = True
+                       ) -> tuple[Trajectory, Sequence[Call], TrajectoryAttempt | None]:
     """:func:`_load`, and the record of ``attempt`` when it is not the latest."""
-    traj, calls = await _load(rt, trajectory_id, attempt)
+    traj, calls = await _load(rt, trajectory_id, attempt, routes=routes)
     record = None
     if attempt is not None and attempt != traj.attempt:
         async with rt.sessionmaker() as session:

@@ -263,8 +263,10 @@ class GatewayGRPO:
                     got = await self.agent(Rollout(prompts[row], gw.base_url_for(tid, group),
                                                    tid, group, k, step, key))
                 if isinstance(got, Mapping):  # each policy's own
-                    await gw.finish(tid, got.get(self.policy) if self.policy else None,
-                                    group_id=group, rewards=got)
+                    if self.policy is None:
+                        raise TypeError("an agent returning one reward per policy needs "
+                                        "GatewayGRPO(policy=...): the policy trained here")
+                    await gw.finish(tid, got.get(self.policy), group_id=group, rewards=got)
                 else:
                     await gw.finish(tid, got, group_id=group)
 

@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gateway.client.advantages import group_advantages
 from gateway.client.aio import AsyncRolloutClient
 from gateway.client.errors import GatewayConnectionError
 from gateway.client.steps import StepBatch, StepMode, StepRunner
@@ -81,15 +82,6 @@ FETCH_RETRIES = 4
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "vocab.json", "merges.txt")
-
-
-def group_advantages(samples: list[Sample]) -> list[float]:
-    """Each reward minus its group's mean, over the group's std (GRPO); no reward = 0."""
-    by_group: dict[str | None, list[float]] = {}
-    for s in samples:
-        by_group.setdefault(s.group_id, []).append(s.reward or 0.0)
-    return [((s.reward or 0.0) - statistics.fmean(by_group[s.group_id]))
-            / (statistics.pstdev(by_group[s.group_id]) + 1e-4) for s in samples]
 
 
 def sample_version(sample: Sample) -> int:

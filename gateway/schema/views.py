@@ -80,7 +80,8 @@ class ViewTokens(BaseModel):
     logprobs: list[float | None]  # None on context tokens
     #: [start, end, version] runs over the generated tokens
     versions: list[tuple[int, int, str]]
-    #: [seq, prompt_start, completion_start, completion_end] per call on the path
+    #: [seq, prompt_start, completion_start, completion_end] per call of this branch (the
+    #: positions before the first one it shares with the branch it forked from)
     calls: list[tuple[int, int, int, int]]
     #: [start, end, seq]: a turn the harness re-rendered, run from the record by call seq
     token_in: list[tuple[int, int, int]]
@@ -98,7 +99,8 @@ class TrajectoryView(BaseModel):
     attempt: int
     attempts: list[int]
     group_id: str | None
-    reward: float | None
+    reward: float | None  # the sample's: the attempt's, or with ``model`` that policy's
+    rewards: dict[str, float] | None  # each policy's own, where the trainer gave them
     created_at: IsoTime
     finished_at: IsoTime | None
     metadata: dict[str, Any] | None
@@ -119,7 +121,7 @@ class GroupMember(BaseModel):
     finished: bool
     reward: float | None
     #: GRPO's: (reward - the group's mean) / (its std + 1e-4), over finished trajectories
-    #: with a reward (what gateway.client's TRL adapter computes); None otherwise
+    #: with a reward, one each (gateway.client.advantages); None otherwise
     advantage: float | None
     #: reward - the group's mean (Dr. GRPO leaves the std out)
     advantage_unscaled: float | None

@@ -147,17 +147,16 @@ def record_pool(plan: ShardPlan, shard: int, pool: dict[str, Any]) -> None:
 
 
 SPOOL_ENV = "ROLLOUT_GATEWAY_TRACES__SPOOL_PATH"
-RETENTION_ENV = "ROLLOUT_GATEWAY_TRACES__ROUTES_RETENTION_S"
+SHARD_ENV = "ROLLOUT_GATEWAY_SHARD_INDEX"
 
 
 def shard_env(plan: ShardPlan, shard: int) -> dict[str, str]:
     """Shard ``shard``'s environment. Each shard owns its spool file (a second process
-    is refused one another holds): a configured spool path becomes one per shard. The
-    store they share has one owner of its upkeep: shard 0 clears expired routes
-    (:mod:`gateway.store.retention`), the others do not."""
+    is refused one another holds): a configured spool path becomes one per shard. Each
+    knows its index: the store they share has one owner of its upkeep, shard 0 (it clears
+    expired routes, :mod:`gateway.store.retention`)."""
     env = dict(os.environ)
-    if shard != 0:
-        env.pop(RETENTION_ENV, None)
+    env[SHARD_ENV] = str(shard)
     env["ROLLOUT_GATEWAY_DATABASE_URL"] = plan.database_url
     env["ROLLOUT_GATEWAY_AUTO_MIGRATE"] = "false"  # applied once, here
     if env.get(SPOOL_ENV):

@@ -48,7 +48,7 @@ _TRAJ_UPSERT = ("INSERT INTO trajectories (id, group_id, created_at) VALUES ($1,
                 "ON CONFLICT (id) DO NOTHING")
 #: A call of a newer attempt moves the trajectory row on to it (its finish is not yet known).
 _TRAJ_BUMP = ("UPDATE trajectories SET attempt = $2, finished_at = NULL, reward = NULL, "
-              "metadata = NULL WHERE id = $1 AND attempt < $2")
+              "rewards = NULL, metadata = NULL WHERE id = $1 AND attempt < $2")
 
 
 def _bumps(records: Sequence[CallRecord]) -> dict[str, int]:
@@ -152,6 +152,6 @@ async def write_batch(session: AsyncSession, records: Sequence[CallRecord]) -> N
     for tid, attempt in _bumps(records).items():
         await session.execute(
             update(Trajectory).where(Trajectory.id == tid, Trajectory.attempt < attempt)
-            .values(attempt=attempt, finished_at=None, reward=None, meta=None))
+            .values(attempt=attempt, finished_at=None, reward=None, rewards=None, meta=None))
     calls = sqlite.insert(Call).on_conflict_do_nothing(index_elements=["id"])
     await session.execute(calls, [call_row(r) for r in records])

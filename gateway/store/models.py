@@ -22,6 +22,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -73,7 +74,13 @@ class TrajectoryAttempt(Base):
 
 class Call(Base):
     __tablename__ = "calls"
-    __table_args__ = (Index("ix_calls_trajectory_seq", "trajectory_id", "seq"),)
+    __table_args__ = (
+        Index("ix_calls_trajectory_seq", "trajectory_id", "seq"),
+        # the calls still holding routed experts, by start (gateway/store/retention.py)
+        Index("ix_calls_routes_started", "started_at",
+              postgresql_where=text("routes IS NOT NULL"),
+              sqlite_where=text("routes IS NOT NULL")),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     trajectory_id: Mapped[str] = mapped_column(

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import defer
 
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
 
@@ -91,15 +92,28 @@ async def list_trajectories(
     return [TrajectorySummary(t, c or 0, int(tok or 0), last) for t, c, tok, last in rows]
 
 
+async def group_trajectories(session: AsyncSession, *, group_id: str, limit: int
+                             ) -> Sequence[Trajectory]:
+    """A group's trajectories, oldest first."""
+    stmt = (select(Trajectory).where(Trajectory.group_id == group_id)
+            .order_by(Trajectory.created_at, Trajectory.id).limit(limit))
+    return (await session.scalars(stmt)).all()
+
+
 async def get_trajectory(session: AsyncSession, *, trajectory_id: str) -> Trajectory | None:
     return await session.get(Trajectory, trajectory_id)
 
 
 async def get_calls(
-    session: AsyncSession, *, trajectory_id: str, attempt: int | None = None
+    session: AsyncSession, *, trajectory_id: str, attempt: int | None = None,
+    routes: bool = True,
 ) -> Sequence[Call]:
-    """A trajectory's calls in order: of one attempt, or of all (by attempt, then seq)."""
+    """A trajectory's calls in order: of one attempt, or of all (by attempt, then seq);
+    without ``routes`` their routed experts are not read (``calls.routes``, the bulk of a
+    MoE call's row, left unloaded: reading it then raises)."""
     stmt = select(Call).where(Call.trajectory_id == trajectory_id)
+    if not routes:
+        stmt = stmt.options(defer(Call.routes, raiseload=True))
     if attempt is not None:
         stmt = stmt.where(Call.attempt == attempt)
     stmt = stmt.order_by(Call.attempt, Call.seq, Call.started_at)

@@ -4,7 +4,8 @@ Routes are ~50 times the bytes of the tokens they describe (384 B a position for
 Qwen3-30B-A3B; docs/moe.md): a pool of 64 GPUs at 3,000 tokens/s each records about
 150 MB of them a second, 0.5 TB an hour, while a trainer reads a step's samples minutes
 after its calls. With ``traces.routes_retention_s`` set, :class:`RoutesRetention` clears
-``calls.routes`` of every call that started longer ago than that, in batches of
+``calls.routes`` of every call of a trajectory whose calls all started longer ago than
+that (a long trajectory keeps its first calls' routes while it runs), in batches of
 ``BATCH`` rows (short transactions beside the trace writer's), every little while; the
 calls' tokens, logprobs and everything else stay. A sample built afterwards has
 ``routed_experts`` null, or ``-1`` on the positions whose routes went.
@@ -24,6 +25,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import aliased
 
 from gateway.loops import Periodic
 from gateway.store.models import Call
@@ -37,9 +39,15 @@ CHECK_EVERY_S = 300.0
 
 async def drop_routes_before(session: AsyncSession, *, cutoff: datetime,
                              limit: int = BATCH) -> int:
-    """Clear the routes of up to ``limit`` calls that started before ``cutoff``; how many."""
+    """Clear the routes of up to ``limit`` calls that started before ``cutoff`` of
+    trajectories with no call since (one still running keeps all its routes until it is
+    trained on); how many. The calls holding routes are found by their partial index."""
+    later = aliased(Call)
     ids = (await session.scalars(
-        select(Call.id).where(Call.routes.is_not(None), Call.started_at < cutoff)
+        select(Call.id).where(
+            Call.routes.is_not(None), Call.started_at < cutoff,
+            ~select(later.id).where(later.trajectory_id == Call.trajectory_id,
+                                    later.started_at >= cutoff).exists())
         .limit(limit))).all()
     if ids:
         await session.execute(update(Call).where(Call.id.in_(ids))

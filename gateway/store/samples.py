@@ -149,20 +149,29 @@ def _call_routes(call: Call) -> np.ndarray | None:
     return arr if arr.ndim == 3 else None
 
 
-def routes_field(parts: Sequence[tuple[int, np.ndarray]], length: int) -> str | None:
-    """A sample's ``routed_experts`` (:class:`Sample`): the parts laid on its positions,
-    an earlier call's route kept where a later one recomputed the position (the route
-    the token was generated or first read under)."""
+def routes_window(parts: Sequence[tuple[int, np.ndarray]], start: int, stop: int
+                  ) -> np.ndarray | None:
+    """Positions ``start .. stop`` of a sample's routed experts (:func:`routes_field`),
+    laid from its calls' parts: ``(stop - start, layers, top_k)`` int16, -1 where none is
+    known; None without parts of one router shape. Only the window is built."""
     shapes = {arr.shape[1:] for _, arr in parts if len(arr)}
     if len(shapes) != 1:  # none, or calls of routers of other shapes: not one model's
         return None
     layers, top_k = shapes.pop()
-    out = np.full((length, layers, top_k), -1, dtype=np.int16)
-    for start, arr in reversed(parts):
-        end = min(length, start + len(arr))
-        if end > start:
-            out[start:end] = arr[:end - start]
-    return to_field(out)
+    out = np.full((max(0, stop - start), layers, top_k), -1, dtype=np.int16)
+    for first, arr in reversed(parts):  # the earlier call's route is laid last: it stays
+        lo, hi = max(start, first), min(stop, first + len(arr))
+        if hi > lo:
+            out[lo - start:hi - start] = arr[lo - first:hi - first]
+    return out
+
+
+def routes_field(parts: Sequence[tuple[int, np.ndarray]], length: int) -> str | None:
+    """A sample's ``routed_experts`` (:class:`Sample`): the parts laid on its positions,
+    an earlier call's route kept where a later one recomputed the position (the route
+    the token was generated or first read under)."""
+    arr = routes_window(parts, 0, length)
+    return None if arr is None else to_field(arr)
 
 
 def _add_call(built: BranchBuild, call: Call, trains: bool = True, routes: bool = True
@@ -245,7 +254,7 @@ def _own(branches: Sequence[BranchBuild], main: BranchBuild) -> None:
 
 def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
                    attempt: int | None = None, record: TrajectoryAttempt | None = None,
-                   model: str | None = None, routes: bool = True
+                   model: str | None = None, routes: bool = True, encode: bool = True
                    ) -> tuple[list[BranchBuild], BranchBuild | None]:
     """Every branch of one attempt (successful calls, in order; by default the latest
     attempt), built with its loss mask decided (:func:`_own`), by branch id; and the main
@@ -257,7 +266,8 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
     ``model``'s generated tokens are trained; the main one is ``model``'s conversation the
     trajectory ended on, and the reward is ``model``'s own where the trainer gave one
     (``rewards``), else the trajectory's. ``routes``: False leaves routed experts out
-    (who only needs the tokens)."""
+    (who only needs the tokens); ``encode``: False leaves them as each branch's parts
+    (``BranchBuild.routes``, for :func:`routes_window`), not encoded in its sample."""
     current = trajectory.attempt or 0
     attempt = current if attempt is None else attempt
     if attempt == current:
@@ -297,7 +307,7 @@ def build_branches(trajectory: Trajectory, calls: Sequence[Call], *,
     for b in ordered:
         b.sample.main = b is main
         b.sample.num_branches = len(ordered)
-        if b.routes:
+        if b.routes and encode:
             b.sample.routed_experts = routes_field(b.routes, len(b.sample.token_ids))
     return ordered, main
 

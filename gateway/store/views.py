@@ -40,7 +40,6 @@ from gateway.schema.views import (
     ViewCall,
     ViewTokens,
 )
-from gateway.store.codec import unpack_ids
 from gateway.store.models import Call, Trajectory
 from gateway.store.samples import (
     OWN_CONVERSATION_MAX_SHARED,
@@ -191,13 +190,18 @@ def _token_in(spans: Sequence[CallSpan], kept: dict[str, int | None]
     return out
 
 
-def view_tokens(b: BranchBuild, main: BranchBuild, calls: Sequence[Call]) -> ViewTokens:
+def view_tokens(b: BranchBuild, main: BranchBuild, calls: Sequence[Call],
+                model: str | None = None) -> ViewTokens:
     """One branch's sample for reading: mask, logprobs of what was generated, version runs,
     call spans, token-in spans, mismatches, and whether routed experts were recorded (the
-    branches may be built without them: they are fetched by window)."""
+    branches may be built without them: they are fetched by window; with ``model``,
+    that model's)."""
     s = b.sample
     kept = {c.id: c.kept_len for c in calls}
-    routed = {c.id for c in calls if c.routes is not None}
+    # a call holds routes iff it holds their start (the routes themselves may be unread);
+    # a per-model sample has only its model's
+    routed = {c.id for c in calls if c.routes_start is not None
+              and (model is None or c.model == model)}
     logprobs: list[float | None] = [
         round(lp, LOGPROB_DIGITS) if g else None
         for g, lp in zip(b.generated, s.logprobs, strict=True)]
@@ -232,7 +236,7 @@ def _member(trajectory: Trajectory, calls: Sequence[Call], current: str,
         calls=len(mine), branches=len(ordered) if main is not None else 0,
         length=len(s.token_ids) if s is not None else 0,
         trained=sum(s.loss_mask) if s is not None else 0,
-        generated=sum(len(unpack_ids(c.completion_ids)) for c in mine),
+        generated=sum(len(c.completion_ids or b"") // 4 for c in mine),  # int32 ids
         max_staleness=staleness(trained, current),
         versions=sorted(set(gen), key=lambda v: (not v.isdigit(), int(v) if v.isdigit()
                                                  else 0, v)),
@@ -243,8 +247,10 @@ def group_view(group_id: str, rows: Sequence[tuple[Trajectory, Sequence[Call]]],
                current_version: str, model: str | None,
                phases: dict[str, str]) -> GroupView:
     """A group's trajectories side by side, each with the advantage GRPO would give it:
-    over the finished ones with a reward, (reward - mean) / (std + 1e-4), as
-    ``gateway.client``'s TRL adapter computes it, and the unscaled reward - mean."""
+    (reward - mean) / (std + 1e-4), the mean and the population std over the finished
+    ones with a reward, one reward each (``gateway.client.advantages``, which the
+    ``StepRunner`` loops and TRL's ``AsyncGRPOTrainer`` through the gateway train with),
+    and the unscaled reward - mean."""
     members = [_member(t, c, current_version, model, phases.get(t.id)) for t, c in rows]
     rewards = [m.reward for m in members if m.finished and m.reward is not None]
     mean = statistics.fmean(rewards) if rewards else None

@@ -1,5 +1,7 @@
 """trajectories.rewards, trajectory_attempts.rewards: each policy's own reward, by model
-name, where a trajectory's calls were of several policies (a solver and a verifier)
+name, where a trajectory's calls were of several policies (a solver and a verifier); and
+ix_calls_routes_started, the calls that still hold routed experts by start time (what the
+routes retention looks up)
 
 Revision ID: 0007
 Revises: 0006
@@ -20,9 +22,13 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column("trajectories", sa.Column("rewards", sa.JSON(), nullable=True))
     op.add_column("trajectory_attempts", sa.Column("rewards", sa.JSON(), nullable=True))
+    held = sa.text("routes IS NOT NULL")
+    op.create_index("ix_calls_routes_started", "calls", ["started_at"],
+                    postgresql_where=held, sqlite_where=held)
 
 
 def downgrade() -> None:
+    op.drop_index("ix_calls_routes_started", table_name="calls")
     with op.batch_alter_table("trajectory_attempts") as batch:
         batch.drop_column("rewards")
     with op.batch_alter_table("trajectories") as batch:

@@ -242,3 +242,14 @@ async def test_each_policy_samples_with_its_own_reward(
             assert [m["reward"] for m in page["members"]] == [0.25]
             detail = (await admin.get(f"/trajectories/{tid}")).json()
             assert (detail["reward"], detail["rewards"]) == (1.0, {"verifier": 0.25})
+            shown = (await admin.get(f"/trajectories/{tid}/view",
+                                     params={"model": "verifier"})).json()
+            assert (shown["reward"], shown["rewards"]) == (0.25, {"verifier": 0.25})
+            # the id called again is its next attempt: nothing of the last one's rewards
+            r = await http.post(f"/g/{gid}/t/{tid}/v1/chat/completions", json={
+                "model": "verifier", "max_tokens": 4, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "again"}]})
+            assert r.status_code == 200, r.text
+            again = (await admin.get(f"/trajectories/{tid}")).json()
+            assert (again["attempt"], again["reward"], again["rewards"]) == (1, None, None)
+            assert await reward(f"/trajectories/{tid}/sample", model="verifier") is None

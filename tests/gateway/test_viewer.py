@@ -23,7 +23,7 @@ import pytest
 from backends.sim.routes import MOE_SHAPES
 from backends.sim.tokenizer import get_tokenizer
 from gateway.client.routing import routes_of
-from gateway.client.trl_async import group_advantages
+from gateway.client.advantages import group_advantages
 from gateway.client.types import sample_from_json
 from tests.gateway.conftest import GatewayFactory
 from tests.servers import LoopThread
@@ -208,31 +208,60 @@ def test_the_search_finds_by_each_field(gateway_at: GatewayFactory, db_url: str,
 
 def test_a_group_side_by_side(gateway_at: GatewayFactory, sqlite_url: str,
                               moe_engine: list[str]) -> None:
+    """Rewards 1, 0 and 0.25 (the first with a side call: two branches), one finished
+    without a reward and one running: each member's advantage is what the client's
+    ``group_advantages`` gives the group's samples (one reward per trajectory, whatever
+    its branches), the others have none."""
     group = f"grp-{uuid.uuid4().hex[:6]}"
-    rewards = [1.0, 0.0, 0.25, None]
+    rewards = [1.0, 0.0, 0.25, None, "running"]
     with gateway_at(sqlite_url, moe_engine) as gw, httpx.Client(base_url=gw, timeout=30) as http:
         for i, reward in enumerate(rewards):
             _conversation(http, f"{group}-{i}", group, turns=2, side_call=i == 0,
                           tokens=10 + 10 * i)
-            if reward is not None:
+            if reward != "running":
                 http.post(f"/trajectories/{group}-{i}/finish", json={"reward": reward})
         view = http.get(f"/groups/{group}/view").json()
-        mains = [http.get(f"/trajectories/{group}-{i}/sample").json() for i in range(4)]
+        mains = [http.get(f"/trajectories/{group}-{i}/sample").json() for i in range(5)]
+        every = http.get(f"/groups/{group}/samples").json()["data"]  # branches=all
         unknown = http.get("/groups/no-such-group/view")
+        other = http.get(f"/groups/{group}/view", params={"model": "no-such-policy"})
 
     members = view["members"]
-    assert [m["id"] for m in members] == [f"{group}-{i}" for i in range(4)]
-    finished = [sample_from_json(s) for s, r in zip(mains, rewards, strict=True) if r is not None]
-    expected = group_advantages(finished)  # what the TRL adapter trains with
-    assert [m["advantage"] for m in members[:3]] == pytest.approx(expected)
-    assert members[3]["advantage"] is None and not members[3]["finished"]
-    mean = sum(r for r in rewards if r is not None) / 3
+    assert [m["id"] for m in members] == [f"{group}-{i}" for i in range(5)]
+    samples = [sample_from_json(s) for s in every]
+    assert len(samples) == 5  # the four finished, the first with two branches
+    by_id = dict(zip((s.trajectory_id for s in samples), group_advantages(samples),
+                     strict=True))
+    assert [m["advantage"] for m in members[:3]] == pytest.approx(
+        [by_id[f"{group}-{i}"] for i in range(3)])
+    assert members[3]["advantage"] is None and members[3]["finished"]  # no reward
+    assert members[4]["advantage"] is None and not members[4]["finished"]
+    mean = (1.0 + 0.0 + 0.25) / 3
     assert view["reward_mean"] == pytest.approx(mean)
     assert [m["advantage_unscaled"] for m in members[:3]] == \
-        pytest.approx([r - mean for r in rewards[:3] if r is not None])
+        pytest.approx([1.0 - mean, -mean, 0.25 - mean])
     assert [m["length"] for m in members] == [len(s["token_ids"]) for s in mains]
     assert [m["trained"] for m in members] == [sum(s["loss_mask"]) for s in mains]
     assert members[0]["branches"] == 2 and members[1]["branches"] == 1
     assert members[0]["generated"] > members[0]["trained"]  # the title call's tokens
     assert all(m["max_staleness"] == 0 and m["versions"] == ["0"] for m in members)
-    assert unknown.status_code == 404
+    assert unknown.status_code == 404 and other.status_code == 404
+
+
+def test_a_trajectory_whose_calls_all_failed_is_shown_without_a_sample(
+        gateway_at: GatewayFactory, sqlite_url: str, scripted: Any) -> None:
+    from tests.scripted_upstream import Script
+
+    url, _ = scripted(Script(mode="error400"))  # an engine that refuses every call
+    traj = f"failed-{uuid.uuid4().hex[:6]}"
+    with gateway_at(sqlite_url, [url]) as gw, httpx.Client(base_url=gw, timeout=30) as http:
+        r = http.post(f"/t/{traj}/v1/chat/completions", json={
+            "model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400, r.text
+        view = http.get(f"/trajectories/{traj}/view")
+        routes = http.get(f"/trajectories/{traj}/routes")
+    assert view.status_code == 200, view.text
+    body = view.json()
+    assert body["tokens"] is None and body["branches"] == []
+    assert [c["status"] for c in body["calls"]] == ["error"]
+    assert routes.status_code == 404

@@ -10,6 +10,7 @@ import base64
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -182,14 +183,26 @@ def test_a_pool_splits_into_gpu_blocks_and_backends_round_robin() -> None:
     assert [[r.tp for r in parse_pool_spec(p).requests()] for p in probe] == [[2, 1, 1]] * 2
 
 
-def test_one_shard_owns_the_stores_upkeep(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shards share one store: shard 0 alone clears expired routes, and each shard's
-    spool is its own file."""
-    from gateway.shards.launch import RETENTION_ENV, SPOOL_ENV, ShardPlan, shard_env
+async def test_one_shard_owns_the_stores_upkeep(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """The shards share one store: each knows its index and shard 0 alone clears expired
+    routes, however the retention was configured; each shard's spool is its own file."""
+    from gateway.config import Settings
+    from gateway.runtime import open_runtime
+    from gateway.shards.launch import SHARD_ENV, SPOOL_ENV, ShardPlan, shard_env
 
-    monkeypatch.setenv(RETENTION_ENV, "3600")
+    monkeypatch.setenv("ROLLOUT_GATEWAY_TRACES", '{"routes_retention_s": 3600}')
     monkeypatch.setenv(SPOOL_ENV, "/tmp/spool.jsonl")
     envs = [shard_env(ShardPlan(shards=3, database_url="postgresql://x/y"), i)
             for i in range(3)]
-    assert [e.get(RETENTION_ENV) for e in envs] == ["3600", None, None]
+    assert [e[SHARD_ENV] for e in envs] == ["0", "1", "2"]
     assert len({e[SPOOL_ENV] for e in envs}) == 3
+    owners = []
+    for i in range(3):
+        settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp_path / f's{i}.db'}",
+                            shard_index=int(envs[i][SHARD_ENV]),
+                            traces={"routes_retention_s": 3600,  # type: ignore[arg-type]
+                                    "spool_path": tmp_path / f"spool{i}"})
+        async with open_runtime(settings) as rt:
+            owners.append(rt.routes_retention is not None)
+    assert owners == [True, False, False]

@@ -11,6 +11,7 @@ import os
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -53,7 +54,7 @@ def tiny_model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -
 
 
 #: vLLM flags and environment for LoRA adapters loaded at run time (rank-8 test adapters)
-LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8")
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
@@ -76,24 +77,26 @@ def cpu_launcher(vllm_python: str, model_dir: Path, log_dir: Path, *,
 
 @contextlib.asynccontextmanager
 async def own_engine_gateway(vllm_python: str, model_dir: Path, work: Path,
-                             name: str, *, lora: bool = False) -> AsyncIterator[str]:
-    """A gateway (its URL; admin token ``tok``) over one TP1 engine of its own, for a test
-    that changes the engine's weights (``lora``: with LoRA adapters loaded at run time);
-    both stopped on exit."""
+                             name: str, *, lora: bool = False, lora_slots: int = 2,
+                             **settings: Any) -> AsyncIterator[str]:
+    """A gateway (its URL; admin token ``tok``; more ``settings``) over one TP1 engine of
+    its own, for a test that changes the engine's weights (``lora``: with LoRA adapters
+    loaded at run time, ``lora_slots`` of them); both stopped on exit."""
     from gateway.app import create_app
     from tests.gateway.conftest import make_settings
     from tests.servers import free_port, serve_app, stop_app
 
+    slots = ("--max-loras", str(lora_slots))
     launcher = cpu_launcher(vllm_python, model_dir, work / "logs",
-                            extra_args=LORA_ARGS if lora else (),
+                            extra_args=(*LORA_ARGS, *slots) if lora else (),
                             env=LORA_ENV if lora else None)
     launcher.start_timeout_s = 300  # on a loaded machine: 30 s idle, 145 s seen
     engine = await launcher.start(InstanceSpec(id=name, model=SERVED_NAME, gpus=(0,)))
-    settings = make_settings(f"sqlite+aiosqlite:///{work / 'gw.db'}", [engine.url],
-                             admin_token="tok")
+    config = make_settings(f"sqlite+aiosqlite:///{work / 'gw.db'}", [engine.url],
+                           admin_token="tok", **settings)
     port = free_port()
     try:
-        server, task = await serve_app(create_app(settings), port)
+        server, task = await serve_app(create_app(config), port)
         try:
             yield f"http://127.0.0.1:{port}"
         finally:

@@ -158,3 +158,56 @@ async def test_adapters_are_weight_updates_without_a_pause(
         print(f"\nLoRA adapter update (job, 1 engine): "
               f"{', '.join(f'{s * 1000:.0f} ms' for s in seconds.values())}; "
               f"full reload of the base checkpoint: {reload_s * 1000:.0f} ms")
+
+
+async def test_two_policies_train_side_by_side(vllm_python: str, tiny_model_dir: Path,
+                                               tmp_path: Path) -> None:
+    """``examples/two_policies.py`` as a user runs it, two steps: a solver and a checker
+    family on one engine, both in every trajectory. Each step each policy trains on its own
+    samples (their tokens only, none of the other's), stamped with the version it served,
+    and pushes its next adapter; a sample of one policy carries that policy's reward."""
+    import json
+    import os
+    import sys
+
+    from tests.vllm.conftest import REPO_ROOT
+
+    families = {"solver": SERVED_NAME, "checker": SERVED_NAME}
+    async with own_engine_gateway(vllm_python, tiny_model_dir, tmp_path, "two-policies",
+                                  lora=True, lora_slots=4, lora_models=families) as url:
+        out = tmp_path / "two.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(REPO_ROOT / "examples/two_policies.py"), "--gateway", url,
+            "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "run"),
+            "--steps", "2", "--groups", "2", "--group-size", "4", "--rank", "8",
+            "--json", str(out), cwd=REPO_ROOT, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "ROLLOUT_GATEWAY_ADMIN_TOKEN": "tok"})
+        _, err = await asyncio.wait_for(proc.communicate(), 600)
+        assert proc.returncode == 0, err.decode()[-4000:]
+        run = json.loads(out.read_text())
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=ADMIN) as admin:
+            status = (await admin.get("/status")).json()["models"]
+            tid = f"{run['run']}-s1-g1-2"  # step 1, group 1, its third trajectory
+            own = {p: (await admin.get(f"/trajectories/{tid}/sample", params={"model": p})
+                       ).json() for p in ("solver", "checker")}
+            models = {c["id"]: c["model"] for c in
+                      (await admin.get(f"/trajectories/{tid}")).json()["calls"]}
+    for k, step in enumerate(run["steps"]):
+        for p in ("solver", "checker"):
+            assert step[p]["samples"] == 8 and step[p]["trained_tokens"] > 0
+            assert step[p]["stamped"] == [step[p]["served_version"]] == [str(k + 1)]
+            assert step[p]["pushed"] == str(k + 2)
+    assert {p: status[p]["version"] for p in ("solver", "checker")} == \
+        {"solver": "3", "checker": "3"} == run["final_versions"]
+    index = 1 * 4 + 2  # the trajectory's place in the step's rewards
+    assert [own[p]["reward"] for p in ("solver", "checker")] == \
+        [run["steps"][1][p]["rewards"][index] for p in ("solver", "checker")]
+    # each policy's sample trains its own turns, all of them, and nothing of the other's
+    for policy, sample in own.items():
+        trained: dict[str, int] = {}
+        for c in sample["calls"]:
+            span = sample["loss_mask"][c["completion_start"]:c["completion_end"]]
+            trained[models[c["call_id"]]] = trained.get(models[c["call_id"]], 0) + sum(span)
+        assert trained.get(policy, 0) > 0
+        assert all(n == 0 for m, n in trained.items() if m != policy), trained
