@@ -19,7 +19,7 @@ from rich.progress import Progress, TaskID
 
 from bench.options import Gpu, Model, TpEfficiency, band_point
 from bench.reports import gpu_scan, page, record, tail_cli
-from bench.runners import grid_cli, learn, live_cli, loop_cli, perf_cli
+from bench.runners import grid_cli, learn, learn_two, live_cli, loop_cli, perf_cli
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -236,6 +236,7 @@ bench_app.command("page")(page.page)
 bench_app.command("grid")(grid_cli.grid)
 bench_app.command("gpu-scan")(gpu_scan.gpu_scan)
 bench_app.command("learn")(learn.learn)
+bench_app.command("learn-two")(learn_two.learn_two)
 bench_app.command("loop")(loop_cli.loop)
 bench_app.command("split")(perf_cli.split)
 bench_app.command("relay")(perf_cli.relay)
