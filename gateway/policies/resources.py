@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from gateway.policies.base import (
     InstanceView,
     Migrate,
+    Phase,
     Prediction,
     Relayout,
     Snapshot,
@@ -73,9 +74,19 @@ class ContextBalancer:
     has: each live trajectory's instance and context (tool gaps included: they return).
 
     The move pays when the decode time the trajectory saves over what it may still
-    generate exceeds ``margin`` times its re-prefill on the target. Without a prediction
-    the generated tokens so far stand in for what remains (a heavy-tailed length has
-    as much left, on average, as it has done).
+    generate exceeds ``margin`` times what its re-prefill on the target costs. Without a
+    prediction the generated tokens so far stand in for what remains (a heavy-tailed
+    length has as much left, on average, as it has done). The engine runs the re-prefill
+    in the steps of the calls decoding on the target (chunked prefill), so each of them
+    waits it out as the mover does. Which call will set the makespan is not known; one
+    whose trajectory holds at least the mover's context is as likely to set it as the
+    mover, so the re-prefill is charged once for the mover and once for each such call
+    running there. On a busy pool whose instances hold about the same context (tau at 16
+    trajectories per GPU: some 20 running calls each, within 10% of each other) the
+    moves charged to the mover alone went both ways, each instance sending as many as
+    it received, and left the pool slower than no balancing at all. The other calls'
+    context terms are not counted: the mover's context leaves one batch and joins the
+    other, so what the source's calls save the target's roughly lose.
     """
 
     def __init__(self, margin: float = 2.0, min_context: int = 4096) -> None:
@@ -95,6 +106,14 @@ class ContextBalancer:
                 out[t.instance] = (n + 1, c + t.context_tokens)
         self._loads = (snap, out)
         return out
+
+    @staticmethod
+    def delayed(snap: Snapshot, instance: str, context: int) -> int:
+        """Calls decoding on ``instance`` whose trajectories hold at least ``context``
+        tokens: those a re-prefill there delays that may set the makespan."""
+        return sum(1 for t in snap.trajectories.values()
+                   if t.instance == instance and t.phase is Phase.GENERATING
+                   and t.context_tokens >= context)
 
     def decide(self, snap: Snapshot, traj: TrajectoryView, pred: Prediction | None,
                target: str | None) -> Migrate | None:
@@ -118,7 +137,8 @@ class ContextBalancer:
             return None
         remaining = pred.mean if pred is not None else traj.generated_tokens
         gain = remaining * (here - best[0])
-        cost = ctx * snap.speeds[best[2]].prefill_s_per_token
+        cost = ctx * snap.speeds[best[2]].prefill_s_per_token * (
+            1 + self.delayed(snap, best[1], ctx))
         if gain <= self.margin * cost:
             return None
         # the move changes both loads: keep the cached table true for this snapshot

@@ -55,3 +55,32 @@ def test_an_excluded_instance_is_never_a_target() -> None:
     balancer = ContextBalancer()
     balancer.exclude = frozenset({"b"})
     assert balancer.decide(snap, snap.trajectories["t"], None, None) is None
+
+
+def _even_pool(phase: Phase, n: int = 20, context: int = 6000) -> Snapshot:
+    """Two TP2 instances: ``a`` holds 20 decoding trajectories of 7000 tokens and ``t``
+    (6000, in its tool gap), ``b`` holds ``n`` of ``context`` tokens in ``phase``."""
+    trajs = [traj(f"a{i}", instance="a", context=7000, phase=Phase.GENERATING)
+             for i in range(20)]
+    trajs += [traj(f"b{i}", instance="b", context=context, phase=phase) for i in range(n)]
+    trajs.append(traj("t", instance="a", context=6000, generated=2000, phase=Phase.TOOL))
+    running = n if phase is Phase.GENERATING else 0
+    snap = snapshot(0.0, [inst("a", 2, running=20, cap=256),
+                          inst("b", 2, running=running, cap=256)], trajs)
+    return replace(snap, speeds=speeds_for("qwen3-14b/H100"))
+
+
+def test_the_re_prefill_is_charged_to_the_calls_it_delays_on_the_target() -> None:
+    # the step saved pays twice the mover's own re-prefill, so it moves to an instance
+    # whose trajectories sit in their tool gaps
+    idle = _even_pool(Phase.TOOL)
+    move = ContextBalancer().decide(idle, idle.trajectories["t"], None, None)
+    assert move is not None and move.target == "b"
+    # the same context decoding there: twenty calls as long as the mover would wait
+    # out its re-prefill, which the step saved does not pay
+    busy = _even_pool(Phase.GENERATING)
+    assert ContextBalancer().decide(busy, busy.trajectories["t"], None, None) is None
+    # calls on shorter trajectories (less likely to set the makespan) are not charged
+    short = _even_pool(Phase.GENERATING, n=24, context=5000)
+    move = ContextBalancer().decide(short, short.trajectories["t"], None, None)
+    assert move is not None and move.target == "b"
