@@ -22,8 +22,8 @@ import pytest
 
 from backends.sim.routes import MOE_SHAPES
 from backends.sim.tokenizer import get_tokenizer
-from gateway.client.routing import routes_of
 from gateway.client.advantages import group_advantages
+from gateway.client.routing import routes_of
 from gateway.client.types import sample_from_json
 from tests.gateway.conftest import GatewayFactory
 from tests.servers import LoopThread
