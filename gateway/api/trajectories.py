@@ -139,11 +139,11 @@ async def list_trajectories(
     finished: bool | None = None,
     q: str | None = Query(None, max_length=128, description="the id contains this "
                           "(case-insensitive)"),
-    min_reward: float | None = None,
-    max_reward: float | None = None,
-    min_tokens: int | None = Query(None, ge=0, description="completion tokens over its "
-                                   "calls, at least"),
-    max_tokens: int | None = Query(None, ge=0),
+    min_reward: float | None = Query(None, allow_inf_nan=False),
+    max_reward: float | None = Query(None, allow_inf_nan=False),
+    min_tokens: int | None = Query(None, ge=0, le=2**62, description="completion tokens "
+                                   "over its calls, at least"),
+    max_tokens: int | None = Query(None, ge=0, le=2**62),
     weight_version: str | None = Query(None, max_length=128, description="a call of it "
                                        "ran on this weight version"),
     model: str | None = Query(None, max_length=256, description="a call of it was "

@@ -202,6 +202,9 @@ def test_the_search_finds_by_each_field(gateway_at: GatewayFactory, db_url: str,
         assert ids(q="no-such-id") == []
         assert http.get("/trajectories", params={"q": "%"}).json()["data"] == []  # literal %
         assert http.get("/trajectories", params={"order": "sideways"}).status_code == 422
+        for bad in ({"min_tokens": 10**30}, {"max_tokens": -1}, {"min_reward": "nan"},
+                    {"max_reward": "inf"}):  # a clear 422, never a database error
+            assert http.get("/trajectories", params=bad).status_code == 422, bad
     assert every == list(made)  # oldest first, case-insensitive substring
     assert by_reward == [f"Find_{tag}-1", f"Find_{tag}-2", f"Find_{tag}-0", f"Find_{tag}-3"]
 
