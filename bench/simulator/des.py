@@ -199,7 +199,8 @@ class Simulator(Reconfiguring):
                 LiveViews(self.live), self.groups,
                 self.cfg.speeds if self.beliefs is None else self.beliefs.current(),
                 self.cfg.restart_s,
-                self.finished)
+                self.finished,
+                borrowed=frozenset() if self.beliefs is None else self.beliefs.borrowed())
         return self._snap
 
     def _changed(self, tr: Traj) -> None:

@@ -331,7 +331,8 @@ class Scheduler:
             now=self.wall(), total_gpus=sum(i.gpus for i in instances), instances=instances,
             trajectories=LiveTrajectories(self.tracker), groups=Groups(self.tracker),
             speeds=self.meter.current(), restart_s=self.settings.restart_s,
-            finished=self.tracker.finished_count, time_scale=self.time_scale)
+            finished=self.tracker.finished_count, time_scale=self.time_scale,
+            borrowed=self.meter.borrowed())
 
     # ------------------------------------------------------------------ hooks
     def call_completed(self, state: TrajectoryState, *, ok: bool) -> None:

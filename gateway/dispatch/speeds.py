@@ -76,6 +76,10 @@ def speeds_for(spec: str) -> dict[int, TPSpeed]:
 MIN_CALLS = 8
 #: calls kept per TP degree (the factor is their median: robust to a stalled call)
 WINDOW = 256
+#: the most a degree's factor is taken to move per TP doubling, on the trend of two measured
+#: degrees (log): the published band for TP scaling spans 1.6x a doubling
+#: (docs/tp-efficiency.md: TP8/TP1 from 1.15x to 4.7x)
+MAX_TREND = math.log(1.6)
 
 
 class SpeedMeter:
@@ -86,9 +90,10 @@ class SpeedMeter:
     calls its instance ran at the time; the profile predicts that same step time
     (:meth:`TPSpeed.batch_step_s`), and the median of measured/predicted over the last
     :data:`WINDOW` calls is the TP's factor. A TP with fewer than :data:`MIN_CALLS` calls
-    takes the factor of the nearest measured TP (in log2: what slows TP2 down, all-reduce
-    or per-step overhead, slows TP4 more like it than TP1), and with none measured the
-    profile stands. Times are in engine
+    takes the trend of the two nearest measured TPs (in log2 of the degree: what slows TP2
+    down relative to TP1, all-reduce or per-step overhead, slows TP4 more), at most
+    :data:`MAX_TREND` a doubling; with one measured, its factor; with none, the profile
+    stands. Times are in engine
     seconds: a simulated pool compressed ``time_scale`` times is scaled back.
     """
 
@@ -121,9 +126,16 @@ class SpeedMeter:
             return statistics.median(own), "measured", len(own)
         others = {t: statistics.median(r) for t, r in self._ratios.items()
                   if len(r) >= MIN_CALLS}
-        if others:  # the nearest measured degree (TP4 runs more like TP2 than like TP1)
-            near = min(others, key=lambda t: (abs(math.log2(t) - math.log2(tp)), -t))
-            return others[near], f"as measured at TP{near}", len(own)
+        ranked = sorted(others, key=lambda t: (abs(math.log2(t) - math.log2(tp)), -t))
+        if len(ranked) >= 2:  # the trend of the two nearest, per TP doubling
+            a, b = sorted(ranked[:2])
+            per = (math.log(others[b]) - math.log(others[a])) / math.log2(b / a)
+            per = max(-MAX_TREND, min(MAX_TREND, per))
+            near = ranked[0]  # from the nearest one's own factor
+            f = others[near] * math.exp(per * math.log2(tp / near))
+            return f, f"on the trend of TP{a} and TP{b}", len(own)
+        if ranked:  # the one measured degree
+            return others[ranked[0]], f"as measured at TP{ranked[0]}", len(own)
         return 1.0, "profile", len(own)
 
     def current(self) -> dict[int, TPSpeed]:
@@ -131,6 +143,11 @@ class SpeedMeter:
         if self._current is None:
             self._current = {tp: _scaled(s, self.factor(tp)[0]) for tp, s in self.prior.items()}
         return self._current
+
+    def borrowed(self) -> frozenset[int]:
+        """The degrees whose factor is not their own (fewer than :data:`MIN_CALLS` calls
+        measured): the profile's, or another degree's measurement."""
+        return frozenset(tp for tp in self.prior if len(self._ratios.get(tp, ())) < MIN_CALLS)
 
     def table(self) -> list[dict[str, object]]:
         """Per TP, for ``/status`` and the page: the believed decode step alone and at 64

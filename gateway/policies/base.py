@@ -172,6 +172,9 @@ class Snapshot:
     # engine seconds per wall second: ``speeds`` and ``restart_s`` are in engine time, the
     # trajectories' times in wall time (1 except on a time-compressed simulated pool)
     time_scale: float = 1.0
+    # TP degrees whose speed no engine of this pool measured: it is the profile's, scaled by
+    # a factor another degree measured (:class:`~gateway.dispatch.speeds.SpeedMeter`)
+    borrowed: frozenset[int] = frozenset()
 
     def instance(self, instance_id: str | None) -> InstanceView | None:
         for inst in self.instances:

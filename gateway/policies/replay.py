@@ -25,7 +25,12 @@ has run takes the factor of the nearest one that has). How well TP scales is the
 certain constant, and it is exactly what a correction borrowed from another degree gets
 wrong, so the first step, which has no sample to replay anyway, runs a *probe layout*
 (:func:`probe_layout`): one instance of every degree the pool can hold, the rest at the
-highest. Its cost is that step's makespan, which the benchmarks report.
+highest. Its cost is that step's makespan, which the benchmarks report. A pool too small
+to hold every degree at once (two GPUs cannot run a TP1 and a TP2 together), or a live
+pool started on a layout of its operator's, has degrees no engine measured
+(``Snapshot.borrowed``): one whose estimate on the borrowed factor is within
+:data:`EXPLORE_MARGIN` of the best is run for one step (the cheapest such first), once,
+and the choice after that rests on its own measurement.
 
 Nothing here reads a hidden length, ``max_tokens`` or a workload hint: the sample is what
 the gateway saw of finished trajectories.
@@ -56,6 +61,12 @@ MAX_NUM_SEQS = 256
 #: how much faster a lane layout's replay must be than the best uniform one (its estimate
 #: puts the sample's longest on the lane from the start, which no predictor achieves)
 LANE_MARGIN = 0.10
+#: a degree the pool has never run is run for one step where the replay, on the factor it
+#: borrows from a degree that was measured, puts it within this of the best: how fast one
+#: TP doubling is, is what a borrowed factor gets wrong, and the published band for it
+#: (TP8/TP1 from 1.15x to 4.7x, docs/tp-efficiency.md) spans 4.1x over three doublings,
+#: 1.6x a doubling
+EXPLORE_MARGIN = 1.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +289,9 @@ class ReplayPlanner(LanePlanner):
         self.with_lane = True  # the lane layout was chosen (until a replay says otherwise)
         self.gpus = 0
         self.time_scale = 1.0  # the observed (wall) tool times, in the speeds' time
+        self.borrowed: frozenset[int] = frozenset()  # degrees no engine here measured
+        self.explored: set[int] = set()  # degrees run once to be measured
+        self.exploring: int | None = None  # the degree chosen to be measured, not on merit
 
     def observe(self, traj: TrajectoryView, groups: Mapping[str, GroupView], now: float) -> None:
         super().observe(traj, groups, now)
@@ -338,6 +352,15 @@ class ReplayPlanner(LanePlanner):
         if cur is None or options[best] * (1 + self.min_gain) < cur:
             self.with_lane, self.bulk_tp = best
         self.lane_on = self.lane_on and self.with_lane
+        # a degree no engine measured is run once if its borrowed estimate comes near the best
+        self.exploring = None
+        if self.bulk_tp not in self.borrowed:
+            untried = sorted((v, tp) for tp, v in self.estimates.items()
+                             if tp in self.borrowed and tp not in self.explored
+                             and v <= options[best] * EXPLORE_MARGIN)
+            if untried:
+                self.bulk_tp = self.exploring = untried[0][1]
+                self.explored.add(self.exploring)
 
     def _next_step(self) -> None:
         super()._next_step()
@@ -354,6 +377,13 @@ class ReplayPlanner(LanePlanner):
             self.choice = self.layout_for(gpus)
         return self.choice
 
+    def _reason(self, chosen: str) -> str:
+        if self.exploring is None:
+            return chosen
+        return (f"replay: measuring TP{self.exploring}, which no engine of this pool has run "
+                f"(on the factor it borrows, its estimate is within {EXPLORE_MARGIN}x of the "
+                "best)")
+
     def at_pause(self, snap: Snapshot) -> Relayout | None:
         """The engines are paused for a weight push. Where the step mode never lets the
         pool go idle (async, carried groups), :meth:`plan` never relays it out, so the
@@ -362,14 +392,16 @@ class ReplayPlanner(LanePlanner):
         go on, re-prefilled, on the new instances; the engine start beyond the push is the
         cost, which the 3% gain a new choice needs stands for)."""
         self.speeds, self.gpus, self.time_scale = snap.speeds, snap.total_gpus, snap.time_scale
+        self.borrowed = snap.borrowed
         if not snap.total_gpus or any(not i.up for i in snap.instances):
             return None
         self.recorder.close(keep_live=True)
         if not self.recorder.sample:
             return None  # nothing finished yet: the layout it runs is what gets measured
         self._choose(snap.total_gpus)
-        return self._relayout(snap, f"replay at the weight push: TP{self.bulk_tp} fastest "
-                                    "for the trajectories since the last push")
+        return self._relayout(snap, self._reason(
+            f"replay at the weight push: TP{self.bulk_tp} fastest for the trajectories "
+            "since the last push"))
 
     def _relayout(self, snap: Snapshot, reason: str) -> Relayout | None:
         want = self.layout_for(snap.total_gpus)
@@ -383,10 +415,11 @@ class ReplayPlanner(LanePlanner):
         self.speeds = snap.speeds
         self.gpus = snap.total_gpus
         self.time_scale = snap.time_scale
+        self.borrowed = snap.borrowed
         super().plan(snap, preds)  # closes a finished step (and chooses) in a live gateway
         running = [t for t in snap.trajectories.values() if t.phase is not Phase.FINISHED]
         if (not self.recorder.sample or not snap.total_gpus or running
                 or any(not i.up for i in snap.instances)):
             return None  # nothing observed yet (the start layout is what gets measured)
-        return self._relayout(snap, f"replay: TP{self.bulk_tp} fastest for the last step's "
-                                    "workload")
+        return self._relayout(snap, self._reason(
+            f"replay: TP{self.bulk_tp} fastest for the last step's workload"))

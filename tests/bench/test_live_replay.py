@@ -67,10 +67,10 @@ def _row(speeds: dict[str, Any], tp: int) -> dict[str, Any]:
 async def test_the_layout_follows_the_speeds_the_engines_show(tmp_path: Path) -> None:
     honest, honest_layout = await _one_step_then_layout(tmp_path / "a", {})
     slow, slow_layout = await _one_step_then_layout(tmp_path / "b", {"tp_penalty": 6.0})
-    # both measured TP1 and TP2 from their own calls; TP4 and TP8 only inferred
+    # both measured TP1 and TP2 from their own calls; TP4 and TP8 only inferred, on their trend
     for sp in (honest, slow):
         assert _row(sp, 1)["source"] == _row(sp, 2)["source"] == "measured"
-        assert _row(sp, 4)["source"] == "as measured at TP2"
+        assert _row(sp, 4)["source"] == "on the trend of TP1 and TP2"
         assert sp["profile"] == f"{MODEL}/H100"
     # against the profile, slow TP2 is measured far slower relative to TP1 than honest TP2
     # (both factors also hold the gateway's own share of a call, which moves with the load

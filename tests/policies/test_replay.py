@@ -234,3 +234,48 @@ def test_a_lane_is_only_carved_out_where_the_replay_says_it_pays() -> None:
     _run_step(policy, 256, slow8)
     assert policy.initial_layout(64) == (1,) * 64
     assert not planner.lane_on and planner.lane_estimates[1] > planner.estimates[1]
+
+
+# two GPUs: TP2 decodes a little faster than two TP1s serve the step ("near"), or far
+# faster ("far"); TP1's speed borrowed from TP2's measurement either way
+NEAR = {1: POOR[1], 2: TPSpeed(0.008, 0.01, 1e-5, 0.008, 0.8e-4, 0.8e-8, kv_tokens=800_000)}
+FAR = {1: POOR[1], 2: TPSpeed(0.001, 0.01, 1e-6, 0.001, 1e-5, 1e-9, kv_tokens=800_000)}
+
+
+def _two_gpu_step(policy: ComposedPolicy, layout: tuple[int, ...], speeds: dict[int, TPSpeed],
+                  borrowed: frozenset[int]) -> Relayout | None:
+    """One step on ``layout`` of a live two-GPU pool, then the plan of the idle pool."""
+    pool = [inst(f"i{k}", tp=tp, cap=64) for k, tp in enumerate(layout)]
+    snap = _with(snapshot(0.0, pool, []), speeds=speeds, total_gpus=2, borrowed=borrowed)
+    policy.plan(snap)  # type: ignore[arg-type]
+    for i in range(16):
+        for turn in range(1, 4):
+            view = traj(f"t{i}", turns=turn, context=1000 + 600 * turn)
+            policy.observe(_with(view, last_output_tokens=300, tool_time_s=2.0 * (turn - 1),
+                                 phase=Phase.FINISHED if turn == 3 else Phase.TOOL),
+                           {}, float(turn))  # type: ignore[arg-type]
+    return policy.plan(snap)  # type: ignore[arg-type]
+
+
+def test_a_degree_no_engine_measured_is_run_once_where_its_estimate_comes_near() -> None:
+    """A live pool of two GPUs holds one TP2 or two TP1s, never both: on TP2 alone, TP1's
+    speed is TP2's correction lent to the profile. Where TP1's estimate on that comes within
+    1.6x of TP2's, the next step runs on TP1 to measure it, once; then the measured speeds
+    decide. Far from it, the pool stays."""
+    policy = get_policy("replay")
+    assert isinstance(policy, ComposedPolicy) and isinstance(policy.planner, ReplayPlanner)
+    change = _two_gpu_step(policy, (2,), NEAR, borrowed=frozenset({1}))
+    est = policy.planner.estimates
+    assert est[2] < est[1] <= 1.6 * est[2], est  # TP2 first, TP1 near enough to measure
+    assert change is not None and change.launch == (1, 1), change
+    assert "measuring TP1" in change.reason
+    # measured now, TP1 is as the profile says: TP2 wins and the pool goes back
+    change = _two_gpu_step(policy, (1, 1), NEAR, borrowed=frozenset())
+    assert change is not None and change.launch == (2,) and "fastest" in change.reason
+    # TP1 is not measured again, even where a later step's speeds lend it TP2's factor
+    assert _two_gpu_step(policy, (2,), NEAR, borrowed=frozenset({1})) is None
+
+    far = get_policy("replay")
+    assert isinstance(far, ComposedPolicy) and isinstance(far.planner, ReplayPlanner)
+    assert _two_gpu_step(far, (2,), FAR, borrowed=frozenset({1})) is None
+    assert far.planner.estimates[1] > 1.6 * far.planner.estimates[2]
