@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from gateway.config import ServerSettings
+
 T = TypeVar("T")
 
 
@@ -79,8 +81,12 @@ class LoopThread:
 
 
 async def serve_app(app: Any, port: int) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    # idle connections kept as the gateway keeps them (``server.keep_alive_s``): uvicorn's
+    # own 5 s equals httpx's pool expiry, and a loaded machine then races a request on a
+    # pooled connection against its close (a ReadError in tests/web/test_browser.py)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", access_log=False, timeout_graceful_shutdown=5)
+                            lifespan="on", access_log=False, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=int(ServerSettings().keep_alive_s))
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
