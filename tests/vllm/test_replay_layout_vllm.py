@@ -1,0 +1,102 @@
+"""``replay`` on a managed pool of real vLLM engines (CPU build, tiny model) whose TP scaling
+is nothing like the profile the gateway starts from.
+
+The gateway believes qwen3-14b on H100s, where one TP2 instance decodes a small batch
+nearly twice as fast as a TP1 and so serves it sooner than two TP1s. Here the "GPUs" are
+the two CPU cores: a TP2 engine splits a tiny model over them and pays an all-reduce a
+layer, its per-step overhead undivided, so two TP1 engines serve a batch faster. The pool
+starts on the probe layout (two GPUs hold one TP1 each), runs a batch, is relaid out by
+the policy when idle, and so on for a few steps. The layout it ends on must be the one
+that ran the batch faster in this very run (measured, not assumed), and TP2 must have been
+run (measured) before it was ruled out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.harness.batch import HarnessConfig, run_batch
+from bench.harness.hosting import free_port, serve_gateway, wait_routable
+from bench.runners.vllm_cpu import tiny_long_tail
+from gateway.config import DispatchSettings, ServerSettings, Settings, TraceSettings
+from tests.vllm.conftest import SERVED_NAME
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+STEPS = 3
+
+
+async def _settled_layout(http: httpx.AsyncClient, gw: str, applied: int, quiet_s: float = 10
+                          ) -> tuple[int, list[int], list[dict[str, Any]]]:
+    """Once a batch is over, wait for the idle pool to take the policy's next layout, or for
+    ``quiet_s`` with none proposed (the policy plans every 2 s): (relayouts applied so far,
+    TPs of the backends, the relayouts' records)."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + 300:
+        status = (await http.get(f"{gw}/status")).json()
+        rl, backends = status["relayouts"], status["backends"]
+        assert rl["failed"] == 0, rl
+        ready = rl["in_progress"] == 0 and all(b["routable"] for b in backends)
+        if ready and (rl["applied"] > applied or time.monotonic() > t0 + quiet_s):
+            return rl["applied"], sorted(b["tp"] for b in backends), rl["recent"]
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the pool did not settle: {status['relayouts']}")
+
+
+async def test_the_pool_ends_on_the_layout_that_served_faster(
+        vllm_python: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    spec = {
+        "model": SERVED_NAME, "inventory": {"gpus": [0, 1]},
+        "launcher": {"kind": "vllm", "python": vllm_python, "model_path": str(tiny_model_dir),
+                     "device": "cpu", "start_timeout_s": 240, "log_dir": str(tmp_path / "logs"),
+                     "extra_args": ["--dtype", "bfloat16", "--max-model-len", "2048",
+                                    "--enforce-eager"]},
+        "layout": "probe", "drain_timeout_s": 120,
+    }
+    (tmp_path / "pool.json").write_text(json.dumps(spec))
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", policy="replay",
+        pool=tmp_path / "pool.json",
+        server=ServerSettings(host="127.0.0.1", port=free_port()),
+        dispatch=DispatchSettings(speed_profile="qwen3-14b/H100", tick_s=0.05,
+                                  backend_wait_s=300),
+        traces=TraceSettings(flush_interval_s=0.05, spool_path=tmp_path / "spool"))
+    specs = tiny_long_tail(1, prompts=3, group_size=4)
+    steps: list[tuple[list[int], float]] = []  # (layout, makespan) per step
+    async with serve_gateway(settings) as gw, httpx.AsyncClient(timeout=120) as http:
+        await wait_routable(http, gw, 2, timeout_s=300)
+        layout = sorted(b["tp"] for b in (await http.get(f"{gw}/status")).json()["backends"])
+        assert layout == [1, 1]  # the probe layout of two GPUs
+        async with httpx.AsyncClient(timeout=120) as warm:  # first calls compile kernels
+            await warm.post(f"{gw}/v1/chat/completions", json={
+                "model": SERVED_NAME, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "warm up"}]})
+        applied = 0
+        for _ in range(STEPS):
+            batch = await run_batch(specs, HarnessConfig(gw, SERVED_NAME, seed=1,
+                                                         stream=False, reward_latency=False))
+            assert batch.errors == 0
+            steps.append((layout, batch.makespan_s))
+            applied, layout, relayouts = await _settled_layout(http, gw, applied)
+        speeds = (await http.get(f"{gw}/status")).json()["speeds"]
+    print("steps (layout, makespan s):", steps, "then", layout)
+    print("relayouts:", [(r["launch"], r["reason"], r["duration_s"]) for r in relayouts])
+    print("speeds:", json.dumps(speeds["by_tp"]))
+    by_layout: dict[tuple[int, ...], list[float]] = {}
+    for lay, s in steps:
+        by_layout.setdefault(tuple(lay), []).append(s)
+    # both layouts ran a batch: TP2 was measured, not inferred, before it was judged
+    assert set(by_layout) == {(1, 1), (2,)}, steps
+    rows = {r["tp"]: r for r in speeds["by_tp"]}
+    assert rows[1]["source"] == rows[2]["source"] == "measured"
+    best = min(by_layout, key=lambda k: min(by_layout[k]))
+    other = next(k for k in by_layout if k != best)
+    # the premise of the test: on these engines the layouts differ, whichever way
+    assert min(by_layout[other]) > 1.1 * min(by_layout[best]), by_layout
+    assert tuple(layout) == best, (steps, layout)
