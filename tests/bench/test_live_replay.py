@@ -29,20 +29,26 @@ from gateway.config import DispatchSettings, ServerSettings, Settings, TraceSett
 MODEL, SPEED, SEED = "qwen3-14b", 20.0, 1
 
 
-async def _one_step_then_layout(tmp_path: Path, engine_options: dict[str, Any]
-                                ) -> tuple[dict[str, Any], list[int]]:
-    tmp_path.mkdir()
+def _pool_gateway(tmp_path: Path, engine_options: dict[str, Any]) -> Settings:
+    """A gateway running ``replay`` on a managed sim pool (TP1, TP1, TP2) whose engines
+    take ``engine_options``; the profile it believes is always the honest one."""
     spec = sim_pool_spec(tmp_path / "pool.json", [1, 1, 2], model=MODEL, gpu="H100",
                          speed=SPEED, seed=SEED)
     doc = json.loads(spec.read_text())
     doc["launcher"]["options"] = engine_options
     spec.write_text(json.dumps(doc))
-    settings = Settings(
+    return Settings(
         database_url=f"sqlite+aiosqlite:///{tmp_path / 'traces.db'}", policy="replay",
         pool=spec, server=ServerSettings(host="127.0.0.1", port=free_port()),
         dispatch=DispatchSettings(speed_profile=f"{MODEL}/H100", tick_s=0.05,
                                   time_scale=SPEED),
         traces=TraceSettings(flush_interval_s=0.05, spool_path=tmp_path / "spool"))
+
+
+async def _one_step_then_layout(tmp_path: Path, engine_options: dict[str, Any]
+                                ) -> tuple[dict[str, Any], list[int]]:
+    tmp_path.mkdir()
+    settings = _pool_gateway(tmp_path, engine_options)
     specs = generate("swe", SEED, prompts=3, group_size=4, max_context=32768)
     async with serve_gateway(settings) as gw, httpx.AsyncClient(timeout=60) as http:
         await wait_routable(http, gw, 3)
@@ -82,3 +88,47 @@ async def test_the_layout_follows_the_speeds_the_engines_show(tmp_path: Path) ->
     assert sum(honest_layout) == sum(slow_layout) == 4
     assert max(honest_layout) > 1, honest_layout
     assert slow_layout == [1, 1, 1, 1], slow_layout
+
+
+async def test_a_pool_that_never_idles_is_relaid_out_at_a_weight_push(tmp_path: Path) -> None:
+    """The step modes past the barrier (async, carried groups) never leave the pool idle,
+    so ``plan`` never relays it out; ``replay`` does it at a weight push instead, where
+    the engines pause anyway. A batch runs on the slow-TP2 pool; once some trajectories
+    have finished and both degrees are measured, a weight update arrives while the rest
+    still run: the push relays the pool out to what was measured fastest (no TP2), and
+    every trajectory finishes, the ones in flight on the new instances."""
+    from tests.pool.test_weights import checkpoint
+    from tests.pool.workload import wait_job
+
+    settings = _pool_gateway(tmp_path, {"tp_penalty": 6.0})
+    specs = generate("swe", SEED, prompts=4, group_size=4, max_context=32768)
+    async with serve_gateway(settings) as gw, httpx.AsyncClient(base_url=gw,
+                                                                timeout=60) as http:
+        await wait_routable(http, gw, 3)
+        batch = asyncio.create_task(run_batch(specs, HarnessConfig(
+            gw, MODEL, speed=SPEED, seed=SEED, stream=False, reward_latency=False)))
+        for _ in range(1200):
+            status = (await http.get(f"{gw}/status")).json()
+            phases = status["trajectories"]["by_phase"]
+            sources = {r["tp"]: r["source"] for r in status["speeds"]["by_tp"]}
+            if (phases.get("finished", 0) >= 4 and sources[1] == sources[2] == "measured"):
+                break
+            assert not batch.done(), "the batch ended before the push"
+            await asyncio.sleep(0.1)
+        running = len(specs) - phases.get("finished", 0)
+        assert running > 0 and status["relayouts"]["applied"] == 0
+        r = await http.post(f"{gw}/admin/weight-update", json={
+            "version": "1", "method": "reload", "weights_path": checkpoint(tmp_path, "w1")})
+        assert r.status_code == 202, r.text
+        update = await wait_job(http, r.json()["job"], 120)
+        assert update["status"] == "succeeded", update
+        moved = update["plan"]["relayout"]
+        assert moved["reason"].startswith("replay at the weight push"), moved
+        assert sorted(moved["launch"]) == [1, 1, 1, 1], moved
+        assert sorted(moved["retire"]) == ["tp1-g0", "tp1-g1", "tp2-g2-3"], moved
+        assert (await wait_job(http, moved["job"], 120))["status"] == "succeeded"
+        result = await batch
+        assert result.errors == 0
+        backends = (await http.get(f"{gw}/status")).json()["backends"]
+    assert sorted(b["tp"] for b in backends) == [1, 1, 1, 1]
+
