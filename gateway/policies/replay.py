@@ -20,8 +20,8 @@ ranking layouts (a few tens of milliseconds for a 256-trajectory step), not the
 simulator.
 
 The speeds are what the gateway believes (:class:`~gateway.dispatch.speeds.SpeedMeter`:
-the latency profile, corrected per TP by what the engines measured, and a degree no engine
-has run takes the factor of the nearest one that has). How well TP scales is the least
+the latency profile, corrected per TP by what the engines measured; a degree no engine
+has run takes the trend of the nearest measured ones). How well TP scales is the least
 certain constant, and it is exactly what a correction borrowed from another degree gets
 wrong, so the first step, which has no sample to replay anyway, runs a *probe layout*
 (:func:`probe_layout`): one instance of every degree the pool can hold, the rest at the
