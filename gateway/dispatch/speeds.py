@@ -87,14 +87,14 @@ class SpeedMeter:
     measured.
 
     Every ok call of a known TP reports its decode time per generated token and how many
-    calls its instance ran at the time; the profile predicts that same step time
-    (:meth:`TPSpeed.batch_step_s`), and the median of measured/predicted over the last
-    :data:`WINDOW` calls is the TP's factor. A TP with fewer than :data:`MIN_CALLS` calls
-    takes the trend of the two nearest measured TPs (in log2 of the degree: what slows TP2
-    down relative to TP1, all-reduce or per-step overhead, slows TP4 more), at most
-    :data:`MAX_TREND` a doubling; with one measured, its factor; with none, the profile
-    stands. Times are in engine
-    seconds: a simulated pool compressed ``time_scale`` times is scaled back.
+    calls its instance ran at the time; the profile predicts that same step on the curve
+    the policies plan with (:meth:`TPSpeed.decode_step_s`), and the median of
+    measured/predicted over the last :data:`WINDOW` calls is the TP's factor. A TP with
+    fewer than :data:`MIN_CALLS` calls takes the trend of the two nearest measured TPs (in
+    log2 of the degree: what slows TP2 down relative to TP1, all-reduce or per-step
+    overhead, slows TP4 more), at most :data:`MAX_TREND` a doubling; with one measured, its
+    factor; with none, the profile stands. Times are in engine seconds: a simulated pool
+    compressed ``time_scale`` times is scaled back.
     """
 
     def __init__(self, prior: Mapping[int, TPSpeed], time_scale: float = 1.0) -> None:
@@ -111,8 +111,7 @@ class SpeedMeter:
         if prior is None or tokens < 2 or decode_s <= 0:
             return
         n = max(1, running)
-        predicted = prior.batch_step_s(n, n * context_tokens) if prior.fixed_s else \
-            prior.step_s(n)
+        predicted = _step(prior, n, n * context_tokens)
         if predicted <= 0:
             return
         measured = decode_s * self.time_scale / tokens
@@ -161,8 +160,12 @@ class SpeedMeter:
         return rows
 
 
-def _step(s: TPSpeed, n: int) -> float:
-    return s.batch_step_s(n, n * TYPICAL_CONTEXT) if s.fixed_s else s.step_s(n)
+def _step(s: TPSpeed, n: int, ctx_tokens: int | None = None) -> float:
+    """One decode step of ``n`` calls as policies plan it: on the fitted curve (a batch of
+    a few calls is weight-bound, well above the straight line through large batches)."""
+    if not s.fixed_s:
+        return s.step_s(n)
+    return s.decode_step_s(n, n * TYPICAL_CONTEXT if ctx_tokens is None else ctx_tokens)
 
 
 def _scaled(s: TPSpeed, f: float) -> TPSpeed:

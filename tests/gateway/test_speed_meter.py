@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from backends.sim.profiles import load_profile
 from gateway.dispatch.speeds import MIN_CALLS, SpeedMeter, speeds_for
 
 PRIOR = speeds_for("qwen3-14b/H100")
@@ -16,7 +17,7 @@ def _measured(meter: SpeedMeter, tp: int, factor: float, calls: int = MIN_CALLS)
     """``calls`` calls on TP ``tp`` that ran ``factor`` times the profile's step."""
     s = PRIOR[tp]
     for _ in range(calls):
-        meter.observe(tp, factor * s.batch_step_s(4, 4 * 2000) * 100, 100, 4, 2000)
+        meter.observe(tp, factor * s.decode_step_s(4, 4 * 2000) * 100, 100, 4, 2000)
 
 
 def test_a_degree_takes_the_profile_then_one_measurement_then_the_trend() -> None:
@@ -48,3 +49,15 @@ def test_the_trend_between_and_beyond_is_capped_at_the_band() -> None:
     _measured(steep, 2, 5.0)  # a stalled engine's worth: the trend is capped at 1.6x
     assert steep.factor(8)[0] == pytest.approx(5.0 * 1.6 ** 2)
     assert math.isfinite(steep.factor(8)[0])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_engines_running_the_profile_measure_a_factor_of_one_at_a_few_calls(tp: int) -> None:
+    """A few calls per instance is weight-bound, above the straight line through large
+    batches: read off that line, an engine exactly as fast as its profile looked 5% slower."""
+    profile = load_profile("qwen3-14b", "H100", tp)
+    meter = SpeedMeter(PRIOR)
+    for running in (1, 2, 3, 4) * 4:
+        step_s = profile.step_ms(num_tokens=running, decode_ctx_tokens=running * 2000) / 1000
+        meter.observe(tp, step_s * 100, 100, running, 2000)
+    assert meter.factor(tp) == (pytest.approx(1.0, abs=0.005), "measured", 16)
