@@ -218,9 +218,11 @@ def export(
         raise typer.BadParameter("--format must be jsonl or parquet")
     if branches not in ("all", "main", "longest", "tree"):
         raise typer.BadParameter("--branches must be all, main, longest or tree")
-    url = database_url or Settings().database_url
+    settings = Settings()
+    url = database_url or settings.database_url
     count = asyncio.run(export_samples(url, out, fmt=fmt, group_id=group_id,
-                                       branches=branches, model=model))
+                                       branches=branches, model=model,
+                                       routes_dir=settings.traces.routes_dir))
     typer.echo(f"wrote the samples of {count} trajectories to {out}")
 
 

@@ -60,6 +60,14 @@ class TraceSettings(BaseModel):
         None, gt=0, description="routed experts of calls that started longer ago than this "
         "are cleared from the store (their tokens stay; docs/moe.md, \"Retention\"); "
         "None: kept as long as the calls")
+    routes_store: Literal["files", "database"] = Field(
+        "files", description="where routed experts are kept: append-only segment files in "
+        "routes_dir, the rows holding where (gateway/store/route_files.py), or the calls' "
+        "rows themselves (a fifth of the writer's rate on Postgres; docs/moe.md)")
+    routes_dir: Path | None = Field(
+        None, description="the segment files' directory, which every process of the "
+        "gateway must see (default: beside an SQLite file, <file>.routes/; else "
+        "~/.cache/rollout-gateway/routes/<hash of DATABASE_URL>/)")
     flush_interval_s: float = 0.25
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 5.0

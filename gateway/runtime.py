@@ -42,6 +42,7 @@ from gateway.store.db import is_sqlite, make_engine, make_sessionmaker, upgrade
 from gateway.store.ledger import LOSS_REASONS
 from gateway.store.quarantine import KINDS
 from gateway.store.retention import RoutesRetention
+from gateway.store.route_files import SEGMENT_AGE_S, RouteFiles, default_routes_dir
 from gateway.store.spool import Spool, open_spools
 from gateway.store.writer import TraceWriter
 from gateway.token_text import TokenText
@@ -189,6 +190,11 @@ def trace_metrics(writer: TraceWriter, retention: RoutesRetention | None = None
                                  "their tokens were kept")
     routes.add_metric([], writer.routes_dropped)
     yield routes
+    unwritten = CounterMetricFamily("rollout_gateway_trace_routes_unwritten", "Trace records "
+                                    "whose routed experts the segment files refused (a full "
+                                    "or failing disk); their tokens were kept")
+    unwritten.add_metric([], writer.routes_unwritten)
+    yield unwritten
     cleared = CounterMetricFamily("rollout_gateway_trace_routes_cleared", "Calls whose "
                                   "routed experts this process cleared past "
                                   "traces.routes_retention_s (their tokens were kept)")
@@ -271,6 +277,19 @@ def wire_scheduler(rt: Runtime, scheduler: Scheduler) -> None:
     scheduler.on_relayout = relayout
 
 
+def open_route_files(settings: Settings) -> RouteFiles | None:
+    """The segment files routed experts go to (``traces.routes_store``); nothing is
+    created on disk until a call brings routes."""
+    traces = settings.traces
+    if traces.routes_store != "files":
+        return None
+    # a segment spans a quarter of the retention at most: it is deleted soon after
+    age = min(SEGMENT_AGE_S, traces.routes_retention_s / 4) if traces.routes_retention_s \
+        else SEGMENT_AGE_S
+    return RouteFiles(traces.routes_dir or default_routes_dir(settings.database_url),
+                      segment_age_s=age)
+
+
 async def _open_spools(settings: Settings) -> tuple[Spool | None, list[Spool]]:
     """This process's spool and the orphans it adopts (:func:`open_spools`). A disk that
     cannot hold one (read-only, say) leaves the writer without: it then holds what the
@@ -297,7 +316,10 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
             await asyncio.to_thread(upgrade, settings.database_url)
         engine = make_engine(settings.database_url)
         stack.push_async_callback(engine.dispose)
-        sessionmaker = make_sessionmaker(engine)
+        route_files = open_route_files(settings)
+        if route_files is not None:
+            stack.callback(route_files.close)
+        sessionmaker = make_sessionmaker(engine, route_files)
         session = make_session(settings.upstream)
         stack.push_async_callback(session.close)
         registry = BackendRegistry()
@@ -306,7 +328,8 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
         health = HealthChecker(registry, settings.upstream)
         stack.push_async_callback(health.close)
         spool, orphans = await _open_spools(settings)
-        writer = TraceWriter(sessionmaker, settings.traces, spool, orphans=orphans)
+        writer = TraceWriter(sessionmaker, settings.traces, spool, orphans=orphans,
+                             route_files=route_files)
         writer.start()
         stack.push_async_callback(writer.close)
         tracker = Tracker()
@@ -336,7 +359,8 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
         stack.push_async_callback(expiry.close)
         if settings.traces.routes_retention_s is not None and not settings.shard_index:
             rt.routes_retention = RoutesRetention(sessionmaker,
-                                                  settings.traces.routes_retention_s)
+                                                  settings.traces.routes_retention_s,
+                                                  files=route_files)
             rt.routes_retention.start()
             stack.push_async_callback(rt.routes_retention.close)
         wire_scheduler(rt, scheduler)

@@ -81,7 +81,7 @@ def writer_view(w: TraceWriter) -> dict[str, Any]:
         "recording": w.refusal is None, "refusal": w.refusal, "running": w.running,
         "restarts": w.restarts, "failure": w.failure,
         "queue_depth": w.queue_depth, "written": w.written, "dropped": w.dropped,
-        "routes_dropped": w.routes_dropped,
+        "routes_dropped": w.routes_dropped, "routes_unwritten": w.routes_unwritten,
         "lost": dict(w.lost), "rejected": w.rejected, "write_errors": w.write_errors,
         "spooled": w.spooled, "spool_bytes": w.spool_bytes, "spool_error": w.spool_error,
         "quarantined": quarantine.total if quarantine else 0,

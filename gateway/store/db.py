@@ -14,7 +14,10 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from gateway.store.route_files import RouteFiles
+
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+ROUTE_FILES = "route_files"
 
 
 def is_sqlite(url: str) -> bool:
@@ -43,8 +46,18 @@ def make_engine(url: str) -> AsyncEngine:
     return engine
 
 
-def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    return async_sessionmaker(engine, expire_on_commit=False)
+def make_sessionmaker(engine: AsyncEngine, route_files: RouteFiles | None = None
+                      ) -> async_sessionmaker[AsyncSession]:
+    """Sessions of the store; with ``route_files``, the directory its calls' routed
+    experts lie in (:func:`gateway.store.queries.get_calls` reads them from there)."""
+    info = {ROUTE_FILES: route_files} if route_files is not None else {}
+    return async_sessionmaker(engine, expire_on_commit=False, info=info)
+
+
+def route_files_of(session: AsyncSession) -> RouteFiles | None:
+    """The segment files of the store ``session`` reads (:func:`make_sessionmaker`)."""
+    found = session.info.get(ROUTE_FILES)
+    return found if isinstance(found, RouteFiles) else None
 
 
 def alembic_config(url: str) -> Any:

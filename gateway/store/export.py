@@ -22,6 +22,7 @@ from gateway.schema.table import (
 )
 from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
+from gateway.store.route_files import RouteFiles, default_routes_dir
 from gateway.store.samples import Sample, build_samples, has_calls_for
 from gateway.store.trees import build_tree
 
@@ -64,15 +65,16 @@ async def iter_trees(sessionmaker: async_sessionmaker[AsyncSession], ids: list[s
 
 async def export_samples(
     url: str, out: Path, *, fmt: str, group_id: str | None = None, progress: bool = True,
-    branches: str = "all", model: str | None = None,
+    branches: str = "all", model: str | None = None, routes_dir: Path | None = None,
 ) -> int:
     """Write every finished trajectory (optionally of one group) to ``out``, a row per
     branch (``branches``: all, main or longest), or a row per trajectory as its prefix
-    tree (``tree``); ``model``: one policy's samples (``build_branches``). The number of
-    trajectories written."""
+    tree (``tree``); ``model``: one policy's samples (``build_branches``); routed experts
+    in segment files read from ``routes_dir`` (default: the store's own,
+    :func:`default_routes_dir`). The number of trajectories written."""
     engine = make_engine(url)
     try:
-        sm = make_sessionmaker(engine)
+        sm = make_sessionmaker(engine, RouteFiles(routes_dir or default_routes_dir(url)))
         async with sm() as session:
             ids = await queries.finished_trajectory_ids(session, group_id=group_id)
         rows: list[dict[str, Any]] = []

@@ -29,7 +29,9 @@ def _ts(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, tz=UTC)
 
 
-_CALL_COLUMNS = [f.name for f in fields(CallRecord) if f.name != "group_id"] + ["routes_start"]
+_ROUTE_COLUMNS = ["routes_start", "routes_file", "routes_offset", "routes_length"]
+_CALL_COLUMNS = [f.name for f in fields(CallRecord)
+                 if f.name not in ("group_id", "routes_ref")] + _ROUTE_COLUMNS
 
 
 def call_row(rec: CallRecord) -> dict[str, Any]:
@@ -38,6 +40,11 @@ def call_row(rec: CallRecord) -> dict[str, Any]:
     row["prompt_delta"] = pack_ids(rec.prompt_delta)
     row["completion_ids"] = pack_ids(rec.completion_ids)
     row["completion_logprobs"] = pack_floats(rec.completion_logprobs)
+    if rec.routes_ref is not None:  # in a segment file (gateway/store/route_files.py)
+        row["routes_file"], row["routes_offset"], row["routes_length"], row["routes_start"] \
+            = rec.routes_ref
+        row["routes"] = None
+        return row
     merged = merge_routes(rec.routes) if rec.routes else None
     row["routes_start"], row["routes"] = merged if merged is not None else (None, None)
     return row

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -80,6 +81,10 @@ class Call(Base):
         Index("ix_calls_routes_started", "started_at",
               postgresql_where=text("routes IS NOT NULL"),
               sqlite_where=text("routes IS NOT NULL")),
+        # the calls whose routed experts lie in a segment file, by segment (retention)
+        Index("ix_calls_routes_file", "routes_file",
+              postgresql_where=text("routes_file IS NOT NULL"),
+              sqlite_where=text("routes_file IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -125,6 +130,11 @@ class Call(Base):
     constrained: Mapped[str | None] = mapped_column(String(32))
     # routed experts (MoE routing replay): a ``.npy`` of (positions, layers, top_k) expert
     # ids, uint8 up to 256 experts, from position ``routes_start`` of the call's prompt
-    # and completion (gateway/proxy/routes.py)
+    # and completion (gateway/proxy/routes.py): in ``routes`` (traces.routes_store
+    # "database"), or ``routes_length`` bytes at ``routes_offset`` of the segment file
+    # ``routes_file`` (gateway/store/route_files.py, the default)
     routes_start: Mapped[int | None] = mapped_column(Integer)
     routes: Mapped[bytes | None] = mapped_column(LargeBinary)
+    routes_file: Mapped[str | None] = mapped_column(String(64))
+    routes_offset: Mapped[int | None] = mapped_column(BigInteger)
+    routes_length: Mapped[int | None] = mapped_column(Integer)

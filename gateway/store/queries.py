@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -11,8 +12,11 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
+from sqlalchemy.orm.attributes import set_committed_value
 
+from gateway.store.db import route_files_of
 from gateway.store.models import Call, Trajectory, TrajectoryAttempt
+from gateway.store.route_files import RouteRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +113,34 @@ async def get_calls(
     routes: bool = True,
 ) -> Sequence[Call]:
     """A trajectory's calls in order: of one attempt, or of all (by attempt, then seq);
-    without ``routes`` their routed experts are not read (``calls.routes``, the bulk of a
-    MoE call's row, left unloaded: reading it then raises)."""
+    with ``routes`` each call's routed experts in ``Call.routes``, read from its segment
+    file where they lie in one (:func:`load_routes`); without, not read (the bulk of a MoE
+    call, left unloaded: reading ``Call.routes`` then raises)."""
     stmt = select(Call).where(Call.trajectory_id == trajectory_id)
     if not routes:
         stmt = stmt.options(defer(Call.routes, raiseload=True))
     if attempt is not None:
         stmt = stmt.where(Call.attempt == attempt)
     stmt = stmt.order_by(Call.attempt, Call.seq, Call.started_at)
-    return (await session.scalars(stmt)).all()
+    calls = (await session.scalars(stmt)).all()
+    if routes:
+        await load_routes(session, calls)
+    return calls
+
+
+async def load_routes(session: AsyncSession, calls: Sequence[Call]) -> None:
+    """Put the routed experts of ``calls`` that lie in segment files into ``Call.routes``
+    (as loaded, not as a change to write), read off the event loop. A segment the
+    retention deleted, or a store without its directory, leaves them None (unknown)."""
+    filed = [c for c in calls if c.routes_file is not None and c.routes is None]
+    files = route_files_of(session)
+    if not filed or files is None:
+        return
+    refs = [RouteRef(c.routes_file or "", c.routes_offset or 0, c.routes_length or 0)
+            for c in filed]
+    found = await asyncio.to_thread(lambda: [files.read(r) for r in refs])
+    for call, data in zip(filed, found, strict=True):
+        set_committed_value(call, "routes", data)
 
 
 async def get_attempt(
@@ -150,7 +173,7 @@ async def restore_point(session: AsyncSession, *, trajectory_id: str) -> Restore
         select(func.max(Call.attempt)).where(Call.trajectory_id == trajectory_id))
     attempt = max(traj.attempt, latest or 0)
     finished = traj.finished_at is not None and traj.attempt == attempt
-    calls = await get_calls(session, trajectory_id=trajectory_id, attempt=attempt)
+    calls = await get_calls(session, trajectory_id=trajectory_id, attempt=attempt, routes=False)
     return RestorePoint(traj, attempt, finished, calls)
 
 

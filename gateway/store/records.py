@@ -51,3 +51,7 @@ class CallRecord:
     #: routed experts as the engine sent them: ``[[first position, base64 .npy], ...]``
     #: (gateway/proxy/routes.py); merged into one array when the row is written
     routes: list[list[Any]] | None = None
+    #: where the writer put that array (:mod:`gateway.store.route_files`): ``[segment,
+    #: offset, length, first position]``, set before the row is written (``routes`` then
+    #: None), so a batch retried or spooled does not write its routes twice
+    routes_ref: list[Any] | None = None

@@ -2,8 +2,9 @@
 
 A call keeps what its engine answered as ``[first position, base64 .npy]`` pieces
 (:mod:`gateway.proxy.routes`); the trace writer merges them into one ``.npy`` of
-``(positions, layers, top_k)`` expert ids (:func:`merge`), stored in ``calls.routes`` from
-position ``calls.routes_start`` of the call's prompt and completion.
+``(positions, layers, top_k)`` expert ids (:func:`merge`), from position
+``calls.routes_start`` of the call's prompt and completion, and puts it in a segment file
+(:func:`file_routes`, :mod:`gateway.store.route_files`) or in ``calls.routes``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from gateway.store.records import CallRecord
+from gateway.store.route_files import RouteFiles
 
 #: base64 characters enough for any ``.npy`` header this module reads (v1: 128 bytes)
 _HEAD_CHARS = 344
@@ -92,6 +96,20 @@ def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
     out = io.BytesIO()
     np.save(out, np.concatenate(parts) if len(parts) > 1 else first, allow_pickle=False)
     return lo, out.getvalue()
+
+
+def file_routes(files: RouteFiles, records: Sequence[CallRecord]) -> None:
+    """Merge each record's pieces and append them to ``files`` (blocking: disk writes),
+    leaving each record its ``routes_ref`` instead of its pieces; a record whose pieces
+    hold no readable routes is left without either. Raises ``OSError`` when the files
+    cannot take them (the records keep their pieces)."""
+    merged = [merge(rec.routes) if rec.routes else None for rec in records]
+    kept = [(rec, m) for rec, m in zip(records, merged, strict=True) if m is not None]
+    refs = files.append([data for _, (_, data) in kept])
+    for rec in records:
+        rec.routes = None
+    for (rec, (start, _)), ref in zip(kept, refs, strict=True):
+        rec.routes_ref = [ref.segment, ref.offset, ref.length, start]
 
 
 def to_field(arr: np.ndarray) -> str:

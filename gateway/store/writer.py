@@ -50,6 +50,8 @@ from gateway.store.inserts import record_fault, write_batch
 from gateway.store.ledger import WriterLedger
 from gateway.store.quarantine import Quarantine
 from gateway.store.records import CallRecord
+from gateway.store.route_files import RouteFiles
+from gateway.store.routes import file_routes
 from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -65,9 +67,11 @@ class TraceWriter(WriterLedger):
         spool: Spool | None = None,
         *,
         orphans: Sequence[Spool] = (),
+        route_files: RouteFiles | None = None,
     ) -> None:
         super().__init__()
         self._sessionmaker = sessionmaker
+        self._route_files = route_files  # None: routes go into the calls' rows
         self._settings = settings
         self._spool = spool
         self._orphans = list(orphans)  # spools of stopped processes, replayed first
@@ -86,6 +90,8 @@ class TraceWriter(WriterLedger):
         self._routes_log = RateLimit(ERROR_EVERY_S)
         #: records whose routed experts were left out because the writer was behind
         self.routes_dropped = 0
+        #: records whose routed experts the segment files could not take (a full disk)
+        self.routes_unwritten = 0
         #: calls admitted and not yet submitted (the proxy's count): refusing new calls
         #: while memory still has room for theirs means none of them is lost
         self.calls_in_flight: Callable[[], int] = lambda: 0
@@ -295,8 +301,28 @@ class TraceWriter(WriterLedger):
             await self._quarantine("rejected", f"{type(fault).__name__}: {fault}", [rec])
         return []
 
+    async def _file_routes(self, batch: Sequence[CallRecord]) -> None:
+        """Put the routed experts of ``batch`` into the segment files, on disk before the
+        rows that point at them are written (:mod:`gateway.store.route_files`). Files
+        that cannot take them (a full or failing disk) lose the routes, counted and
+        logged; the records' tokens are written whatever happens."""
+        todo = [rec for rec in batch if rec.routes]
+        if self._route_files is None or not todo:
+            return
+        try:
+            await asyncio.to_thread(file_routes, self._route_files, todo)
+        except OSError as exc:
+            for rec in todo:
+                rec.routes = None
+            self.routes_unwritten += len(todo)
+            if self._routes_log.ready(time.monotonic()):
+                log.error("routed experts of %d calls not stored: the segment files in %s "
+                          "refused them (%s); their tokens are kept", self.routes_unwritten,
+                          self._route_files.root, exc)
+
     async def _attempt(self, batch: Sequence[CallRecord]) -> Exception | None:
         """One insert of ``batch``; the exception it raised, if any."""
+        await self._file_routes(batch)
         try:
             async with self._sessionmaker() as session, session.begin():
                 await write_batch(session, batch)

@@ -158,12 +158,20 @@ def test_routes_are_asked_from_the_first_unknown_position_and_aligned_in_the_sam
     longest = max(len(s["token_ids"]) for s in samples)
     assert batch.shape == (2, longest, ROUTER.num_layers, ROUTER.top_k)
 
+    # stored in segment files beside the database (the rows hold where), not in the rows
     with sqlite3.connect(db) as conn:
-        stored = dict(conn.execute("SELECT id, length(routes) FROM calls").fetchall())
+        stored = {r[0]: r[1:] for r in conn.execute(
+            "SELECT id, routes, routes_file, routes_offset, routes_length FROM calls")}
+    segments = list((tmp_path / "traces.db.routes").iterdir())
     row_bytes = ROUTER.num_layers * ROUTER.top_k  # one byte per expert id (128 experts)
     positions = [l1 - 1, l2 - l1, lengths[2] - l2, lengths[3] - 1]
     for c, n in zip(calls, positions, strict=True):  # the .npy header (128 bytes), the ids
-        assert stored[c["id"]] == 128 + n * row_bytes
+        blob, segment, offset, length = stored[c["id"]]
+        assert blob is None and segment in {p.name for p in segments}
+        assert length == 128 + n * row_bytes
+        data = (tmp_path / "traces.db.routes" / segment).read_bytes()[offset:offset + length]
+        assert np.load(io.BytesIO(data)).shape == (n, ROUTER.num_layers, ROUTER.top_k)
+    assert sum(p.stat().st_size for p in segments) == sum(r[3] for r in stored.values())
 
 
 def test_a_dense_engine_is_never_asked_and_its_samples_have_no_routes(
@@ -263,3 +271,4 @@ def test_a_gateway_clears_routes_past_their_retention(
     assert aged["routed_experts"] is None
     assert aged["token_ids"] == fresh["token_ids"] and aged["loss_mask"] == fresh["loss_mask"]
     assert "rollout_gateway_trace_routes_cleared_total 4.0" in metrics
+    assert list((tmp_path / "traces.db.routes").iterdir()) == []  # the segments deleted

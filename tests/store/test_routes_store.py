@@ -15,9 +15,11 @@ import io
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from backends.sim.routes import MoeShape, routed_experts
 from gateway.config import TraceSettings
@@ -25,6 +27,7 @@ from gateway.store import queries
 from gateway.store.db import make_engine, make_sessionmaker
 from gateway.store.export import export_samples
 from gateway.store.records import CallRecord
+from gateway.store.route_files import RouteFiles
 from gateway.store.routes import coverage, merge
 from gateway.store.samples import build_sample
 from gateway.store.spool import Spool
@@ -96,11 +99,14 @@ def test_a_branch_holds_routes_per_model() -> None:
     assert branch.routes_end["solver"] == 4  # a gap (4-6) holds nothing past it
 
 
-async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
+@pytest.mark.parametrize("store", ["files", "database"])
+async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str, store: str,
                                                                  tmp_path: Path) -> None:
     engine = make_engine(db_url)
-    sm = make_sessionmaker(engine)
-    writer = TraceWriter(sm, TraceSettings(batch_size=2, flush_interval_s=0.01))
+    files = RouteFiles(tmp_path / "routes") if store == "files" else None
+    sm = make_sessionmaker(engine, files)
+    writer = TraceWriter(sm, TraceSettings(batch_size=2, flush_interval_s=0.01),
+                         route_files=files)
     writer.start()
     tid = f"r-{uuid.uuid4().hex[:8]}"
     t0 = [1, 2, 3, 10, 11]  # prompt [1, 2, 3], completion [10, 11]
@@ -138,8 +144,16 @@ async def test_routes_are_stored_as_bytes_and_aligned_in_samples(db_url: str,
         assert np.array_equal(got[4:-1], routed_experts(t2, 0, SHAPE, "v2|")[4:])
         assert (got[-1] == -1).all()
 
+        async with sm() as session:  # where they lie: the rows, or a segment file
+            rows = await queries.get_calls(session, trajectory_id=tid, routes=False)
+        if files is None:
+            assert all(c.routes_file is None for c in rows)
+        else:
+            assert [c.routes_length for c in rows] == [len(c.routes or b"") for c in calls]
+            assert {c.routes_file for c in rows} == {p.name for p in files.root.iterdir()}
         out = tmp_path / "samples.parquet"
-        assert await export_samples(db_url, out, fmt="parquet", progress=False) >= 1
+        assert await export_samples(db_url, out, fmt="parquet", progress=False,
+                                    routes_dir=tmp_path / "routes") >= 1
         row = next(r for r in pq.read_table(out).to_pylist() if r["trajectory_id"] == tid)
         assert np.array_equal(np.load(io.BytesIO(row["routed_experts"])), got)
     finally:
@@ -270,3 +284,72 @@ async def test_routes_past_their_retention_are_cleared_and_the_tokens_kept(
     finally:
         await writer.close()
         await engine.dispose()
+
+
+async def test_segments_past_the_retention_are_deleted_and_running_trajectories_keep_theirs(
+        db_url: str, tmp_path: Path) -> None:
+    """Routes in segment files go a whole segment at a time, once it holds only what is
+    older than the retention (90 minutes): a trajectory idle since loses its routes, its
+    tokens kept; one still running (a call since) keeps every call's routes, copied into a
+    current segment first; the old file is deleted. Later the running one goes too."""
+    from gateway.store.retention import RoutesRetention
+
+    engine = make_engine(db_url)
+    clock = [time.time()]
+    now = clock[0]
+    files = RouteFiles(tmp_path / "routes", segment_age_s=60, clock=lambda: clock[0])
+    sm = make_sessionmaker(engine, files)
+    writer = TraceWriter(sm, TraceSettings(batch_size=10, flush_interval_s=0.01),
+                         route_files=files)
+    writer.start()
+    tag = uuid.uuid4().hex[:8]
+    running, idle = f"run-{tag}", f"idle-{tag}"
+    t0, t1 = [1, 2, 3, 10, 11], [1, 2, 3, 10, 11, 4, 12, 13]
+
+    def call(tid: str, seq: int, started: float) -> CallRecord:
+        offset, delta, completion, toks = [(0, [1, 2, 3], [10, 11], t0),
+                                           (5, [4], [12, 13], t1)][seq]
+        rec = _rec(tid, seq, offset, delta, completion, [[offset, _routes(toks, offset)]])
+        rec.started_at = started
+        return rec
+
+    async def samples() -> dict[str, Any]:
+        async with sm() as session:
+            return {t: build_sample(await queries.get_trajectory(session, trajectory_id=t),
+                                    await queries.get_calls(session, trajectory_id=t))
+                    for t in (running, idle)}
+
+    try:
+        for rec in (call(running, 0, now - 60), call(idle, 0, now - 60), call(idle, 1, now)):
+            assert writer.submit(rec)
+        assert await writer.drain(10)
+        first = {p.name for p in files.root.iterdir()}
+        assert len(first) == 1
+        clock[0] = now + 5000  # the running trajectory's next call, into a new segment
+        assert writer.submit(call(running, 1, now + 5000))
+        assert await writer.drain(10)
+        before = await samples()
+        assert all(s.routed_experts is not None for s in before.values())
+
+        retention = RoutesRetention(sm, 5400, files=files, clock=lambda: now + 5461)
+        clock[0] = now + 5461
+        # the idle one's two calls (and on Postgres, the session's database, other tests'
+        # rows that old)
+        assert await retention.step() >= 2
+        assert retention.segments_deleted == 1 and not first & {
+            p.name for p in files.root.iterdir()}
+        after = await samples()
+        assert after[idle].routed_experts is None
+        assert after[running].routed_experts == before[running].routed_experts
+        for t in (running, idle):
+            assert after[t].token_ids == before[t].token_ids
+            assert after[t].loss_mask == before[t].loss_mask
+        clock[0] = now + 20_000  # idle since long enough: the running one goes too
+        later = RoutesRetention(sm, 5400, files=files, clock=lambda: now + 20_000)
+        assert await later.step() >= 2
+        assert list(files.root.iterdir()) == []
+        assert (await samples())[running].routed_experts is None
+    finally:
+        await writer.close()
+        await engine.dispose()
+        files.close()
