@@ -317,8 +317,6 @@ async def open_runtime(settings: Settings, adopt: Adopt | None = None
         engine = make_engine(settings.database_url)
         stack.push_async_callback(engine.dispose)
         route_files = open_route_files(settings)
-        if route_files is not None:
-            stack.callback(route_files.close)
         sessionmaker = make_sessionmaker(engine, route_files)
         session = make_session(settings.upstream)
         stack.push_async_callback(session.close)

@@ -211,20 +211,38 @@ def store_markdown(doc: dict[str, Any], plots: dict[str, str]) -> str:
 
 
 def _routes_lines(r: dict[str, Any]) -> list[str]:
-    """The writer without and with routed experts (``bench store --routes``)."""
+    """The writer without routed experts and with them in each store (``bench store
+    --routes``)."""
+    modes = list(r["runs"])
     out = [f"Routed experts ({r['router']}: {r['layers']} layers x top {r['top_k']} of "
            f"{r['experts']}, {r['raw_bytes_per_token']} B per token raw), the writer on "
-           f"{r['trajectories']} trajectories, runs alternated on fresh databases:", "",
-           "| run | routes | calls/s | tokens/s | bytes in calls |", "|---|---|---|---|---|"]
-    for i, (plain, routed) in enumerate(zip(r["runs"]["without"], r["runs"]["with"],
-                                            strict=True)):
-        for name, run in (("without", plain), ("with", routed)):
-            out.append(f"| {i + 1} | {name} | {run['calls_per_s']:.0f} | "
-                       f"{run['tokens_per_s']:.0f} | {run['calls_bytes']} |")
-    out += ["", f"Rate with routes / without: {', '.join(f'{x:.3f}' for x in r['rate_ratio'])}"
-            f" (mean {r['rate_ratio_mean']:.3f}); routes stored: "
-            f"{_f(r['routes_bytes_per_token'])} B per token.", ""]
-    return out
+           f"{r['trajectories']} trajectories, runs alternated on fresh databases: without "
+           "routes, with them in segment files beside the database (`files`, the default), "
+           "and in the calls' rows (`database`):", "",
+           "| run | routes | calls/s | tokens/s | routes' bytes |", "|---|---|---|---|---|"]
+    for i in range(len(r["runs"][modes[0]])):
+        for mode in modes:
+            run = r["runs"][mode][i]
+            if mode == "disk":
+                out.append(f"| {i + 1} | the disk alone ({run['mb_per_s']:.0f} MB/s) | "
+                           f"{run['calls_per_s']:.0f} | | |")
+                continue
+            out.append(f"| {i + 1} | {mode} | {run['calls_per_s']:.0f} | "
+                       f"{run['tokens_per_s']:.0f} | {run.get('routes_bytes', 0)} |")
+    out.append("")
+    for mode in modes[1:]:
+        m = r[mode]
+        size = f"; {_f(m['routes_bytes_per_token'])} B per token" \
+            if "routes_bytes_per_token" in m else ""
+        out.append(f"- `{mode}`: rate with routes / without "
+                   f"{', '.join(f'{x:.3f}' for x in m['rate_ratio'])} (mean "
+                   f"{m['rate_ratio_mean']:.3f}){size}")
+    if "bound" in r:
+        b = r["bound"]
+        out += ["", f"0.9 of the writer's rate without routes, at {b['bytes_per_call'] / 1e3:.0f}"
+                f" kB of routes a call, is {b['needed_mb_per_s']:.0f} MB/s of routes to disk; "
+                f"the disk alone took {b['disk_mb_per_s']:.0f} MB/s in the same run."]
+    return [*out, ""]
 
 
 def store_plots(doc: dict[str, Any], out: Path) -> dict[str, str]:

@@ -170,9 +170,12 @@ def store(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("artifacts/bench/store"),
     routes: Annotated[str | None, typer.Option(
         help="also measure the writer without and with this router's routed experts on "
-             "every call (qwen3-30b-a3b, qwen3-235b-a22b, gpt-oss-120b, glm-4.5-air)")] = None,
+             "every call, in segment files and in the rows (qwen3-30b-a3b, qwen3-235b-a22b, "
+             "gpt-oss-120b, glm-4.5-air)")] = None,
     routes_trajectories: Annotated[int, typer.Option(
         help="trajectories of that measurement")] = 40,
+    routes_repeats: Annotated[int, typer.Option(
+        help="times its runs (without, files, database) are alternated")] = 2,
     record_to: RecordTo = None,
 ) -> None:
     """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
@@ -183,7 +186,8 @@ def store(
                         e2e_trajectories=trajectories, turns=turns, concurrency=concurrency,
                         server_cpus=server_cpus or None, side_cpus=side_cpus or None,
                         pg_admin=pg_admin, out=out, routes=routes,
-                        routes_trajectories=routes_trajectories)
+                        routes_trajectories=routes_trajectories,
+                        routes_repeats=routes_repeats)
     if routes is not None:
         from backends.sim.routes import MOE_SHAPES
 

@@ -15,11 +15,13 @@ Three measurements, each on a fresh database:
   each trajectory's rows (``pg_column_size``, TOAST included) against its length, with a
   fitted exponent (1 = linear; storing full prompts would approach 2).
 - **routes** (``--routes ROUTER``, MoE routing replay): the writer measurement on fewer
-  trajectories, without and with routed experts of that router's shape on every call
-  (the positions the gateway asks for: each turn's new prompt tokens and completion,
-  random expert ids as incompressible as the simulated router's), alternated
-  ``routes_repeats`` times on fresh databases: the rate ratio, and the routes' bytes per
-  token as Postgres holds them.
+  trajectories, without routed experts and with them on every call (the positions the
+  gateway asks for: each turn's new prompt tokens and completion, random expert ids as
+  incompressible as the simulated router's) in each store the writer has for them:
+  segment files beside the database (``files``, the default,
+  :mod:`gateway.store.route_files`) and the calls' rows (``database``); the three
+  alternated ``routes_repeats`` times on fresh databases: each store's rate over the
+  rate without, and the routes' bytes per token as stored.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +159,15 @@ def synthetic_records(opts: StoreOptions, trajectories: int | None = None,
 
 
 async def writer_rate(url: str, opts: StoreOptions, say: Progress,
-                      records: list[Any] | None = None) -> dict[str, Any]:
+                      records: list[Any] | None = None, routes_dir: Path | None = None,
+                      max_queued: int | None = None) -> dict[str, Any]:
+    """The writer's sustained rate into ``url``; routed experts into segment files in
+    ``routes_dir`` if given, else into the calls' rows; with ``max_queued``, records are
+    submitted only while fewer wait (below ``traces.routes_backlog``, past which the
+    writer leaves routes out)."""
     from gateway.config import TraceSettings
     from gateway.store.db import make_engine, make_sessionmaker, upgrade
+    from gateway.store.route_files import RouteFiles
     from gateway.store.writer import TraceWriter
 
     await asyncio.to_thread(upgrade, url)
@@ -167,12 +175,15 @@ async def writer_rate(url: str, opts: StoreOptions, say: Progress,
         say("writer: building records")
         records = synthetic_records(opts)
     engine = make_engine(url)
-    writer = TraceWriter(make_sessionmaker(engine), TraceSettings())
+    files = RouteFiles(routes_dir) if routes_dir is not None else None
+    writer = TraceWriter(make_sessionmaker(engine, files), TraceSettings(), route_files=files)
     writer.start()
     say(f"writer: {len(records)} calls into Postgres")
     started = time.perf_counter()
     for i, rec in enumerate(records):
-        if i % 1000 == 0:  # let the writer run; back off while its queue is half full
+        if max_queued is not None:  # a pool's pace: never so far ahead that routes go
+            await _fewer_queued(writer, max_queued)
+        elif i % 1000 == 0:  # let the writer run; back off while its queue is half full
             await asyncio.sleep(0.01 if writer.queue_depth * 2 > 100_000 else 0)
         writer.submit(rec)
     await writer.drain(600)
@@ -180,9 +191,36 @@ async def writer_rate(url: str, opts: StoreOptions, say: Progress,
     await writer.close()
     await engine.dispose()
     sizes = await table_bytes(url)
-    return {"calls": writer.written, "dropped": writer.dropped, "elapsed_s": elapsed,
+    return {"calls": writer.written, "dropped": writer.dropped,
+            "routes_dropped": writer.routes_dropped + writer.routes_unwritten,
+            "elapsed_s": elapsed,
             "calls_per_s": writer.written / elapsed, "tokens_per_s": sizes["tokens"] / elapsed,
             **sizes, "bytes_per_token": per_token(sizes)}
+
+
+async def _fewer_queued(writer: Any, n: int) -> None:
+    """Wait until fewer than ``n`` records wait for ``writer`` (polled: it has no event)."""
+    for _ in range(10**7):
+        if writer.queue_depth < n:
+            return
+        await asyncio.sleep(0.001)
+
+
+def disk_rate(records: list[Any], routes_dir: Path, batch: int) -> dict[str, Any]:
+    """The disk alone: the records' routes, decoded beforehand, appended to segment files
+    ``batch`` calls at a time and flushed (``fdatasync``) as the writer does, nothing else.
+    No store of these bytes can write them faster."""
+    from gateway.store.route_files import RouteFiles
+    from gateway.store.routes import merge
+
+    blobs = [m[1] for r in records if r.routes and (m := merge(r.routes)) is not None]
+    files = RouteFiles(routes_dir)
+    started = time.perf_counter()
+    for i in range(0, len(blobs), batch):
+        files.append(blobs[i:i + batch])
+    elapsed = time.perf_counter() - started
+    return {"calls": len(blobs), "elapsed_s": elapsed, "calls_per_s": len(blobs) / elapsed,
+            "mb_per_s": sum(map(len, blobs)) / elapsed / 1e6}
 
 
 # ---------------------------------------------------------------- through the gateway
@@ -317,33 +355,67 @@ async def routes_bytes(url: str) -> int:
         await conn.close()
 
 
+#: the runs of the routes measurement: without routes, the disk alone taking the routes'
+#: bytes (the bound on any store of them), then each store of them
+ROUTE_MODES = ("without", "disk", "files", "database")
+#: records waiting at most, in every run of it: half the writer's ``routes_backlog``
+ROUTES_QUEUED = 1_000
+
+
 def routes_rate(opts: StoreOptions, say: Progress) -> dict[str, Any]:
-    """The writer without and with routed experts, alternated on fresh databases."""
+    """The writer without routed experts and with them in each store, alternated on fresh
+    databases (and fresh segment directories)."""
+    import shutil
+    import tempfile
+
     assert opts.routes is not None
     from backends.sim.routes import MOE_SHAPES
+    from gateway.config import TraceSettings
 
     shape = MOE_SHAPES[opts.routes]
     say(f"routes: building records ({opts.routes_trajectories} trajectories, twice)")
     plain = synthetic_records(opts, opts.routes_trajectories)
     routed = synthetic_records(opts, opts.routes_trajectories, opts.routes)
-    runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ROUTE_MODES}
     for i in range(opts.routes_repeats):
-        for name, records in (("without", plain), ("with", routed)):
-            with postgres_db(opts.pg_admin, "rg_bench_store_routes") as db:
-                say(f"routes: run {i + 1}/{opts.routes_repeats}, {name} routes")
-                run = asyncio.run(writer_rate(db, opts, say, records))
-                run["routes_bytes"] = asyncio.run(routes_bytes(db))
-                runs[name].append(run)
-    ratios = [w["calls_per_s"] / o["calls_per_s"]
-              for o, w in zip(runs["without"], runs["with"], strict=True)]
-    tokens = runs["with"][0]["tokens"]
-    per_token = runs["with"][0]["routes_bytes"] / tokens if tokens else None
-    return {"router": opts.routes, "layers": shape.num_layers, "top_k": shape.top_k,
-            "experts": shape.num_experts, "trajectories": opts.routes_trajectories,
-            "runs": runs, "rate_ratio": ratios, "rate_ratio_mean": float(np.mean(ratios)),
-            "routes_bytes_per_token": per_token,
-            "raw_bytes_per_token": shape.num_layers * shape.top_k
-            * np.dtype(shape.dtype).itemsize}
+        for mode in ROUTE_MODES:
+            # the records are written as they are: fresh copies for each run
+            records = [replace(r) for r in (plain if mode == "without" else routed)]
+            tmp = Path(tempfile.mkdtemp(prefix="rg-routes-"))
+            say(f"routes: run {i + 1}/{opts.routes_repeats}, {mode}")
+            try:
+                if mode == "disk":
+                    run = disk_rate(records, tmp, TraceSettings().batch_size)
+                    runs[mode].append(run)
+                    continue
+                with postgres_db(opts.pg_admin, "rg_bench_store_routes") as db:
+                    run = asyncio.run(writer_rate(
+                        db, opts, say, records, routes_dir=tmp if mode == "files" else None,
+                        max_queued=ROUTES_QUEUED))
+                    run["routes_bytes"] = asyncio.run(routes_bytes(db)) + sum(
+                        p.stat().st_size for p in tmp.iterdir())
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            runs[mode].append(run)
+    tokens = runs["files"][0]["tokens"]
+    out: dict[str, Any] = {
+        "router": opts.routes, "layers": shape.num_layers, "top_k": shape.top_k,
+        "experts": shape.num_experts, "trajectories": opts.routes_trajectories, "runs": runs,
+        "raw_bytes_per_token": shape.num_layers * shape.top_k * np.dtype(shape.dtype).itemsize}
+    for mode in ROUTE_MODES[1:]:
+        ratios = [w["calls_per_s"] / o["calls_per_s"]
+                  for o, w in zip(runs["without"], runs[mode], strict=True)]
+        out[mode] = {"rate_ratio": ratios, "rate_ratio_mean": float(np.mean(ratios))}
+        if mode != "disk":
+            out[mode]["routes_bytes_per_token"] = runs[mode][0]["routes_bytes"] / tokens \
+                if tokens else None
+    # the bound: the rate a target of 0.9 of the writer's asks, against the disk's own
+    per_call = runs["files"][0]["routes_bytes"] / runs["files"][0]["calls"]
+    out["bound"] = {"bytes_per_call": per_call,
+                    "needed_mb_per_s": 0.9 * float(np.mean(
+                        [r["calls_per_s"] for r in runs["without"]])) * per_call / 1e6,
+                    "disk_mb_per_s": float(np.mean([r["mb_per_s"] for r in runs["disk"]]))}
+    return out
 
 
 def store_targets(doc: dict[str, Any]) -> dict[str, Any]:

@@ -69,10 +69,12 @@ def created_at(segment: str) -> float | None:
 
 
 class RouteFiles:
-    """The segment directory of one store, and this process's open segment.
+    """The segment directory of one store, and the segment this process appends to.
 
-    :meth:`append` and :meth:`read` block (file I/O): call them from a thread. Appends are
-    serialized by a lock (the trace writer and the retention's copies share a segment)."""
+    :meth:`append`, :meth:`write` and :meth:`read` block (file I/O): call them from a
+    thread. Space is reserved under a lock (the trace writer and the retention's copies
+    share a segment), then written with positioned writes, so a batch's bytes can go to
+    disk while the next step runs."""
 
     def __init__(self, root: Path, *, segment_bytes: int = SEGMENT_BYTES,
                  segment_age_s: float = SEGMENT_AGE_S,
@@ -82,33 +84,46 @@ class RouteFiles:
         self.segment_age_s = segment_age_s
         self.clock = clock
         self._lock = threading.Lock()
-        self._fd: int | None = None
-        self._name = ""
+        self._name = ""  # the segment this process appends to ("": none yet)
         self._size = 0
         self._opened = 0.0
 
     def append(self, blobs: Sequence[bytes]) -> list[RouteRef]:
         """Write ``blobs`` one after another and flush them to disk; where each lies.
         Raises ``OSError`` (a full or read-only disk): then none of them is referenced."""
+        refs = self.reserve([len(b) for b in blobs])
+        self.write(refs, blobs)
+        return refs
+
+    def reserve(self, lengths: Sequence[int]) -> list[RouteRef]:
+        """Where blobs of ``lengths`` bytes will lie, one after another in this process's
+        segment (a new one when it is full or old); :meth:`write` puts them there. Space
+        reserved and never written is a hole no reference points at."""
         with self._lock:
-            if self._fd is None or self._size >= self.segment_bytes or \
+            if not self._name or self._size >= self.segment_bytes or \
                     self.clock() - self._opened >= self.segment_age_s:
                 self._roll()
-            assert self._fd is not None
-            refs, start = [], self._size
-            try:
-                for blob in blobs:
-                    view = memoryview(blob)
-                    while view:
-                        view = view[os.write(self._fd, view):]
-                    refs.append(RouteRef(self._name, self._size, len(blob)))
-                    self._size += len(blob)
-                os.fdatasync(self._fd)
-            except OSError:
-                self._size = start  # what was written is garbage: never referenced
-                self._close_segment()
-                raise
+            refs = []
+            for n in lengths:
+                refs.append(RouteRef(self._name, self._size, n))
+                self._size += n
             return refs
+
+    def write(self, refs: Sequence[RouteRef], blobs: Sequence[bytes]) -> None:
+        """Write ``blobs`` where :meth:`reserve` placed them and flush them to disk
+        (blocking). Raises ``OSError``; the references must then not be stored."""
+        if not refs:
+            return
+        fd = os.open(self.root / refs[0].segment, os.O_WRONLY)
+        try:
+            for ref, blob in zip(refs, blobs, strict=True):
+                view, at = memoryview(blob), ref.offset
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def read(self, ref: RouteRef) -> bytes | None:
         """The bytes at ``ref``; None when its segment is gone (the retention deleted it)
@@ -140,28 +155,21 @@ class RouteFiles:
     def delete(self, segment: str) -> None:
         with self._lock:
             if segment == self._name:  # sealed by age: the next append opens another
-                self._close_segment()
+                self._name = ""
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.root / segment)
 
-    def close(self) -> None:
-        with self._lock:
-            self._close_segment()
-
     def _roll(self) -> None:
-        self._close_segment()
+        """A new segment of this process's own: created empty, exclusively (no other
+        process ever writes to it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
             now = self.clock()
             name = f"{int(now * 1000):013d}-{secrets.token_hex(4)}{SUFFIX}"
-            try:  # a name no other process took: its only writer is this one
+            try:
                 fd = os.open(self.root / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 continue
-            break
-        self._fd, self._name, self._size, self._opened = fd, name, 0, now
-
-    def _close_segment(self) -> None:
-        if self._fd is not None:
-            fd, self._fd, self._name = self._fd, None, ""
             os.close(fd)
+            break
+        self._name, self._size, self._opened = name, 0, now

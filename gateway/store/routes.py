@@ -4,20 +4,20 @@ A call keeps what its engine answered as ``[first position, base64 .npy]`` piece
 (:mod:`gateway.proxy.routes`); the trace writer merges them into one ``.npy`` of
 ``(positions, layers, top_k)`` expert ids (:func:`merge`), from position
 ``calls.routes_start`` of the call's prompt and completion, and puts it in a segment file
-(:func:`file_routes`, :mod:`gateway.store.route_files`) or in ``calls.routes``.
+(:func:`place_routes`, :mod:`gateway.store.route_files`) or in ``calls.routes``.
 """
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from gateway.store.records import CallRecord
-from gateway.store.route_files import RouteFiles
+from gateway.store.route_files import RouteFiles, RouteRef
 
 #: base64 characters enough for any ``.npy`` header this module reads (v1: 128 bytes)
 _HEAD_CHARS = 344
@@ -27,7 +27,7 @@ def header(data: str) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
     """The shape and dtype of vLLM's base64 ``.npy`` without decoding its body; None when
     it is not a 3-d array of unsigned expert ids."""
     try:
-        raw = base64.b64decode(data[:_HEAD_CHARS - _HEAD_CHARS % 4])
+        raw = pybase64.b64decode(data[:_HEAD_CHARS - _HEAD_CHARS % 4], validate=True)
         buf = io.BytesIO(raw)
         version = np.lib.format.read_magic(buf)
         if version != (1, 0):
@@ -69,13 +69,14 @@ def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
         try:
             if header(data) is None:
                 return None
-            return int(start), base64.b64decode(data, validate=True)
+            return int(start), pybase64.b64decode(data, validate=True)
         except Exception:  # a piece the engine sent wrong: none stored
             return None
     arrays: list[tuple[int, np.ndarray]] = []
     for start, data in pieces:
         try:
-            arr = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+            arr = np.load(io.BytesIO(pybase64.b64decode(data, validate=True)),
+                          allow_pickle=False)
             if arr.ndim == 3 and arr.dtype.kind == "u":
                 arrays.append((int(start), arr))
         except Exception:  # an undecodable piece is left out
@@ -98,28 +99,33 @@ def merge(pieces: Sequence[Sequence[Any]]) -> tuple[int, bytes] | None:
     return lo, out.getvalue()
 
 
-def file_routes(files: RouteFiles, records: Sequence[CallRecord]) -> None:
-    """Merge each record's pieces and append them to ``files`` (blocking: disk writes),
-    leaving each record its ``routes_ref`` instead of its pieces; a record whose pieces
-    hold no readable routes is left without either. Raises ``OSError`` when the files
-    cannot take them (the records keep their pieces)."""
+def place_routes(files: RouteFiles, records: Sequence[CallRecord]
+                 ) -> tuple[list[RouteRef], list[bytes]]:
+    """Merge each record's pieces and reserve their place in ``files`` (blocking: it may
+    create a segment): each record gets its ``routes_ref`` instead of its pieces (none,
+    when its pieces hold no readable routes). The references and the bytes to write
+    there (:meth:`RouteFiles.write`). Raises ``OSError`` when no segment can be made
+    (the records keep their pieces)."""
     merged = [merge(rec.routes) if rec.routes else None for rec in records]
     kept = [(rec, m) for rec, m in zip(records, merged, strict=True) if m is not None]
-    refs = files.append([data for _, (_, data) in kept])
+    blobs = [data for _, (_, data) in kept]
+    refs = files.reserve([len(b) for b in blobs])
     for rec in records:
         rec.routes = None
     for (rec, (start, _)), ref in zip(kept, refs, strict=True):
         rec.routes_ref = [ref.segment, ref.offset, ref.length, start]
+    return refs, blobs
 
 
 def to_field(arr: np.ndarray) -> str:
     """An array as the samples' ``routed_experts`` field: base64 of its ``.npy``."""
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+    return pybase64.b64encode(buf.getvalue()).decode()
 
 
 def from_field(field: str) -> np.ndarray:
     """The array of a ``routed_experts`` field (:func:`to_field`)."""
-    arr: np.ndarray = np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
+    arr: np.ndarray = np.load(io.BytesIO(pybase64.b64decode(field, validate=True)),
+                              allow_pickle=False)
     return arr

@@ -51,7 +51,7 @@ from gateway.store.ledger import WriterLedger
 from gateway.store.quarantine import Quarantine
 from gateway.store.records import CallRecord
 from gateway.store.route_files import RouteFiles
-from gateway.store.routes import file_routes
+from gateway.store.routes import place_routes
 from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -301,32 +301,57 @@ class TraceWriter(WriterLedger):
             await self._quarantine("rejected", f"{type(fault).__name__}: {fault}", [rec])
         return []
 
-    async def _file_routes(self, batch: Sequence[CallRecord]) -> None:
-        """Put the routed experts of ``batch`` into the segment files, on disk before the
-        rows that point at them are written (:mod:`gateway.store.route_files`). Files
-        that cannot take them (a full or failing disk) lose the routes, counted and
-        logged; the records' tokens are written whatever happens."""
+    async def _place_routes(self, batch: Sequence[CallRecord]
+                            ) -> tuple[asyncio.Future[None], list[CallRecord]] | None:
+        """Give the routed experts of ``batch`` their place in the segment files (each
+        record's ``routes_ref``) and start writing them there: the write, to await before
+        the rows that point at them commit, and the records it is for (None: nothing to
+        write)."""
         todo = [rec for rec in batch if rec.routes]
         if self._route_files is None or not todo:
-            return
+            return None
+        files = self._route_files
         try:
-            await asyncio.to_thread(file_routes, self._route_files, todo)
+            refs, blobs = await asyncio.to_thread(place_routes, files, todo)
+        except OSError as exc:  # no segment could be made
+            self._routes_refused(todo, exc)
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(files.write, refs, blobs)), todo
+
+    async def _routes_landed(self, write: asyncio.Future[None], records: list[CallRecord]
+                             ) -> bool:
+        """Whether ``write`` put the routes of ``records`` on disk; if not, they lose them
+        (their tokens are written without)."""
+        try:
+            await write
         except OSError as exc:
-            for rec in todo:
-                rec.routes = None
-            self.routes_unwritten += len(todo)
-            if self._routes_log.ready(time.monotonic()):
-                log.error("routed experts of %d calls not stored: the segment files in %s "
-                          "refused them (%s); their tokens are kept", self.routes_unwritten,
-                          self._route_files.root, exc)
+            self._routes_refused(records, exc)
+            return False
+        return True
+
+    def _routes_refused(self, records: Sequence[CallRecord], exc: OSError) -> None:
+        for rec in records:
+            rec.routes, rec.routes_ref = None, None
+        self.routes_unwritten += len(records)
+        if self._routes_log.ready(time.monotonic()):
+            assert self._route_files is not None
+            log.error("routed experts of %d calls not stored: the segment files in %s "
+                      "refused them (%s); their tokens are kept", self.routes_unwritten,
+                      self._route_files.root, exc)
 
     async def _attempt(self, batch: Sequence[CallRecord]) -> Exception | None:
-        """One insert of ``batch``; the exception it raised, if any."""
-        await self._file_routes(batch)
+        """One insert of ``batch``; the exception it raised, if any. Its routed experts
+        go to disk while its rows are written, and the rows commit only once they are
+        there: a stored row never points at bytes a crash could lose."""
+        placed = await self._place_routes(batch)
         try:
             async with self._sessionmaker() as session, session.begin():
                 await write_batch(session, batch)
+                if placed is not None:
+                    await asyncio.shield(placed[0])
         except Exception as exc:
+            if placed is not None and not await self._routes_landed(*placed):
+                return await self._attempt(batch)  # rolled back: again, without them
             if not record_fault(exc):
                 self.write_errors += 1
                 self.db_ok = False

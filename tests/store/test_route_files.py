@@ -4,9 +4,15 @@ trace."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import errno
+import io
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gateway.config import TraceSettings
@@ -29,7 +35,6 @@ def test_appends_read_back_where_their_references_say(tmp_path: Path) -> None:
     assert files.read(RouteRef("1-gone.routes", 0, 1)) is None
     for bad in ("../r/" + refs[0].segment, "", ".."):
         assert files.read(RouteRef(bad, 0, 1)) is None
-    files.close()
 
 
 def test_a_segment_rolls_over_by_size_and_age_and_has_one_writer(tmp_path: Path) -> None:
@@ -48,8 +53,6 @@ def test_a_segment_rolls_over_by_size_and_age_and_has_one_writer(tmp_path: Path)
     # a restarted process never appends to what the last one left
     three = RouteFiles(tmp_path, clock=lambda: clock[0])
     assert three.append([b"z"])[0].segment not in {a.segment, b.segment, c.segment, d.segment}
-    for f in (one, two, three):
-        f.close()
     assert one.read(a) == b"x" * 60 and two.read(b) == b"y" * 60
 
 
@@ -71,7 +74,6 @@ def test_only_segments_that_take_no_more_appends_and_predate_a_cutoff_are_sealed
     files.delete(old)
     files.delete(old)  # already gone: nothing to do
     assert [n for n, _ in files.segments()] == [after.segment]
-    files.close()
 
 
 def test_the_default_directory_is_beside_an_sqlite_file_else_per_database(
@@ -82,36 +84,81 @@ def test_the_default_directory_is_beside_an_sqlite_file_else_per_database(
     assert pg.parent.name == "routes" and pg != default_routes_dir("postgresql+asyncpg://u@h/db2")
 
 
+def _routed(tid: str, seq: int = 0) -> CallRecord:
+    buf = io.BytesIO()
+    np.save(buf, np.full((3, 2, 2), seq, dtype=np.uint8))
+    return CallRecord(id=f"{tid}-{seq}", trajectory_id=tid, group_id=None, seq=seq,
+                      endpoint="chat", model="m", weight_version="v1", started_at=time.time(),
+                      prompt_len=2, prompt_delta=[1, 2], completion_ids=[3, 4],
+                      routes=[[0, base64.b64encode(buf.getvalue()).decode()]])
+
+
+class FullDisk(RouteFiles):
+    """A disk that takes the segment's creation, then refuses the bytes (ENOSPC)."""
+
+    def write(self, refs: Sequence[RouteRef], blobs: Sequence[bytes]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("disk", ["no directory", "full"])
 async def test_a_disk_that_refuses_routes_loses_them_counted_and_keeps_the_tokens(
-        sqlite_url: str, tmp_path: Path) -> None:
-    """The segment directory cannot be made (a file is in its way, as a full or read-only
-    disk refuses a write): the writer stores the calls without their routes, counts and
-    logs it, and goes on."""
-    import base64
-    import io
-
-    import numpy as np
-
+        sqlite_url: str, tmp_path: Path, disk: str) -> None:
+    """The segment directory cannot be made (a file is in its way), or the disk refuses
+    the bytes after the segment was made: the writer stores the calls without their
+    routes (no row points into the files), counts and logs it, and goes on."""
     (tmp_path / "blocked").write_text("a file, not a directory")
-    files = RouteFiles(tmp_path / "blocked" / "routes")
+    files = RouteFiles(tmp_path / "blocked" / "routes") if disk == "no directory" else \
+        FullDisk(tmp_path / "routes")
     engine = make_engine(sqlite_url)
     writer = TraceWriter(make_sessionmaker(engine, files),
                          TraceSettings(flush_interval_s=0.01), route_files=files)
-    buf = io.BytesIO()
-    np.save(buf, np.zeros((3, 2, 2), dtype=np.uint8))
-    rec = CallRecord(id="c-0", trajectory_id="blocked", group_id=None, seq=0,
-                     endpoint="chat", model="m", weight_version="v1", started_at=time.time(),
-                     prompt_len=2, prompt_delta=[1, 2], completion_ids=[3, 4],
-                     routes=[[0, base64.b64encode(buf.getvalue()).decode()]])
     writer.start()
     try:
-        assert writer.submit(rec)
+        assert writer.submit(_routed("blocked"))
         assert await writer.drain(10)
         assert writer.written == 1 and writer.routes_unwritten == 1 and writer.dropped == 0
         async with make_sessionmaker(engine, files)() as session:
             [call] = await queries.get_calls(session, trajectory_id="blocked")
-        assert call.routes is None and call.routes_file is None
+        assert call.routes is None and call.routes_file is None and call.routes_start is None
         assert call.completion_ids  # the tokens are stored
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_routes_on_disk_wait_in_the_spool_as_references_while_the_database_is_down(
+        tmp_path: Path) -> None:
+    """The database unreachable when a batch comes: its routes are already in a segment
+    (written once), the records wait in the spool holding where, and the rows written
+    once it answers read them back."""
+    from gateway.store.db import upgrade
+    from gateway.store.spool import Spool
+
+    db = tmp_path / "late.db"
+    url = f"sqlite+aiosqlite:///{db}"
+    files = RouteFiles(tmp_path / "routes")
+    (tmp_path / "late.db").mkdir()  # the database cannot be opened yet
+    engine = make_engine(url)
+    spool = Spool(tmp_path / "spool.jsonl", 1 << 24)
+    writer = TraceWriter(make_sessionmaker(engine, files),
+                         TraceSettings(flush_interval_s=0.01, retry_backoff_s=0.05,
+                                       retry_backoff_max_s=0.1), spool, route_files=files)
+    writer.start()
+    try:
+        for seq in range(3):
+            assert writer.submit(_routed("late", seq))
+        deadline = time.monotonic() + 10
+        while writer.spooled < 3:
+            assert time.monotonic() < deadline, "nothing spooled"
+            await asyncio.sleep(0.05)
+        on_disk = sum(p.stat().st_size for p in files.root.iterdir())
+        (tmp_path / "late.db").rmdir()
+        await asyncio.to_thread(upgrade, url)
+        assert await writer.drain(15)
+        async with make_sessionmaker(engine, files)() as session:
+            calls = await queries.get_calls(session, trajectory_id="late")
+        assert [np.load(io.BytesIO(c.routes or b"")).max() for c in calls] == [0, 1, 2]
+        assert sum(p.stat().st_size for p in files.root.iterdir()) == on_disk  # once
     finally:
         await writer.close()
         await engine.dispose()

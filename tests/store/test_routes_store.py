@@ -352,4 +352,3 @@ async def test_segments_past_the_retention_are_deleted_and_running_trajectories_
     finally:
         await writer.close()
         await engine.dispose()
-        files.close()
