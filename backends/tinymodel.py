@@ -53,6 +53,16 @@ MODEL_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+#: ``moe=True``: a Qwen3-MoE of the same shape whose MLPs are 8 experts, top 2 (a router
+#: vLLM's CPU build serves, though it refuses ``--enable-return-routed-experts``)
+MOE_CONFIG: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+}
+
 # ChatML with Hermes-style tools, modelled on the Qwen2.5 template.
 CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -166,44 +176,58 @@ def _build_tokenizer(seed: int, max_positions: int) -> Any:
     )
 
 
-def _build_model(tokenizer: Any, seed: int, max_positions: int) -> Any:
+def _build_model(tokenizer: Any, seed: int, max_positions: int, moe: bool = False) -> Any:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        **{**MODEL_CONFIG, "max_position_embeddings": max_positions},
-    )
+    common = dict(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=eos,
+                  pad_token_id=tokenizer.pad_token_id,
+                  **{**MODEL_CONFIG, "max_position_embeddings": max_positions})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if moe:
+        config = Qwen3MoeConfig(**common, **MOE_CONFIG)
+        model = Qwen3MoeForCausalLM(config)
+        with torch.no_grad():  # a router with opinions: the default init is near-uniform
+            for m in model.modules():
+                if type(m).__name__.endswith("TopKRouter"):
+                    torch.nn.init.normal_(m.weight, std=0.5)
+        model = model.to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common)).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])
     return model
 
 
-def _stamp(seed: int, max_positions: int) -> dict[str, int]:
+def _stamp(seed: int, max_positions: int, moe: bool = False) -> dict[str, int]:
     stamp = {"seed": seed, "version": BUILDER_VERSION}
     if max_positions != MODEL_CONFIG["max_position_embeddings"]:
         stamp["max_positions"] = max_positions  # default builds keep their old stamp
+    if moe:
+        stamp["moe"] = 1
     return stamp
 
 
-def _is_built(out_dir: Path, seed: int, max_positions: int) -> bool:
+def _is_built(out_dir: Path, seed: int, max_positions: int, moe: bool = False) -> bool:
     stamp = out_dir / STAMP_FILE
     try:
         data = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    return bool(data == _stamp(seed, max_positions))
+    return bool(data == _stamp(seed, max_positions, moe))
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0, max_positions: int | None = None) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, max_positions: int | None = None,
+                     moe: bool = False) -> Path:
     """Build (or reuse) the tiny model at ``out_dir`` and return ``out_dir``.
 
     ``max_positions`` sets ``max_position_embeddings`` (default 4096), the longest
@@ -211,13 +235,16 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, max_positions: int | None 
     a longer one (for harnesses whose first prompt is tens of thousands of tokens) only
     changes the config and the tokenizer's ``model_max_length``, not the weights.
 
+    ``moe``: a mixture-of-experts model instead (Qwen3-MoE, :data:`MOE_CONFIG`), with the
+    same tokenizer and chat template.
+
     Deterministic for a given ``seed`` and idempotent: a directory already built with the
     same seed and builder version is left alone. The build happens in a sibling temporary
     directory that is renamed into place, so a crash never leaves a half-built model.
     """
     out_dir = Path(out_dir)
     positions = max_positions or MODEL_CONFIG["max_position_embeddings"]
-    if _is_built(out_dir, seed, positions):
+    if _is_built(out_dir, seed, positions, moe):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -225,15 +252,15 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, max_positions: int | None 
     try:
         tokenizer = _build_tokenizer(seed, positions)
         tokenizer.save_pretrained(tmp)
-        _build_model(tokenizer, seed, positions).save_pretrained(tmp)
-        (tmp / STAMP_FILE).write_text(json.dumps(_stamp(seed, positions)))
+        _build_model(tokenizer, seed, positions, moe).save_pretrained(tmp)
+        (tmp / STAMP_FILE).write_text(json.dumps(_stamp(seed, positions, moe)))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         try:
             tmp.rename(out_dir)
         except OSError:
             # A concurrent builder won the race; its result is as good as ours.
-            if not _is_built(out_dir, seed, positions):
+            if not _is_built(out_dir, seed, positions, moe):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -248,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-positions", type=int, default=None,
                         help="max_position_embeddings (default 4096)")
+    parser.add_argument("--moe", action="store_true",
+                        help="a mixture-of-experts model (Qwen3-MoE, 8 experts, top 2)")
     ns = parser.parse_args(argv)
-    print(build_tiny_model(ns.out_dir, seed=ns.seed, max_positions=ns.max_positions))
+    print(build_tiny_model(ns.out_dir, seed=ns.seed, max_positions=ns.max_positions,
+                           moe=ns.moe))
     return 0
 
 

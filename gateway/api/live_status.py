@@ -34,6 +34,8 @@ def backend_row(rt: Runtime, b: Backend, *, with_url: bool) -> dict[str, Any]:
         "healthy": b.healthy, "routable": b.routable, "source": b.source,
         "in_flight": b.in_flight, "served": b.served, "failures": b.failures,
         "models": sorted(b.models), "last_error": b.last_error,
+        # whether its answers carry routed experts (MoE routing replay; None: not yet seen)
+        "returns_routes": b.returns_routes,
         "engine": stats.as_json() if stats is not None else None,
     }
 

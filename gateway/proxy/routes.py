@@ -26,8 +26,8 @@ update is not asked.
 
 A call keeps what it received as ``[start, base64]`` pieces (no decoding on the request
 path); the trace writer merges them into one ``.npy`` (:func:`gateway.store.routes.merge`)
-stored in ``calls.routes`` from ``calls.routes_start``; the samples align them with the tokens
-(:mod:`gateway.store.samples`).
+from ``calls.routes_start``, stored in a segment file (:mod:`gateway.store.route_files`) or
+in ``calls.routes``; the samples align them with the tokens (:mod:`gateway.store.samples`).
 """
 
 from __future__ import annotations
