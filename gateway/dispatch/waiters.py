@@ -8,8 +8,9 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
 from gateway.dispatch.backends import Backend
-from gateway.errors import NoBackendAvailable, TrajectoryFinished
+from gateway.errors import Conflict, NoBackendAvailable, TrajectoryAborted, TrajectoryFinished
 from gateway.policies.base import PendingCall
+from gateway.trajectories.state import TrajectoryState
 
 Placed = tuple[Backend, int]
 
@@ -35,6 +36,24 @@ def expire_unroutable(model: str, waiters: Iterable[Waiter], deadline: float) ->
             w.future.set_exception(NoBackendAvailable(
                 f"no healthy backend can serve model {model!r}: every backend went "
                 f"away while this call waited in the gateway queue"))
+
+
+def ended_error(state: TrajectoryState | None) -> Conflict | None:
+    """What a call of ``state`` that could not be queued in time is answered, when its
+    attempt ended meanwhile (aborted by the trainer or the staleness bound, or finished):
+    the 409 its next call would get; None for a live attempt or an unknown id."""
+    if state is None:
+        return None
+    if state.aborted is not None:
+        return TrajectoryAborted(
+            f"trajectory {state.id!r} attempt {state.attempt} was aborted while this call "
+            f"waited ({state.aborted}); the trainer runs it again after POST "
+            f"/trajectories/{state.id}/restart", param="trajectory_id")
+    if state.finished_at is not None:
+        return TrajectoryFinished(
+            f"trajectory {state.id!r} was finished while this call waited; a new call on "
+            "the id opens its next attempt")
+    return None
 
 
 def fail_ended(waiters: Iterable[Waiter], trajectory_ids: Set[str]) -> int:

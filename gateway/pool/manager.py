@@ -249,6 +249,10 @@ class PoolManager:
         plan = diff(healthy, target)
         plan = Plan(plan.keep, (*plan.stop, *failed), plan.start)
         job.plan = plan.describe()
+        for spec in plan.keep:  # a relayout at a push drained what it named to retire;
+            inst = self.instances[spec.id]  # what the target keeps in place serves on
+            if inst.state is ServerState.DRAINING:
+                inst.set_state(ServerState.READY)
         busy = {slot for s in plan.stop for slot in slots_of(s)}
         stopping = {s.id for s in plan.stop}
         now = [s for s in plan.start if not slots_of(s) & busy and s.id not in stopping]

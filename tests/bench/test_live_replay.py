@@ -131,4 +131,81 @@ async def test_a_pool_that_never_idles_is_relaid_out_at_a_weight_push(tmp_path: 
         assert result.errors == 0
         backends = (await http.get(f"{gw}/status")).json()["backends"]
     assert sorted(b["tp"] for b in backends) == [1, 1, 1, 1]
+    # the two TP1s already in place are kept, and serve again (the push had drained them)
+    assert all(b["routable"] and b["state"] == "ready" for b in backends), backends
 
+
+
+async def test_async_steps_relay_a_never_idle_pool_out_at_their_weight_pushes(
+        tmp_path: Path) -> None:
+    """The client's asynchronous step mode on the slow-TP2 pool, as a trainer runs it:
+    groups keep starting while it trains, and after each batch it pushes new weights
+    (a reload, abort-and-continue). The pool is never idle, so ``replay`` relays it out
+    at a push, of its own accord, once it has measured TP2 slow: it ends without a TP2,
+    every instance serving. Every batch is whole groups whose trained tokens are at most
+    one version stale, and the calls the bound cut mid-push got their 409."""
+    from openai import AsyncOpenAI
+
+    from gateway.client import AsyncRolloutClient, StepMode, StepRunner
+    from tests.pool.test_weights import checkpoint
+    from tests.pool.workload import wait_job
+
+    settings = _pool_gateway(tmp_path, {"tp_penalty": 6.0})
+
+    def prompts() -> Any:
+        k = 0
+        while True:  # every third one a straggler
+            yield {"id": k, "tokens": 160 if k % 3 == 2 else 40}
+            k += 1
+
+    async with serve_gateway(settings) as gw, httpx.AsyncClient(base_url=gw,
+                                                                timeout=60) as http:
+        await wait_routable(http, gw, 3)
+
+        async def launch(tid: str, gid: str, prompt: dict[str, int]) -> float:
+            messages: list[Any] = [{"role": "user", "content": f"task {prompt['id']}"}]
+            async with AsyncOpenAI(base_url=f"{gw}/g/{gid}/t/{tid}/v1", api_key="none",
+                                   max_retries=0) as llm:
+                for turn in range(3):
+                    r = await llm.chat.completions.create(
+                        model=MODEL, messages=messages, max_tokens=prompt["tokens"],
+                        extra_body={"ignore_eos": True})
+                    messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                                 {"role": "user", "content": f"tool said {turn}"}]
+            return 1.0
+
+        batches, pushes = [], []
+        async with AsyncRolloutClient(gw) as client, StepRunner(
+                client, launch, prompts(), batch=3, group_size=3,
+                mode=StepMode("async", max_staleness=1), run_id="live-async") as steps:
+            for step in range(5):
+                batches.append(await steps.next_batch(timeout_s=300))
+                job = await client.update_weights(
+                    str(step + 1), weights_path=checkpoint(tmp_path, f"w{step + 1}"),
+                    mode="abort-and-continue", timeout_s=300)
+                assert job.status == "succeeded", job
+                pushes.append(job.raw)
+        for p in pushes:  # a relayout goes on as a job of its own after its push
+            if (p.get("plan") or {}).get("relayout"):
+                done = await wait_job(http, p["plan"]["relayout"]["job"], 120)
+                assert done["status"] == "succeeded", done
+        status = (await http.get("/status")).json()
+    moved = [p["plan"]["relayout"] for p in pushes if (p.get("plan") or {}).get("relayout")]
+    # at a push, of its own accord: to what the trajectories since the last push ran
+    # fastest on, or to measure TP4 once (while TP2 was not yet measured it borrowed
+    # TP1's factor and came near); never back to the TP2 it measured slow. (Whether four
+    # TP1s or one TP4 serve a dozen trajectories faster here is close: at 20x compression
+    # a call's measured decode holds the host's own time per call, which weighs on the
+    # short steps of TP1; either is an answer, the slow TP2 is not.)
+    assert moved and all(m["reason"].startswith("replay") for m in moved), moved
+    assert all(2 not in m["launch"] for m in moved), moved
+    assert all(b["routable"] and b["state"] == "ready" for b in status["backends"]), moved
+    assert 2 not in [b["tp"] for b in status["backends"]], moved
+    assert sum(b["tp"] for b in status["backends"]) == 4
+    # the trajectories the bound aborted mid-push got their 409 (the runner restarted
+    # them), none a scheduler fault
+    assert status["scheduler"]["faults"] == 0
+    for k, batch in enumerate(batches, start=1):
+        assert len(batch.groups) == 3 and all(len(t) == 3 for t in batch.groups.values())
+        assert batch.max_staleness <= 1, (k, batch.lag_tokens)
+        assert sum(batch.lag_tokens.values()) == sum(sum(s.loss_mask) for s in batch.samples)

@@ -19,7 +19,7 @@ from gateway.config import DispatchSettings
 from gateway.dispatch.backends import Backend, BackendRegistry
 from gateway.dispatch.scheduler import Scheduler
 from gateway.dispatch.speeds import speeds_for
-from gateway.errors import SchedulingFailed, TrajectoryFinished
+from gateway.errors import SchedulingFailed, TrajectoryAborted, TrajectoryFinished
 from gateway.policies.base import Dispatch, PendingCall, Snapshot
 from gateway.policies.registry import get_policy
 from gateway.trajectories.tracker import Tracker
@@ -97,6 +97,26 @@ async def test_a_call_whose_trajectory_left_the_live_set_fails_clearly():
     with pytest.raises(SchedulingFailed, match="no longer live"):
         await waiting
     assert sched.faults == 1 and backends[0].in_flight == 0
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+async def test_a_call_queued_after_its_attempt_ended_gets_the_409_of_its_end(
+        aborted: bool) -> None:
+    """A call that waited before the queue (the pause of a weight push) while its
+    attempt ended (the staleness bound aborted it, or the trainer finished it) enters
+    the queue after the queued calls of the attempt were failed: it gets the same 409 as
+    they did, not a 500, and is no scheduler fault."""
+    sched, backends, tracker = _scheduler(n_backends=1, cap=1)
+    busy = await sched.place(*_call(tracker, "a"), MODEL)
+    call = _call(tracker, "late")
+    tracker.finish("late", None, time.time(), aborted="staleness" if aborted else None)
+    waiting = asyncio.create_task(sched.place(*call, MODEL))
+    busy[0].in_flight -= 1
+    sched.kick()
+    with pytest.raises(TrajectoryAborted if aborted else TrajectoryFinished) as err:
+        await asyncio.wait_for(waiting, 2)
+    assert err.value.status_code == 409 and sched.faults == 0
+    assert backends[0].in_flight == 0
 
 
 async def test_finishing_a_trajectory_fails_its_queued_calls_with_409():
