@@ -38,7 +38,7 @@ from gateway.dispatch.shares import fair_shares
 from gateway.dispatch.speeds import SpeedMeter
 from gateway.dispatch.step import STALE, Failure, Queued, schedule_pass
 from gateway.dispatch.views import Groups, LiveTrajectories, instance_view, trajectory_view
-from gateway.dispatch.waiters import Placed, Waiter, ended_error, expire_unroutable, fail_ended
+from gateway.dispatch.waiters import Placed, Waiter, expire_unroutable, fail_ended, gone_error
 from gateway.dispatch.watchdog import Watchdog
 from gateway.errors import (
     Overloaded,
@@ -294,14 +294,11 @@ class Scheduler:
     def _failed(self, w: Waiter, f: Failure) -> None:
         call = f.call
         if f.reason == STALE:  # its trajectory is gone from the live set: never hold it
-            ended = ended_error(self.tracker.get(call.trajectory_id))
-            if ended is not None:  # ended while the call waited to be queued (a pause)
-                if not w.future.done():
-                    w.future.set_exception(ended)
-                return
-            self._fail(w, "stale", SchedulingFailed(
-                f"trajectory {call.trajectory_id!r} is no longer live in the gateway "
-                "(evicted while this call waited); retry the call"))
+            error = gone_error(call.trajectory_id, self.tracker.get(call.trajectory_id))
+            if isinstance(error, SchedulingFailed):  # evicted while queued: a fault
+                self._fail(w, "stale", error)
+            elif not w.future.done():  # its attempt ended while the call waited: a 409
+                w.future.set_exception(error)
             return
         log.error("policy %s raised scheduling call %s of trajectory %r (seq %d); the call "
                   "fails, the queue goes on", self.policy.name, call.key, call.trajectory_id,

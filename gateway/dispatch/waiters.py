@@ -8,7 +8,13 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
 from gateway.dispatch.backends import Backend
-from gateway.errors import Conflict, NoBackendAvailable, TrajectoryAborted, TrajectoryFinished
+from gateway.errors import (
+    GatewayError,
+    NoBackendAvailable,
+    SchedulingFailed,
+    TrajectoryAborted,
+    TrajectoryFinished,
+)
 from gateway.policies.base import PendingCall
 from gateway.trajectories.state import TrajectoryState
 
@@ -38,22 +44,22 @@ def expire_unroutable(model: str, waiters: Iterable[Waiter], deadline: float) ->
                 f"away while this call waited in the gateway queue"))
 
 
-def ended_error(state: TrajectoryState | None) -> Conflict | None:
-    """What a call of ``state`` that could not be queued in time is answered, when its
-    attempt ended meanwhile (aborted by the trainer or the staleness bound, or finished):
-    the 409 its next call would get; None for a live attempt or an unknown id."""
-    if state is None:
-        return None
-    if state.aborted is not None:
+def gone_error(trajectory_id: str, state: TrajectoryState | None) -> GatewayError:
+    """What a queued call whose trajectory left the live set is answered: the 409 its
+    next call would get when its attempt ended while it waited before the queue (aborted
+    by the trainer or the staleness bound during a weight push's pause, or finished);
+    else the trajectory was evicted under it, a scheduling fault (500)."""
+    if state is not None and state.aborted is not None:
         return TrajectoryAborted(
             f"trajectory {state.id!r} attempt {state.attempt} was aborted while this call "
             f"waited ({state.aborted}); the trainer runs it again after POST "
             f"/trajectories/{state.id}/restart", param="trajectory_id")
-    if state.finished_at is not None:
+    if state is not None and state.finished_at is not None:
         return TrajectoryFinished(
             f"trajectory {state.id!r} was finished while this call waited; a new call on "
             "the id opens its next attempt")
-    return None
+    return SchedulingFailed(f"trajectory {trajectory_id!r} is no longer live in the "
+                            "gateway (evicted while this call waited); retry the call")
 
 
 def fail_ended(waiters: Iterable[Waiter], trajectory_ids: Set[str]) -> int:

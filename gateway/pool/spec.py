@@ -36,7 +36,7 @@ from pydantic import (
 from backends.base import Launcher
 from backends.vllm_local import STREAM_INTERVAL
 from gateway.dispatch.speeds import TP_DEGREES
-from gateway.policies.replay import probe_layout
+from gateway.policies.fluid import probe_layout
 from gateway.pool.layout import GpuSlot, InstanceRequest, place
 
 
