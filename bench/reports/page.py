@@ -1,6 +1,6 @@
 """``BENCHMARKS.md``'s tables and commands, generated from the JSON under ``docs/benchmarks/``.
 
-Every number on the page comes from a file listed in :data:`SOURCES`; the page holds
+Every number on the page comes from a JSON file a table's function loads; the page holds
 blocks between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` that
 ``rollout-gateway bench page`` rewrites (``--check`` only compares, for CI and the tests).
 Prose outside the blocks is the page's own. Files recorded before issue 29 name policies
@@ -55,8 +55,6 @@ REACH = [f"reach/{w}-16gpu-{per}pg-{band}-tail.json" for per, w, bands in (
     (16, "search", ("low", "mid")), (16, "math-code", ("mid", "high")),
     (64, "tau", ("low", "mid", "high")), (64, "math-code", ("low", "mid", "high")))
     for band in bands] + ["reach/tau-16gpu-4pg-mid-a100-tail.json"]
-#: the rival each workload is compared with in the headline (Libra's config for it)
-LIBRA = {"search": "libra-search", "math-code": "libra", "swe": "libra"}
 LANE, BEST = "straggler-lane", "verl-tp8"
 _LIST_OPTS = ("--policy", "--layout", "--against")
 
@@ -123,22 +121,34 @@ def _scale() -> str:
     return f"{sc.model} on simulated {sc.gpu}s"
 
 
+#: the grids the headline summarizes: 16 per GPU, every workload, live beliefs
+HEADLINE = ["grid/qwen3-14b-h100-16gpu-16pg-swe-live.json",
+            "grid/qwen3-14b-h100-16gpu-16pg-search-live.json",
+            "grid/headline-math-code-5seeds.json",
+            "grid/qwen3-14b-h100-16gpu-16pg-tau-live.json"]
+
+
 def headline(root: Path = ROOT) -> str:
-    lines = [f"{_scale()}, 64 GPUs, 5 seeds, the calibrated cost model. `{LANE}` (the "
-             "default before issue 30) against "
-             "each rival: the geometric mean of the per-seed makespan ratios (rival / "
-             f"`{LANE}`), paired 95% interval; above 1 means `{LANE}` is faster.", "",
-             f"| workload (steps reported) | `{LANE}` makespan s | vs best static (`{BEST}`) | "
-             "vs `heddle` | vs `libra` (its config for the workload) | makespan / critical "
-             "path |", "|---|---|---|---|---|---|"]
-    for w in STEPS:
-        docs, rows = _steps_runs(w, root)
-        lane, libra = rows[LANE], LIBRA[w]
-        lines.append(
-            f"| {w} ({_reported(docs[0])}) | {lane['mean_s']:.1f} ± {lane['ci95_s']:.1f} | "
-            f"{_ratio(rows[BEST], lane)} | {_ratio(rows['heddle'], lane)} | "
-            f"{_ratio(rows[libra], lane)} (`{libra}`) | "
-            f"{lane['mean_s'] / lane['lb_critical_s']:.2f}x |")
+    """The default policy against the best uniform static layout and each rival, per
+    workload and point of the TP-efficiency band (from the grid's 16-per-GPU runs)."""
+    lines = [f"{_scale()}, 16 GPUs, 16 trajectories per GPU, 5 seeds, every policy planning "
+             "with what a live gateway measures (the calibrated profile, corrected per TP by "
+             f"the engines' calls). `{SUBJECT}` (the default) against the best uniform static "
+             "layout of each cell (every TP swept) and each rival: the geometric mean of the "
+             f"per-seed makespan ratios (other / `{SUBJECT}`), paired 95% interval; above 1 "
+             f"means `{SUBJECT}` is faster. Steps 2-3 reported; `{SUBJECT}`'s first step, which "
+             "probes every degree, is in the grid below.", "",
+             "| workload | TP efficiency | best static (s) | vs best static | "
+             + " | ".join(f"vs `{p}`" for p in RIVALS) + " | best static / critical path |",
+             "|---|---|---|---|" + "---|" * len(RIVALS) + "---|"]
+    for rel in HEADLINE:
+        for key, row in load(rel, root)["summary"].items():
+            workload, band = key.split("/")[-2:]
+            best = row["best_static"]
+            cells = [fmt_ratio(row.get(f"{SUBJECT}_vs_best_static")),
+                     *(fmt_ratio(row.get(f"{SUBJECT}_vs_{p}")) for p in RIVALS)]
+            lines.append(f"| {workload} | {band} | `{best}` ({row['mean_s'][best]:.1f}) | "
+                         + " | ".join(cells) + f" | {row['headroom']:.2f}x |")
     return "\n".join(lines)
 
 

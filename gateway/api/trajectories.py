@@ -198,7 +198,7 @@ async def get_trajectory(
     rt: Runtime = Depends(get_rt),
 ) -> TrajectoryDetail:
     text = _want_text(request, include_text)
-    traj, calls = await _load(rt, trajectory_id, every_attempt=True)
+    traj, calls = await _load(rt, trajectory_id, every_attempt=True, routes=False)
     return TrajectoryDetail(
         id=traj.id, attempt=traj.attempt, group_id=traj.group_id,
         created_at=traj.created_at, finished_at=traj.finished_at, reward=traj.reward,
