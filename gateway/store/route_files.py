@@ -1,7 +1,8 @@
 """Routed experts kept in append-only segment files beside the database (docs/moe.md).
 
-Routes are ~50 times the bytes of the tokens they describe. In Postgres rows they cost
-the trace writer four fifths of its rate: the WAL and the table each take every byte.
+Routes are ~50 times the bytes of the tokens they describe. In Postgres rows they left the
+trace writer a ninth to a fifth of its rate (the WAL and the table each take every byte;
+docs/moe.md), a third of what these files leave it on the same disk.
 Here the writer appends a batch's routes to a segment file and flushes it to disk
 (``fdatasync``) before the batch's rows commit; the rows hold only ``(segment, offset,
 length)``, so a row never points at bytes that are not on disk. A crash between the two
