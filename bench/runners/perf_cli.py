@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -181,6 +182,7 @@ def store(
     """Trace-recording rate into Postgres, bytes per token, linear growth per trajectory."""
     from bench.reports.perf import store_markdown, store_plots
     from bench.runners.store import StoreOptions, run_store
+    from bench.runners.store_routes import routes_rate
 
     opts = StoreOptions(writer_trajectories=writer_trajectories,
                         e2e_trajectories=trajectories, turns=turns, concurrency=concurrency,
@@ -199,6 +201,10 @@ def store(
     prog, say = _progress(console)
     with prog:
         doc = run_store(opts, say, _command("store"))
+        if routes is not None:  # bench.runners.store_routes
+            started = time.time()
+            doc["routes"] = routes_rate(opts, say)
+            doc["wall_s"] += time.time() - started
     _finish(doc, out, "store", store_markdown, store_plots, record_to, STORE_INTRO)
     console.print_json(json.dumps(doc["targets"]))
     console.print(f"report: {out}/store.md")

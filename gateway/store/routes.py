@@ -9,16 +9,22 @@ A call keeps what its engine answered as ``[first position, base64 .npy]`` piece
 
 from __future__ import annotations
 
+import asyncio
 import io
+import logging
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pybase64
 
+from gateway.loops import ERROR_EVERY_S, RateLimit
 from gateway.store.records import CallRecord
 from gateway.store.route_files import RouteFiles, RouteRef
 
+log = logging.getLogger(__name__)
 #: base64 characters enough for any ``.npy`` header this module reads (v1: 128 bytes)
 _HEAD_CHARS = 344
 
@@ -115,6 +121,60 @@ def place_routes(files: RouteFiles, records: Sequence[CallRecord]
     for (rec, (start, _)), ref in zip(kept, refs, strict=True):
         rec.routes_ref = [ref.segment, ref.offset, ref.length, start]
     return refs, blobs
+
+
+@dataclass(slots=True)
+class Placed:
+    """A batch's routes placed in the segment files and being written there."""
+
+    write: asyncio.Future[None]
+    records: list[CallRecord]
+    owner: RouteWriter
+
+    async def landed(self) -> bool:
+        """Whether the write put them on disk; if not, the records lose them (their
+        tokens are written without)."""
+        try:
+            await self.write
+        except OSError as exc:
+            self.owner.refused(self.records, exc)
+            return False
+        return True
+
+
+class RouteWriter:
+    """The trace writer's routed experts on disk (:mod:`gateway.store.route_files`): a
+    batch's are placed and written while its rows are, and the rows commit only once
+    they have landed. Files that refuse them (a full or failing disk) lose them, counted
+    and logged; the records' tokens are written whatever happens."""
+
+    def __init__(self, files: RouteFiles) -> None:
+        self.files = files
+        self.unwritten = 0  # records whose routes the files could not take
+        self._log = RateLimit(ERROR_EVERY_S)
+
+    async def place(self, batch: Sequence[CallRecord]) -> Placed | None:
+        """Give the routes of ``batch`` their place (each record's ``routes_ref``) and
+        start writing them there; None when it has none (or no segment could be made)."""
+        todo = [rec for rec in batch if rec.routes]
+        if not todo:
+            return None
+        try:
+            refs, blobs = await asyncio.to_thread(place_routes, self.files, todo)
+        except OSError as exc:
+            self.refused(todo, exc)
+            return None
+        write = asyncio.ensure_future(asyncio.to_thread(self.files.write, refs, blobs))
+        return Placed(write, todo, self)
+
+    def refused(self, records: Sequence[CallRecord], exc: OSError) -> None:
+        for rec in records:
+            rec.routes, rec.routes_ref = None, None
+        self.unwritten += len(records)
+        if self._log.ready(time.monotonic()):
+            log.error("routed experts of %d calls not stored: the segment files in %s "
+                      "refused them (%s); their tokens are kept", self.unwritten,
+                      self.files.root, exc)
 
 
 def to_field(arr: np.ndarray) -> str:

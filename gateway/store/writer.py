@@ -51,7 +51,7 @@ from gateway.store.ledger import WriterLedger
 from gateway.store.quarantine import Quarantine
 from gateway.store.records import CallRecord
 from gateway.store.route_files import RouteFiles
-from gateway.store.routes import place_routes
+from gateway.store.routes import RouteWriter
 from gateway.store.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class TraceWriter(WriterLedger):
     ) -> None:
         super().__init__()
         self._sessionmaker = sessionmaker
-        self._route_files = route_files  # None: routes go into the calls' rows
+        #: routed experts to segment files (None: they go into the calls' rows)
+        self.routes = RouteWriter(route_files) if route_files is not None else None
         self._settings = settings
         self._spool = spool
         self._orphans = list(orphans)  # spools of stopped processes, replayed first
@@ -90,11 +91,14 @@ class TraceWriter(WriterLedger):
         self._routes_log = RateLimit(ERROR_EVERY_S)
         #: records whose routed experts were left out because the writer was behind
         self.routes_dropped = 0
-        #: records whose routed experts the segment files could not take (a full disk)
-        self.routes_unwritten = 0
         #: calls admitted and not yet submitted (the proxy's count): refusing new calls
         #: while memory still has room for theirs means none of them is lost
         self.calls_in_flight: Callable[[], int] = lambda: 0
+
+    @property
+    def routes_unwritten(self) -> int:
+        """Records whose routed experts the segment files could not take (a full disk)."""
+        return self.routes.unwritten if self.routes is not None else 0
 
     @property
     def queue_depth(self) -> int:
@@ -301,56 +305,18 @@ class TraceWriter(WriterLedger):
             await self._quarantine("rejected", f"{type(fault).__name__}: {fault}", [rec])
         return []
 
-    async def _place_routes(self, batch: Sequence[CallRecord]
-                            ) -> tuple[asyncio.Future[None], list[CallRecord]] | None:
-        """Give the routed experts of ``batch`` their place in the segment files (each
-        record's ``routes_ref``) and start writing them there: the write, to await before
-        the rows that point at them commit, and the records it is for (None: nothing to
-        write)."""
-        todo = [rec for rec in batch if rec.routes]
-        if self._route_files is None or not todo:
-            return None
-        files = self._route_files
-        try:
-            refs, blobs = await asyncio.to_thread(place_routes, files, todo)
-        except OSError as exc:  # no segment could be made
-            self._routes_refused(todo, exc)
-            return None
-        return asyncio.ensure_future(asyncio.to_thread(files.write, refs, blobs)), todo
-
-    async def _routes_landed(self, write: asyncio.Future[None], records: list[CallRecord]
-                             ) -> bool:
-        """Whether ``write`` put the routes of ``records`` on disk; if not, they lose them
-        (their tokens are written without)."""
-        try:
-            await write
-        except OSError as exc:
-            self._routes_refused(records, exc)
-            return False
-        return True
-
-    def _routes_refused(self, records: Sequence[CallRecord], exc: OSError) -> None:
-        for rec in records:
-            rec.routes, rec.routes_ref = None, None
-        self.routes_unwritten += len(records)
-        if self._routes_log.ready(time.monotonic()):
-            assert self._route_files is not None
-            log.error("routed experts of %d calls not stored: the segment files in %s "
-                      "refused them (%s); their tokens are kept", self.routes_unwritten,
-                      self._route_files.root, exc)
-
     async def _attempt(self, batch: Sequence[CallRecord]) -> Exception | None:
         """One insert of ``batch``; the exception it raised, if any. Its routed experts
         go to disk while its rows are written, and the rows commit only once they are
         there: a stored row never points at bytes a crash could lose."""
-        placed = await self._place_routes(batch)
+        placed = await self.routes.place(batch) if self.routes is not None else None
         try:
             async with self._sessionmaker() as session, session.begin():
                 await write_batch(session, batch)
                 if placed is not None:
-                    await asyncio.shield(placed[0])
+                    await asyncio.shield(placed.write)
         except Exception as exc:
-            if placed is not None and not await self._routes_landed(*placed):
+            if placed is not None and not await placed.landed():
                 return await self._attempt(batch)  # rolled back: again, without them
             if not record_fault(exc):
                 self.write_errors += 1
