@@ -151,15 +151,19 @@ def test_replay_changes_layout_at_weight_pushes_under_async(monkeypatch) -> None
     it ran its first layout (the probe of every degree) for good. It now relays out while
     the engines are paused for a push, every call on a retired instance going on from its
     tokens on the new ones: at the band's low end it keeps up with async pinned to the
-    best layout (TP2), and without the hook it does not."""
+    best layout (TP2: at least 0.98 of its trained tokens a second, issue 44's bar), and
+    without the hook it does not."""
     sc = LoopScenario("math-code", "replay", mode="async", gpus=16, prompts=8, steps=8,
                       train_s=60.0, tp_efficiency="low")
     loop = Loop(sc)
     run = loop.run()
     pinned = run_loop(replace(sc, policy="verl-tp2"))
     assert loop.sim.stats.reconfigurations >= 1
-    assert sorted(i.tp for i in loop.sim.instances.values()) == [2] * 8
-    assert _tokens_per_s(run) >= 0.97 * _tokens_per_s(pinned)
+    # off the probe's mix to one uniform degree, a near-best one: TP1 and TP2 are within
+    # 1% of each other here (both measured), and TP2 is the best static
+    final = {i.tp for i in loop.sim.instances.values()}
+    assert len(final) == 1 and final <= {1, 2}, final
+    assert _tokens_per_s(run) >= 0.98 * _tokens_per_s(pinned)
     # every trajectory that finished generated exactly its tokens: a moved call went on
     # from where it was, nothing generated twice or skipped
     assert loop.sim.weights is not None
