@@ -14,7 +14,6 @@ LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-s
         # the trainer's time swept, and the modes under the replay policy
         "loop/qwen3-14b-h100-64gpu-math-code-trainer-sweep.json",
         "loop/qwen3-14b-h100-64gpu-math-code-replay.json",
-        "loop/qwen3-14b-h100-64gpu-math-code-replay-mid-high.json",
         # sync with 2x and 4x the batch beside async, tool sandboxes counted (16 GPUs)
         "loop/qwen3-14b-h100-16gpu-math-code-sync-batches.json",
         # async against sync both at 32 per GPU, where the rollout is busier (16 GPUs)

@@ -4,11 +4,11 @@ is nothing like the profile the gateway starts from.
 The gateway believes qwen3-14b on H100s, where one TP2 instance decodes a small batch
 nearly twice as fast as a TP1 and so serves it sooner than two TP1s. Here the "GPUs" are
 the two CPU cores: a TP2 engine splits a tiny model over them and pays an all-reduce a
-layer, its per-step overhead undivided, so two TP1 engines serve a batch faster. The pool
+layer, its per-step overhead undivided, so two TP1 engines can serve a batch faster. The pool
 starts on the probe layout (two GPUs hold one TP1 each) or on one TP2, runs a batch, is
 relaid out by the policy when idle, and so on for a few steps. The layout it ends on must be the one
-that ran the batch faster in this very run (measured, not assumed), and TP2 must have been
-run (measured) before it was ruled out.
+that ran the batch faster in this very run (measured, not assumed) or one that served
+within 10% of it, and TP2 must have been run (measured) before it was ruled out.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.vllm.conftest import SERVED_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 STEPS = 3
+NEAR = 1.1  # a layout within this factor of the fastest measured is as good
 
 
 async def _settled_layout(http: httpx.AsyncClient, gw: str, applied: int, quiet_s: float = 10
@@ -100,10 +101,11 @@ async def test_the_pool_ends_on_the_layout_that_served_faster(
     assert set(by_layout) == {(1, 1), (2,)}, steps
     rows = {r["tp"]: r for r in speeds["by_tp"]}
     assert rows[1]["source"] == rows[2]["source"] == "measured"
-    best = min(by_layout, key=lambda k: min(by_layout[k]))
-    other = next(k for k in by_layout if k != best)
-    # the premise of the test: on these engines the layouts differ, whichever way
-    assert min(by_layout[other]) > 1.1 * min(by_layout[best]), by_layout
-    assert tuple(layout) == best, (steps, layout)
+    fastest = min(min(v) for v in by_layout.values())
+    # the layout it ends on served within NEAR of the faster one in this run: where the two
+    # differ by more, that is the faster; on two shared cores they can also tie (a CI run
+    # measured 18.4 s for two TP1s against 19.7 s for the TP2 it started on), and then
+    # either is right
+    assert min(by_layout[tuple(layout)]) <= NEAR * fastest, (steps, layout)
     if start == "tp2":  # TP1 was run to be measured, not on its borrowed estimate
         assert "measuring TP1" in relayouts[0]["reason"], relayouts
