@@ -32,7 +32,7 @@ from gateway.store.records import CallRecord
 from gateway.store.spool import Spool
 from tests.reliability.procs import Child
 from tests.scripted_upstream import Script
-from tests.servers import LoopThread, free_port
+from tests.servers import LoopThread, free_port, free_port_block
 from tests.shards.conftest import gateway as sharded_gateway
 from tests.store.relay import TcpRelay
 
@@ -70,7 +70,7 @@ def test_two_shards_through_a_database_outage_lose_nothing(loop_thread: LoopThre
     from tests.shards.conftest import MODEL, database, haproxy_or_fail, wait_http
 
     haproxy_or_fail()
-    port = free_port()
+    port = free_port_block(2)  # two engines on consecutive ports: port + 1 must be free too
     sim = Child(["sim-backend", "--port", str(port), "--count", "2", "--speed", "50"], port)
     prefix = f"so{uuid.uuid4().hex[:6]}-"
     stop = asyncio.Event()
