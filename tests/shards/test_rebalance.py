@@ -78,6 +78,11 @@ def moved(loads: list[ShardLoad], move: Move, name: str) -> list[ShardLoad]:
     return out
 
 
+def layout_of(loads: list[ShardLoad]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each shard's GPUs and the TPs of its engines: what a move changes."""
+    return tuple((s.gpus, tuple(sorted(e.tp for e in s.engines))) for s in loads)
+
+
 @given(st.lists(st.tuples(st.floats(0, 500), tps), min_size=2, max_size=4),
        st.floats(1.1, 4), st.integers(1, 20))
 def test_moves_lower_the_worse_pressure_never_move_an_engine_back_and_settle(
@@ -88,7 +93,7 @@ def test_moves_lower_the_worse_pressure_never_move_an_engine_back_and_settle(
     first could only overshoot (4 calls on one GPU, 6 on two TP2s: a TP2 moves, 1.3 and
     3.0; then the TP1 goes back, 2.0 and 2.0), so the direction alone is no property."""
     loads = [shard(i, calls, *t) for i, (calls, t) in enumerate(shards)]
-    seen = {tuple((s.gpus, tuple(sorted(e.tp for e in s.engines))) for s in loads)}
+    seen = {layout_of(loads)}
     last = None
     for k in range(64):
         move = choose(loads, ratio, min_calls)
@@ -99,9 +104,8 @@ def test_moves_lower_the_worse_pressure_never_move_an_engine_back_and_settle(
         assert move.backend != last  # never straight back
         loads, last = moved(loads, move, f"moved{k}"), f"moved{k}"
         assert max(loads[heavy.shard].pressure, loads[light.shard].pressure) < heavy.pressure
-        layout = tuple((s.gpus, tuple(sorted(e.tp for e in s.engines))) for s in loads)
-        assert layout not in seen, "a layout came back"
-        seen.add(layout)
+        assert layout_of(loads) not in seen, "a layout came back"
+        seen.add(layout_of(loads))
     raise AssertionError("the moves did not settle in 64 looks")
 
 
@@ -113,8 +117,9 @@ def test_an_overshooting_move_is_followed_by_one_that_evens_out() -> None:
     assert (after[0].pressure, after[1].pressure) == (4 / 3, 3.0)
     second = choose(after, 2.0, 1)
     assert second is not None and (second.shard, second.backend, second.to) == (0, "e0", 1)
-    assert [s.pressure for s in moved(after, second, "back")] == [2.0, 2.0]
-    assert choose(moved(after, second, "back"), 2.0, 1) is None
+    even = moved(after, second, "back")
+    assert [s.pressure for s in even] == [2.0, 2.0]
+    assert choose(even, 2.0, 1) is None
 
 
 def test_a_resize_splits_by_what_each_shard_holds() -> None:
