@@ -94,6 +94,10 @@ class SimEngine:
         self._core = asyncio.Lock()
         self._held = False  # a utility call ran since the last batch: start anew
         self.held_s = 0.0  # simulated seconds the loop spent in utility calls
+        #: every delivered token's time since the one before it, summed, and how many:
+        #: ``vllm:inter_token_latency_seconds`` (a request's first token has none)
+        self.itl_sum = 0.0
+        self.itl_count = 0
 
     async def submit(self, req: SimRequest) -> RequestHandle:
         """Queue a request after the per-request API overhead; ValueError if it can't fit."""
@@ -216,10 +220,14 @@ class SimEngine:
         t = start
         for out in batch:
             t += out.duration_s
+            per_step = out.duration_s / max(1, out.num_steps)
             for rid, n in out.emitted.items():
                 handle = self._handles.get(rid)
                 if handle is None:  # aborted meanwhile
                     continue
+                later = n if handle.first_token_at is not None else n - 1
+                self.itl_sum += per_step * later
+                self.itl_count += later
                 if handle.first_token_at is None:
                     handle.first_token_at = t
                 handle.delivered(n, version)

@@ -3,7 +3,9 @@
 Gauges and token/prefix counters are read from the engine at scrape time (a custom
 collector: nothing to update on the hot path); latency histograms are observed when a
 request finishes. Times are *simulated* seconds, i.e. what a real vLLM would report.
-TPOT is observed once per request (its mean inter-token time), not once per token.
+TPOT (vllm:request_time_per_output_token_seconds) is observed once per request; the
+inter-token latency (vLLM >= 0.11) is a sum and a count kept by the engine loop, exposed
+with the ``+Inf`` bucket only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from backends.sim.driver import RequestHandle, SimEngine
@@ -51,6 +58,12 @@ class _EngineCollector(Collector):
                             core.kv.hits)
         yield self._counter("vllm:num_preemptions", "Preemptions (recompute).",
                             core.num_preemptions)
+        itl = HistogramMetricFamily("vllm:inter_token_latency_seconds",
+                                    "Histogram of inter-token latency in seconds.",
+                                    labels=["model_name"])
+        itl.add_metric([self._model], [("+Inf", float(self._engine.itl_count))],
+                       self._engine.itl_sum)
+        yield itl
 
 
 class ServerMetrics:
@@ -70,7 +83,7 @@ class ServerMetrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               ["model_name"], buckets=_TTFT_BUCKETS,
                               registry=self.registry).labels(**labels)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
                               "Mean time per output token of a request.", ["model_name"],
                               buckets=_TPOT_BUCKETS, registry=self.registry).labels(**labels)
         self._model = model

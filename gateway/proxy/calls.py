@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from gateway.adapters import Adapter
+from gateway.dispatch.backends import Backend
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
@@ -39,6 +40,8 @@ class CallContext:
     lease: Lease | None = None
     weight_version: str = ""
     dispatched_at: float | None = None
+    # its backend's decode clock (seconds, tokens) when it was dispatched
+    decode_mark: tuple[float, float] | None = None
     first_byte: float | None = None
     retries: int = 0
     door: Translation | None = None  # a front door answering in its own wire format
@@ -84,6 +87,7 @@ class CallContext:
             self.body["model"] = self.served or self.body["model"]
             self.weight_version = lease.backend.weight_version or weight_version
         self.dispatched_at = time.monotonic()
+        self.decode_mark = lease.backend.decode_clock
         self.body["request_id"] = self.id
         if lease.priority is not None:
             self.body["priority"] = lease.priority
@@ -113,19 +117,39 @@ def _status(error: BaseException | None) -> str:
 
 def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: int) -> None:
     """Report the call's decode speed to the scheduler's :class:`SpeedMeter`: from the
-    first byte on for a stream, else the whole call less the profile's prefill estimate."""
+    first byte on for a stream; else, on an engine that reports its decode clock, the
+    engine's mean time per token between the scrapes the call spans (a call that spans
+    none: between the last two); else the whole call less the profile's prefill estimate,
+    which on an engine unlike the profile leaves its prefill and queueing in."""
     assert ctx.lease is not None
-    tp = ctx.lease.backend.tp or 1
+    backend = ctx.lease.backend
+    tp = backend.tp or 1
     prompt = len(ctx.capture.prompt_ids or ())
     meter = rt.dispatcher.scheduler.meter
     if ctx.stream and ctx.first_byte is not None and ctx.dispatched_at is not None:
-        decode_s = llm_s - (ctx.first_byte - ctx.dispatched_at)
-        tokens -= 1  # the first token came with the prefill
-    else:
-        prior = meter.prior.get(tp)
-        decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
-                            if prior is not None else 0.0)
+        meter.observe(tp, llm_s - (ctx.first_byte - ctx.dispatched_at), tokens - 1, running,
+                      prompt + tokens - 1)  # the first token came with the prefill
+        return
+    step_s = _engine_step(backend, ctx.decode_mark)
+    if step_s is not None:
+        meter.observe_engine(tp, step_s, running, prompt + tokens)
+        return
+    prior = meter.prior.get(tp)
+    decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
+                        if prior is not None else 0.0)
     meter.observe(tp, decode_s, tokens, running, prompt + tokens)
+
+
+def _engine_step(backend: Backend, mark: tuple[float, float] | None) -> float | None:
+    """The engine's mean seconds per token since ``mark`` (its decode clock when the call
+    was dispatched), or between its last two scrapes where no scrape came since; None
+    where it reports no clock or has not been seen decoding between two scrapes yet."""
+    clock = backend.decode_clock
+    if clock is not None and mark is not None:
+        seconds, counted = clock[0] - mark[0], clock[1] - mark[1]
+        if counted > 0 and seconds > 0:  # (a restarted engine's counters go back)
+            return seconds / counted
+    return backend.engine_step_s if clock is not None else None
 
 
 def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,

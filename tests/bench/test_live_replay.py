@@ -4,11 +4,12 @@ pool's layout follows them.
 Two managed sim pools start with the same mixed layout (TP1, TP1, TP2) and the same
 profile in the gateway (qwen3-14b/H100, which scales TP well). In one the engines run as
 the profile says; in the other they run TP2 far slower (``tp_penalty`` 6: per-step costs
-x7 at TP2). The pool runs 20x compressed, not faster: a non-streamed call's measured decode
-also holds the host's own time per call (HTTP, the gateway), which compression multiplies;
-at 40x on a loaded 2-core machine it hid most of a x4 penalty (TP2 measured only ~1.4x TP1,
-and replay chose a TP4 there). Each serves one batch through the real gateway and the emulated harness; once
-the pool is idle the policy relays it out for the next step. It must measure the slow
+x7 at TP2). The pool runs 20x compressed, not faster: a call timed by the gateway (one not
+streamed, before its engine has shown its decode clock over two scrapes) also holds the
+host's own time per call (HTTP, the gateway), which compression multiplies; at 40x on a
+loaded 2-core machine that hid most of a x4 penalty (TP2 measured only ~1.4x TP1, and
+replay chose a TP4 there). Each serves one batch through the real gateway and the
+emulated harness; once the pool is idle the policy relays it out for the next step. It must measure the slow
 TP2, show that on ``/status``, and choose differently: no TP above 1 where TP2 was slow.
 """
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.runner import start_sim_servers
 from backends.sim.state import SimServerConfig
+from gateway.pool.monitor import parse_vllm_metrics
 
 MODEL = "qwen3-14b"
 TOOLS = [{"type": "function", "function": {
@@ -89,10 +90,23 @@ async def test_metrics_parse_with_prometheus_parser(urls: list[str]) -> None:
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
                  "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
-                 "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds"):
+                 "vllm:time_to_first_token_seconds",
+                 "vllm:request_time_per_output_token_seconds"):
         assert name in families, name
     gen = families["vllm:generation_tokens"].samples[0]
     assert gen.labels == {"model_name": MODEL} and gen.value == 5
+    # vLLM >= 0.11's inter-token latency: 4 intervals after the first of 5 tokens, whose
+    # sum is the request's decode time (its mean inter-token time, 4 times)
+    itl = {s.name: s.value for s in families["vllm:inter_token_latency_seconds"].samples}
+    tpot = {s.name: s.value
+            for s in families["vllm:request_time_per_output_token_seconds"].samples}
+    assert itl["vllm:inter_token_latency_seconds_count"] == 4
+    assert itl["vllm:inter_token_latency_seconds_sum"] == pytest.approx(
+        4 * tpot["vllm:request_time_per_output_token_seconds_sum"])
+    assert tpot["vllm:request_time_per_output_token_seconds_sum"] > 0
+    # which is the clock the gateway's speed meter reads
+    assert parse_vllm_metrics(text).decode_clock == (
+        pytest.approx(itl["vllm:inter_token_latency_seconds_sum"]), 4)
 
 
 async def test_client_disconnect_mid_stream_aborts_upstream(urls: list[str]) -> None:
