@@ -61,6 +61,26 @@ class Backend:
     #: its engine's mean time per token between the last two scrapes that saw it decode
     engine_step_s: float | None = None
 
+    def read_decode_clock(self, clock: tuple[float, float] | None) -> None:
+        """A scrape's decode clock, kept with the engine's mean time per token since the
+        scrape before where it decoded meanwhile (for a call that spans no scrape)."""
+        before = self.decode_clock
+        if clock is not None and before is not None:
+            if clock[1] < before[1]:  # counters went back: the engine restarted
+                self.engine_step_s = None
+            elif (step := clock_step(before, clock)) is not None:
+                self.engine_step_s = step
+        self.decode_clock = clock
+
+    def decode_step_since(self, mark: tuple[float, float] | None) -> float | None:
+        """The engine's mean seconds per token since ``mark`` (its decode clock when a call
+        was dispatched), or between its last two scrapes where none came since; None where
+        it reports no clock or has not been seen decoding between two scrapes yet."""
+        if self.decode_clock is None:
+            return None
+        since = clock_step(mark, self.decode_clock)
+        return since if since is not None else self.engine_step_s
+
     @property
     def breaker_state(self) -> str:
         """``closed``; ``open`` (cooling down); ``half_open`` (one probe call may pass)."""
@@ -75,6 +95,15 @@ class Backend:
         breaker = self.breaker_state
         # half-open: a single probe, i.e. only while nothing else is in flight there
         return breaker == "closed" or (breaker == "half_open" and self.in_flight == 0)
+
+
+def clock_step(before: tuple[float, float] | None, after: tuple[float, float]) -> float | None:
+    """Mean seconds per token between two readings of an engine's decode clock; None where
+    it decoded nothing between them or restarted (its counters went back)."""
+    if before is None:
+        return None
+    seconds, tokens = after[0] - before[0], after[1] - before[1]
+    return seconds / tokens if tokens > 0 and seconds > 0 else None
 
 
 def parse_backend_spec(spec: str, index: int) -> Backend:

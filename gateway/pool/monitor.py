@@ -46,7 +46,7 @@ VLLM_SAMPLES = {
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:prompt_tokens_total": "prompt_tokens",
     # the engine's own decode clock: every token's time since the one before it (vLLM >=
-    # 0.11), or its predecessor's name (before; the simulated server's per-request mean)
+    # 0.11), or the same histogram under its name before 0.11
     "vllm:inter_token_latency_seconds_sum": "itl_sum",
     "vllm:inter_token_latency_seconds_count": "itl_count",
     "vllm:time_per_output_token_seconds_sum": "tpot_sum",
@@ -129,19 +129,6 @@ def derive(previous: EngineStats | None, sample: EngineSample, now: float) -> En
     return stats
 
 
-def read_clock(backend: Backend, clock: tuple[float, float] | None) -> None:
-    """A scrape's decode clock: kept on ``backend``, with the engine's mean time per token
-    since the scrape before, where it decoded meanwhile (the speed meter's, for a call
-    that spans no scrape)."""
-    before = backend.decode_clock
-    if clock is not None and before is not None:
-        if clock[1] < before[1]:  # counters went back: the engine restarted
-            backend.engine_step_s = None
-        elif clock[1] > before[1] and clock[0] > before[0]:
-            backend.engine_step_s = (clock[0] - before[0]) / (clock[1] - before[1])
-    backend.decode_clock = clock
-
-
 class MonitorHost(Protocol):
     """What the monitor samples; ``gateway.runtime.Runtime`` is one.
 
@@ -214,7 +201,7 @@ class Monitor:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", backend.url, exc)
             return
-        read_clock(backend, sample.decode_clock)
+        backend.read_decode_clock(sample.decode_clock)
         self.engines[backend.id] = derive(self.engines.get(backend.id), sample, time.time())
 
     def observe(self, rt: MonitorHost, now: float) -> None:

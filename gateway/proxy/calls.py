@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 
 from gateway.adapters import Adapter
-from gateway.dispatch.backends import Backend
 from gateway.dispatch.dispatcher import Lease
 from gateway.errors import GatewayError
 from gateway.policies.base import CallView
@@ -130,7 +129,7 @@ def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: 
         meter.observe(tp, llm_s - (ctx.first_byte - ctx.dispatched_at), tokens - 1, running,
                       prompt + tokens - 1)  # the first token came with the prefill
         return
-    step_s = _engine_step(backend, ctx.decode_mark)
+    step_s = backend.decode_step_since(ctx.decode_mark)
     if step_s is not None:
         meter.observe_engine(tp, step_s, running, prompt + tokens)
         return
@@ -138,18 +137,6 @@ def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: 
     decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
                         if prior is not None else 0.0)
     meter.observe(tp, decode_s, tokens, running, prompt + tokens)
-
-
-def _engine_step(backend: Backend, mark: tuple[float, float] | None) -> float | None:
-    """The engine's mean seconds per token since ``mark`` (its decode clock when the call
-    was dispatched), or between its last two scrapes where no scrape came since; None
-    where it reports no clock or has not been seen decoding between two scrapes yet."""
-    clock = backend.decode_clock
-    if clock is not None and mark is not None:
-        seconds, counted = clock[0] - mark[0], clock[1] - mark[1]
-        if counted > 0 and seconds > 0:  # (a restarted engine's counters go back)
-            return seconds / counted
-    return backend.engine_step_s if clock is not None else None
 
 
 def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.dispatch.backends import Backend
 from gateway.dispatch.speeds import SpeedMeter, speeds_for
-from gateway.pool.monitor import parse_vllm_metrics, read_clock
+from gateway.pool.monitor import parse_vllm_metrics
 from gateway.proxy.calls import _measure
 
 PRIOR = speeds_for("qwen3-14b/H100")
@@ -89,11 +89,11 @@ vllm:time_per_output_token_seconds_sum{model_name="m"} 0.2
 
 def test_each_scrape_keeps_the_engines_time_per_token_since_the_one_before() -> None:
     b = Backend("b", "http://b", tp=1)
-    read_clock(b, (10.0, 500.0))
+    b.read_decode_clock((10.0, 500.0))
     assert b.decode_clock == (10.0, 500.0) and b.engine_step_s is None  # one scrape: no span
-    read_clock(b, (12.0, 600.0))
+    b.read_decode_clock((12.0, 600.0))
     assert b.engine_step_s == pytest.approx(0.02)
-    read_clock(b, (12.0, 600.0))  # idle meanwhile: the last span it decoded in stands
+    b.read_decode_clock((12.0, 600.0))  # idle meanwhile: the last span it decoded in stands
     assert b.engine_step_s == pytest.approx(0.02)
-    read_clock(b, (0.5, 20.0))  # restarted: nothing known of the new engine yet
+    b.read_decode_clock((0.5, 20.0))  # restarted: nothing known of the new engine yet
     assert b.engine_step_s is None and b.decode_clock == (0.5, 20.0)
