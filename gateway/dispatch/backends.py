@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -24,6 +25,9 @@ from gateway.http_session import make_health_session
 from gateway.loops import Periodic
 
 log = logging.getLogger(__name__)
+#: calls a backend holds for its next scrape to time (a backend no longer scraped, being
+#: unhealthy, drops its oldest)
+MAX_CLOCK_WAITERS = 4096
 
 
 @dataclass(slots=True)
@@ -54,32 +58,41 @@ class Backend:
     returns_routes: bool | None = None
     routes_probe: bool = False  # a stream's routes request is finding that out
     #: (seconds, tokens) of decode the engine reported at its last scrape (its
-    #: inter-token latency histogram; None: it reports none): the speed meter times a
-    #: call that is not streamed on it, since the call's own time holds its prefill and
-    #: its wait behind other prefills
+    #: inter-token latency histogram; None: it reports none, or not scraped yet): the
+    #: speed meter times a call that is not streamed on it, since the call's own time
+    #: holds its prefill, its wait behind other prefills and the host's time per call
     decode_clock: tuple[float, float] | None = None
-    #: its engine's mean time per token between the last two scrapes that saw it decode
-    engine_step_s: float | None = None
+    #: calls waiting for the next scrape to be timed (:meth:`time_decode`)
+    clock_waiters: deque[tuple[tuple[float, float] | None, Callable[[float | None], None]]] = \
+        field(default_factory=lambda: deque(maxlen=MAX_CLOCK_WAITERS), repr=False)
+
+    def time_decode(self, mark: tuple[float, float] | None,
+                    report: Callable[[float | None], None]) -> None:
+        """Hand ``report`` the engine's mean seconds per token since ``mark`` (its decode
+        clock when a call was dispatched): now, where a scrape since saw it decode; else
+        at the next scrape, the span that holds the call's own decode. A call dispatched
+        before the engine's first scrape (no mark) takes the span between the next two,
+        the nearest its engine timed. None where there is nothing to time: the engine
+        keeps no clock (:attr:`decode_clock` None then), or decoded nothing in the span,
+        or restarted in it."""
+        if self.decode_clock is not None and (step := clock_step(mark, self.decode_clock)):
+            report(step)
+        else:
+            self.clock_waiters.append((mark, report))
 
     def read_decode_clock(self, clock: tuple[float, float] | None) -> None:
-        """A scrape's decode clock, kept with the engine's mean time per token since the
-        scrape before where it decoded meanwhile (for a call that spans no scrape)."""
-        before = self.decode_clock
-        if clock is not None and before is not None:
-            if clock[1] < before[1]:  # counters went back: the engine restarted
-                self.engine_step_s = None
-            elif (step := clock_step(before, clock)) is not None:
-                self.engine_step_s = step
+        """A scrape's decode clock (None: the engine reports none); the calls waiting for
+        it are timed."""
         self.decode_clock = clock
-
-    def decode_step_since(self, mark: tuple[float, float] | None) -> float | None:
-        """The engine's mean seconds per token since ``mark`` (its decode clock when a call
-        was dispatched), or between its last two scrapes where none came since; None where
-        it reports no clock or has not been seen decoding between two scrapes yet."""
-        if self.decode_clock is None:
-            return None
-        since = clock_step(mark, self.decode_clock)
-        return since if since is not None else self.engine_step_s
+        waiting = list(self.clock_waiters)
+        self.clock_waiters.clear()
+        for mark, report in waiting:
+            if clock is None:
+                report(None)
+            elif mark is None:  # from here to the next scrape
+                self.clock_waiters.append((clock, report))
+            else:
+                report(clock_step(mark, clock))
 
     @property
     def breaker_state(self) -> str:
@@ -99,7 +112,8 @@ class Backend:
 
 def clock_step(before: tuple[float, float] | None, after: tuple[float, float]) -> float | None:
     """Mean seconds per token between two readings of an engine's decode clock; None where
-    it decoded nothing between them or restarted (its counters went back)."""
+    there is no first reading, or it decoded nothing between them or restarted (its
+    counters went back)."""
     if before is None:
         return None
     seconds, tokens = after[0] - before[0], after[1] - before[1]

@@ -184,6 +184,9 @@ class Monitor:
         now = time.time()
         targets = [b for b in rt.registry
                    if b.healthy and now >= self._missing.get(b.id, 0.0)]
+        for b in rt.registry:  # no metrics (in the back-off): its calls are timed whole
+            if b.healthy and now < self._missing.get(b.id, 0.0):
+                b.read_decode_clock(None)
         await asyncio.gather(*(self._scrape(rt.session, b) for b in targets))
         live = {b.id for b in rt.registry}
         for gone in self.engines.keys() - live:
@@ -193,8 +196,9 @@ class Monitor:
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
         try:
             async with session.get(f"{backend.url}/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
+                if resp.status != 200:  # no metrics: its calls are timed whole
                     self._missing[backend.id] = time.time() + MISSING_RETRY_S
+                    backend.read_decode_clock(None)
                     return
                 text = await resp.text()
             sample = parse_vllm_metrics(text)

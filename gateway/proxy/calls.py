@@ -116,10 +116,14 @@ def _status(error: BaseException | None) -> str:
 
 def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: int) -> None:
     """Report the call's decode speed to the scheduler's :class:`SpeedMeter`: from the
-    first byte on for a stream; else, on an engine that reports its decode clock, the
-    engine's mean time per token between the scrapes the call spans (a call that spans
-    none: between the last two); else the whole call less the profile's prefill estimate,
-    which on an engine unlike the profile leaves its prefill and queueing in."""
+    first byte on for a stream; else, on an engine that keeps a decode clock, the engine's
+    mean time per token from the call's dispatch to the scrape after it (or the latest,
+    where one came between); else the whole call less the profile's prefill estimate, which
+    on an engine unlike the profile leaves its prefill and queueing in. One engine's calls
+    that are not streamed are timed one way: a call timed whole also holds the host's time
+    per call (HTTP, the gateway), which a pool run compressed multiplies (at 20x it made a
+    TP1 measure 4.7x the profile beside an engine-timed TP2 at 7x, and replay chose the
+    slow TP2), so a call waits for the scrape that says which way."""
     assert ctx.lease is not None
     backend = ctx.lease.backend
     tp = backend.tp or 1
@@ -129,14 +133,17 @@ def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: 
         meter.observe(tp, llm_s - (ctx.first_byte - ctx.dispatched_at), tokens - 1, running,
                       prompt + tokens - 1)  # the first token came with the prefill
         return
-    step_s = backend.decode_step_since(ctx.decode_mark)
-    if step_s is not None:
-        meter.observe_engine(tp, step_s, running, prompt + tokens)
-        return
-    prior = meter.prior.get(tp)
-    decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
-                        if prior is not None else 0.0)
-    meter.observe(tp, decode_s, tokens, running, prompt + tokens)
+
+    def report(step_s: float | None) -> None:
+        if step_s is not None:
+            meter.observe_engine(tp, step_s, running, prompt + tokens)
+        elif backend.decode_clock is None:  # its engine keeps no clock: the call, whole
+            prior = meter.prior.get(tp)
+            decode_s = llm_s - (prompt * prior.prefill_s_per_token / meter.time_scale
+                                if prior is not None else 0.0)
+            meter.observe(tp, decode_s, tokens, running, prompt + tokens)
+
+    backend.time_decode(ctx.decode_mark, report)
 
 
 def record_call(rt: Runtime, ctx: CallContext, *, error: BaseException | None,

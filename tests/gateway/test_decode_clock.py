@@ -34,7 +34,8 @@ def _ratios(meter: SpeedMeter) -> list[float]:
 
 
 def test_a_call_not_streamed_takes_the_engines_time_per_token_between_its_scrapes() -> None:
-    backend = Backend("b", "http://b", tp=1, decode_clock=(50.0 + 2 * STEP_S * 400, 1000.0 + 400))
+    backend = Backend("b", "http://b", tp=1,
+                      decode_clock=(50.0 + 2 * STEP_S * 400, 1000.0 + 400))
     rt, ctx, meter = _call(backend, (50.0, 1000.0))
     # 100 tokens in 30 s: mostly a wait behind other prefills, which the engine's clock
     # leaves out; it decoded 400 tokens at twice the profile's step meanwhile
@@ -42,32 +43,56 @@ def test_a_call_not_streamed_takes_the_engines_time_per_token_between_its_scrape
     assert _ratios(meter) == [pytest.approx(2.0)]
 
 
-@pytest.mark.parametrize("clock", [(50.0, 1000.0), (1.0, 10.0)], ids=["no scrape", "restarted"])
-def test_a_call_that_spans_no_scrape_takes_the_last_two_scrapes(clock: tuple[float, float]
-                                                                  ) -> None:
-    """Too short to span a scrape, or its engine restarted (its counters went back): the
-    engine's time per token between its latest two scrapes; before there are two, the
-    call's own time (a backend that served a few short calls is still measured)."""
-    latest = Backend("b", "http://b", tp=1, decode_clock=clock, engine_step_s=3 * STEP_S)
-    rt, ctx, meter = _call(latest, (50.0, 1000.0))
+def test_a_call_that_spans_no_scrape_is_timed_at_the_next() -> None:
+    """Too short to span a scrape: the engine's time per token from its dispatch to the
+    next scrape, the span that holds its own decode; the call is not timed whole (that
+    would hold the host's time per call, which the engine's clock leaves out)."""
+    backend = Backend("b", "http://b", tp=1, decode_clock=(50.0, 1000.0))
+    rt, ctx, meter = _call(backend, (50.0, 1000.0))
     _measure(rt, ctx, 30.0, 100, 4)
+    assert _ratios(meter) == []  # waits for the scrape
+    backend.read_decode_clock((50.0 + 3 * STEP_S * 200, 1000.0 + 200))
     assert _ratios(meter) == [pytest.approx(3.0)]
-    rt, ctx, meter = _call(Backend("b", "http://b", tp=1, decode_clock=clock), (50.0, 1000.0))
+    backend.read_decode_clock((60.0, 1300.0))
+    assert len(_ratios(meter)) == 1  # once
+
+
+@pytest.mark.parametrize("clock", [(50.0, 1000.0), (1.0, 10.0)], ids=["idle", "restarted"])
+def test_a_scrape_with_nothing_to_time_drops_the_call(clock: tuple[float, float]) -> None:
+    """The engine decoded nothing since the call's dispatch, or restarted (its counters
+    went back): there is no span to time the call by, and it is not timed whole."""
+    backend = Backend("b", "http://b", tp=1, decode_clock=(50.0, 1000.0))
+    rt, ctx, meter = _call(backend, (50.0, 1000.0))
     _measure(rt, ctx, 30.0, 100, 4)
-    prefill = 1000 * PRIOR[1].prefill_s_per_token
-    assert _ratios(meter) == [pytest.approx((30.0 - prefill) / 100 / STEP_S)]
+    backend.read_decode_clock(clock)
+    assert _ratios(meter) == [] and not backend.clock_waiters
 
 
 def test_without_an_engine_clock_or_for_a_stream_the_gateway_times_the_call() -> None:
-    rt, ctx, meter = _call(Backend("b", "http://b", tp=1), None)
-    _measure(rt, ctx, 30.0, 100, 4)  # the whole call less the profile's prefill estimate
-    prefill = 1000 * PRIOR[1].prefill_s_per_token
+    backend = Backend("b", "http://b", tp=1)
+    rt, ctx, meter = _call(backend, None)
+    _measure(rt, ctx, 30.0, 100, 4)  # not scraped yet: whether it keeps a clock is unknown
+    assert _ratios(meter) == []
+    backend.read_decode_clock(None)  # scraped: its metrics hold no decode clock
+    prefill = 1000 * PRIOR[1].prefill_s_per_token  # the whole call less the profile's prefill
     assert _ratios(meter) == [pytest.approx((30.0 - prefill) / 100 / STEP_S)]
     clocked = Backend("b", "http://b", tp=1, decode_clock=(60.0, 2000.0))
     rt, ctx, meter = _call(clocked, (50.0, 1000.0), stream=True)
     ctx.first_byte = 110.0  # 10 s to the first byte, then 99 tokens in 20 s
     _measure(rt, ctx, 30.0, 100, 4)
     assert _ratios(meter) == [pytest.approx(20.0 / 99 / STEP_S, rel=1e-3)]
+
+
+def test_a_call_dispatched_before_the_first_scrape_takes_the_span_after_it() -> None:
+    """Its dispatch has no reading to start from (the counters since the engine started
+    are not its span): the engine's time per token between the next two scrapes."""
+    backend = Backend("b", "http://b", tp=1)
+    rt, ctx, meter = _call(backend, None)
+    _measure(rt, ctx, 30.0, 100, 4)
+    backend.read_decode_clock((50.0, 1000.0))
+    assert _ratios(meter) == []
+    backend.read_decode_clock((50.0 + 1.5 * STEP_S * 100, 1100.0))
+    assert _ratios(meter) == [pytest.approx(1.5)]
 
 
 def test_the_clock_is_read_from_vllms_inter_token_latency_or_its_older_name() -> None:
@@ -87,13 +112,35 @@ vllm:time_per_output_token_seconds_sum{model_name="m"} 0.2
                               "vllm:num_requests_running 1.0\n").decode_clock is None
 
 
-def test_each_scrape_keeps_the_engines_time_per_token_since_the_one_before() -> None:
-    b = Backend("b", "http://b", tp=1)
-    b.read_decode_clock((10.0, 500.0))
-    assert b.decode_clock == (10.0, 500.0) and b.engine_step_s is None  # one scrape: no span
-    b.read_decode_clock((12.0, 600.0))
-    assert b.engine_step_s == pytest.approx(0.02)
-    b.read_decode_clock((12.0, 600.0))  # idle meanwhile: the last span it decoded in stands
-    assert b.engine_step_s == pytest.approx(0.02)
-    b.read_decode_clock((0.5, 20.0))  # restarted: nothing known of the new engine yet
-    assert b.engine_step_s is None and b.decode_clock == (0.5, 20.0)
+@pytest.mark.parametrize("answer", [404, 200], ids=["no metrics", "vllm metrics"])
+async def test_a_scrape_says_whether_the_engine_keeps_a_clock(answer: int) -> None:
+    """A backend without ``/metrics`` (a server that is not vLLM) is scraped as keeping no
+    clock, so its calls are timed by the gateway; a vLLM engine's clock is read."""
+    import aiohttp
+    from aiohttp import web
+
+    from bench.harness.hosting import free_port
+    from gateway.pool.monitor import Monitor
+
+    text = ("vllm:inter_token_latency_seconds_count 40.0\n"
+            "vllm:inter_token_latency_seconds_sum 1.2\n")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(status=answer, text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    backend = Backend("b", f"http://127.0.0.1:{port}", tp=1)
+    rt, ctx, meter = _call(backend, None)
+    _measure(rt, ctx, 30.0, 100, 4)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await Monitor()._scrape(session, backend)
+    finally:
+        await runner.cleanup()
+    assert backend.decode_clock == (None if answer == 404 else (pytest.approx(1.2), 40.0))
+    assert len(_ratios(meter)) == (1 if answer == 404 else 0)  # timed whole where no clock
