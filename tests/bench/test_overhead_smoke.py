@@ -17,7 +17,7 @@ import pytest
 
 from bench.harness.litellm_env import DEFAULT_VENV
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]  # slow: CI time (README)
 
 
 def _run(out: Path, rate: int, *targets: str) -> dict:

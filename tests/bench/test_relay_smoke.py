@@ -14,7 +14,7 @@ import pytest
 
 from bench.reports.relay_table import relay_markdown
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]  # slow: CI time (README)
 
 
 def _relay(tmp_path: Path, *args: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from bench.reports.perf import write_section
 pytestmark = pytest.mark.postgres
 
 
+@pytest.mark.slow  # CI time (README)
 @pytest.mark.timeout(180)
 def test_store_smoke(tmp_path: Path):
     bench_md = tmp_path / "BENCHMARKS.md"

@@ -1,4 +1,7 @@
-"""bench vllm-cpu end to end at its smallest size (real vLLM engines on CPU)."""
+"""bench vllm-cpu end to end at its smallest size (real vLLM engines on CPU).
+
+Marked ``slow`` (``pytest -m slow``), out of ``make test``: two to three minutes of engine
+starts for a benchmark command, where CI's time limit is near."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_bench_vllm_cpu_runs_two_policies(vllm_python: str, tmp_path: Path):
     out = subprocess.run(
         [sys.executable, "-m", "gateway", "bench", "vllm-cpu", "--prompts", "1",
