@@ -121,9 +121,9 @@ def _measure(rt: Runtime, ctx: CallContext, llm_s: float, tokens: int, running: 
     where one came between); else the whole call less the profile's prefill estimate, which
     on an engine unlike the profile leaves its prefill and queueing in. One engine's calls
     that are not streamed are timed one way: a call timed whole also holds the host's time
-    per call (HTTP, the gateway), which a pool run compressed multiplies (at 20x it made a
-    TP1 measure 4.7x the profile beside an engine-timed TP2 at 7x, and replay chose the
-    slow TP2), so a call waits for the scrape that says which way."""
+    per call (HTTP, the gateway), which a pool run compressed multiplies (at 20x a TP1
+    measured 4.7x the profile, and mixed with engine-timed calls replay once chose a slow
+    TP2: docs/policies.md), so a call waits for the scrape that says which way."""
     assert ctx.lease is not None
     backend = ctx.lease.backend
     tp = backend.tp or 1
