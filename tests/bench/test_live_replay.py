@@ -183,6 +183,12 @@ async def test_async_steps_relay_a_never_idle_pool_out_at_their_weight_pushes(
                 mode=StepMode("async", max_staleness=1), run_id="live-async") as steps:
             for step in range(5):
                 batches.append(await steps.next_batch(timeout_s=300))
+                for _ in range(600):  # the first push once TP1 and TP2 are measured (a
+                    # call is timed at the scrape after it; step 1 can end before that)
+                    rows = (await http.get("/status")).json()["speeds"]["by_tp"]
+                    if all(r["source"] == "measured" for r in rows if r["tp"] <= 2):
+                        break
+                    await asyncio.sleep(0.1)
                 job = await client.update_weights(
                     str(step + 1), weights_path=checkpoint(tmp_path, f"w{step + 1}"),
                     mode="abort-and-continue", timeout_s=300)
