@@ -9,11 +9,14 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from bench.simulator.steps import paired_ratio
+
 LOOP = ["loop/qwen3-14b-h100-64gpu-math-code.json", "loop/qwen3-14b-h100-64gpu-search.json",
         "loop/qwen3-14b-h100-64gpu-swe.json",
         # the trainer's time swept, and the modes under the replay policy
         "loop/qwen3-14b-h100-64gpu-math-code-trainer-sweep.json",
         "loop/qwen3-14b-h100-64gpu-math-code-replay.json",
+        "loop/qwen3-14b-h100-64gpu-math-code-replay-mid-high.json",
         # sync with 2x and 4x the batch beside async, tool sandboxes counted (16 GPUs)
         "loop/qwen3-14b-h100-16gpu-math-code-sync-batches.json",
         # async against sync both at 32 per GPU, where the rollout is busier (16 GPUs)
@@ -98,6 +101,20 @@ def _colocated_notes(workload: str, band: str,
     return out
 
 
+def _policy_vs_pinned(rows: dict[str, Any], pinned: str) -> list[str]:
+    """Each ``mode@replay`` row against the same mode pinned to ``pinned``: trained tokens
+    per hour, paired seed by seed (above 1: the policy trains more)."""
+    out = []
+    for name, row in rows.items():
+        mode, _, at = name.rpartition("@")
+        other = rows.get(f"{mode}@{pinned}")
+        if at != "replay" or other is None or "tokens_per_seed" not in row:
+            continue
+        g, lo, hi = paired_ratio(row["tokens_per_seed"], other["tokens_per_seed"])
+        out.append(f"`{mode}` {g:.3f}x ({lo:.3f}-{hi:.3f})")
+    return out
+
+
 def loop_table(root: Path) -> str:
     out = ["| workload | TP efficiency | mode @ layout | trained tokens/h (M) | x best static "
            "sync, tokens (paired 95% CI) | samples/h | x best static sync, samples | trained "
@@ -142,6 +159,10 @@ def loop_table(root: Path) -> str:
                     notes.append(f"- {workload}, {band}: colocated rows at memory "
                                  f"{' and '.join(same)} measured the same (within 0.5% in "
                                  "every figure): one row each, memory named as the range")
+                if against := _policy_vs_pinned(rows, cell["best_static"]):
+                    notes.append(f"- {workload}, {band}: `replay` / the same mode pinned to "
+                                 f"`{cell['best_static']}`, trained tokens per hour (paired "
+                                 f"95% CI): {', '.join(against)}")
                 for name, row in rows.items():
                     line = _row(workload, f"{band}, trainer {float(ratio):g}x "
                                 f"({part['train_s']:.0f} s)", name, row)
