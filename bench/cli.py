@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress, TaskID
+from rich.progress import TaskID
 
-from bench.options import Gpu, Model, TpEfficiency, band_point
+from bench.options import Gpu, Model, Progress, TpEfficiency, band_point
 from bench.reports import gpu_scan, page, record, tail_cli
 from bench.runners import grid_cli, learn, learn_two, live_cli, loop_cli, perf_cli
 

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import Progress
 
-from bench.options import Gpu, Model, TpEfficiency, band_point
+from bench.options import Gpu, Model, Progress, TpEfficiency, band_point
 
 
 def tail(

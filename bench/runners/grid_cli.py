@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 
 
 def grid(
@@ -38,7 +37,7 @@ def grid(
     = "live",
 ) -> None:
     """Every cell of the grid: each policy's paired speed-up over the best static layout."""
-    from bench.options import band_point
+    from bench.options import Progress, band_point
     from bench.runners.grid import RIVALS, STATIC, SUBJECT, cells, fmt_ratio, run_grid, verdicts
     from bench.workloads import load_workloads
     from gateway.policies.registry import ALL_NAMES, resolve_names
