@@ -160,9 +160,11 @@ def loop_table(root: Path) -> str:
                                  f"{' and '.join(same)} measured the same (within 0.5% in "
                                  "every figure): one row each, memory named as the range")
                 if against := _policy_vs_pinned(rows, cell["best_static"]):
-                    notes.append(f"- {workload}, {band}: `replay` / the same mode pinned to "
-                                 f"`{cell['best_static']}`, trained tokens per hour (paired "
-                                 f"95% CI): {', '.join(against)}")
+                    trainer = (f", trainer {float(ratio):g}x" if len(cell["ratios"]) > 1
+                               else "")
+                    notes.append(f"- {workload}, {band}{trainer}: `replay` / the same mode "
+                                 f"pinned to `{cell['best_static']}`, trained tokens per "
+                                 f"hour (paired 95% CI): {', '.join(against)}")
                 for name, row in rows.items():
                     line = _row(workload, f"{band}, trainer {float(ratio):g}x "
                                 f"({part['train_s']:.0f} s)", name, row)

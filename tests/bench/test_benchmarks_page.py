@@ -121,6 +121,19 @@ def test_the_split_and_loop_tables_follow_their_json(tmp_path: Path) -> None:
     assert "| math-code | low, 4/GPU, trainer" in loop_table(tmp_path)
 
 
+def test_replay_is_set_against_the_same_mode_pinned_seed_by_seed() -> None:
+    from bench.reports.loop_table import _policy_vs_pinned
+
+    def row(*tokens: float) -> dict[str, object]:
+        return {"tokens_per_seed": {str(s): t for s, t in enumerate(tokens, 1)}}
+
+    rows = {"async@verl-tp2": row(100, 200, 300), "async@replay": row(110, 220, 330),
+            "sync@verl-tp2": row(100, 100, 100), "sync@replay": row(90, 90, 90),
+            "tail-batching@replay": row(1, 2, 3)}  # no pinned row: left out
+    assert _policy_vs_pinned(rows, "verl-tp2") == [
+        "`async` 1.100x (1.100-1.100)", "`sync` 0.900x (0.900-0.900)"]
+
+
 def test_the_reach_table_says_what_the_tail_estimate_rules_out(tmp_path: Path) -> None:
     """A cell is "out of reach" only while 1.15x over its best static layout needs less
     than the tail estimate; the best static is the one its steps runs name, the one
