@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
-from bench.options import Gpu, Model, Progress, TpEfficiency, band_point
+from bench.options import Gpu, Model, Progress, TpEfficiency, band_point, log_console
 from bench.reports import gpu_scan, page, record, tail_cli
 from bench.runners import grid_cli, learn, learn_two, live_cli, loop_cli, perf_cli
 
@@ -49,8 +49,6 @@ def sim(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Discrete-event simulation of one rollout batch under each policy."""
-    from rich.console import Console
-
     from bench.reports.sim_table import table
     from bench.simulator.run import Bench, Scenario
     from bench.simulator.weights import check_schedule
@@ -70,9 +68,7 @@ def sim(
                   weight_update_every_s=weight_update_every,
                   weight_update_mode=weight_update_mode, weight_update_s=weight_update_s,
                   tp_efficiency=band_point(tp_efficiency, model, gpu))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=170)
+    console = log_console(170)
     try:
         bench = Bench(sc)
     except ValueError as exc:

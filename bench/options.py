@@ -35,6 +35,13 @@ def band_point(text: str, model: str, gpu: str) -> str | float:
     return where
 
 
+def log_console(width: int) -> Console:
+    """A console for a bench command's output: the terminal's own, or, in a log (no
+    terminal), one ``width`` columns wide so that report lines are not wrapped at 80."""
+    console = Console()
+    return console if console.is_terminal else Console(width=width)
+
+
 class Progress(RichProgress):
     """rich's progress bar; where the output is no terminal (a log file, ``nohup``, CI),
     where rich would print the bar only at the end, a line at every tenth of a task
@@ -42,8 +49,8 @@ class Progress(RichProgress):
     own console, in a log, is 220 columns wide: the bench reports' lines unwrapped."""
 
     def __init__(self, *columns: Any, **kwargs: Any) -> None:
-        if kwargs.get("console") is None and not Console().is_terminal:
-            kwargs["console"] = Console(width=220)
+        if kwargs.get("console") is None:
+            kwargs["console"] = log_console(220)
         super().__init__(*columns, **kwargs)
         self._tenths: dict[TaskID, int] = {}
 

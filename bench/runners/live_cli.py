@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from bench.options import log_console
 from bench.reports.plots import completion_cdf, gantt, throughput_bars
 from bench.runners.live import LivePass, LiveScenario, as_json, run_live
 from gateway.policies.registry import LIVE_NAMES, ORACLE_NAMES, STATIC_NAMES, resolve_names
@@ -112,7 +112,7 @@ def live(
     names = check_live_names(policy or ["slime", "progressive"])
     sc = LiveScenario(workload, model, gpu, gpus, speed, seed, prompts, group_size, cap_per_gpu,
                       static_pool=static_pool)
-    console = Console(width=None if Console().is_terminal else 180)
+    console = log_console(180)
     console.print(f"bench live: {prompts * group_size} '{workload}' trajectories per pass, "
                   f"policies {names}, {speed:g}x time compression, "
                   f"{'static' if static_pool else 'managed'} pool")
@@ -144,7 +144,7 @@ def vllm_cpu(
     from bench.runners.vllm_cpu import prepare, run_vllm_cpu
 
     names = check_live_names(policy or ["slime", "progressive"])
-    console = Console(width=None if Console().is_terminal else 180)
+    console = log_console(180)
     console.print(f"bench vllm-cpu: {prompts * group_size} trajectories per pass on two real "
                   f"vLLM CPU engines (tiny model), policies {names}; each pass starts fresh "
                   "engines (about a minute)")
